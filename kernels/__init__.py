@@ -1,0 +1,1 @@
+"""Fused kernels bundled with opadvisor, imported by rewritten scripts as ``opadvisor.kernels``."""

@@ -1,0 +1,3 @@
+from opadvisor.cli import main
+
+main()

@@ -1,0 +1,36 @@
+"""The `opadvisor` command line: parses arguments and renders results; the work happens elsewhere.
+
+Each command lives in its own module here and registers itself on `app`. Heavy imports (torch, libcst)
+happen inside the commands, so `opadvisor --help` and `opadvisor rules` answer at once.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from opadvisor.cli import apply as _apply
+from opadvisor.cli import profile as _profile
+from opadvisor.cli import suggest as _suggest
+from opadvisor.cli import verify as _verify
+
+app = typer.Typer(
+    name="opadvisor",
+    help=(
+        "Find where a PyTorch training script loses GPU time, rewrite it to fused kernels, and prove it.\n\n"
+        "  opadvisor profile train.py      measure a few steps\n\n"
+        "  opadvisor suggest               findings ranked by measured time\n\n"
+        "  opadvisor apply --rule RULE     rewrite the source (libcst), with a diff\n\n"
+        "  opadvisor verify                same losses? how much faster?"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+for _module in (_profile, _suggest, _apply, _verify):
+    _module.register(app)
+
+
+def main() -> None:
+    app()

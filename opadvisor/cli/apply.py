@@ -1,0 +1,9 @@
+"""`opadvisor apply` (being built; see its issue)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's commands to the app."""

@@ -1,0 +1,281 @@
+"""The profile model: what `opadvisor profile` measured, as plain dataclasses.
+
+This is the contract between `opadvisor/profile` (which writes it) and `opadvisor/rules` (which reads it).
+On disk it is `profile.json` in a run folder, versioned by `SCHEMA_VERSION`; `load_profile` reads it back
+with no pickle and no exec. Times are microseconds relative to the start of the recorded window unless
+a field says otherwise; GPU fields are None in a profile taken without CUDA.
+
+Field reference (schema 1)
+--------------------------
+Profile
+    schema            int, SCHEMA_VERSION
+    run_id            folder name of the run
+    created           ISO-8601 UTC time the run was written
+    script            absolute path of the profiled script
+    argv              the script's own argv (argv[0] is the script path as given)
+    cwd               working directory of the profiled process
+    environment       Environment
+    sources           {absolute path: sha256 hex} of every user source file that appears in `ops`
+    step_detection    "optimizer_hook" | "explicit" | "time_window"
+    warmup_steps      steps run before the window
+    steps_requested   steps the window was asked to record
+    complete          False when the script ended or failed before the window was recorded in full
+    steps             [Step]  the recorded steps, in order
+    ops               [Op]    every op kept from the window, in the order they started
+    annotations       [Annotation]  user/record_function ranges (DataLoader __next__, Optimizer.step ...)
+    syncs             [SyncEvent]   host<-device synchronisations (CUDA only)
+    memcpys           [Memcpy]      host<->device copies (CUDA only)
+    rank / world_size distributed rank of this profile (0 / 1 for a single process)
+
+Op (one aten op or autograd node; nested ops point at their parent)
+    id, name ("aten::softmax"), step (index into steps, None outside any step),
+    start_us, duration_us (CPU, inclusive), thread (OS thread id; backward runs on the autograd thread),
+    input_shapes [[int] | None per input], input_dtypes [str | None per input],
+    scalars [number | bool | str | None per input: the value of non-tensor inputs such as a fill value or dim],
+    file, line (1-based, the innermost frame in user code: outside torch and opadvisor), line_exact (False
+    when the op was not reached through a Python call on that line, e.g. `a @ b`, and `line` is the last
+    known line of that frame), function, module (module path such as "encoder.layers.0.attn"),
+    module_class, parent (id of the enclosing kept op, None at top level), depth (0 = called from Python
+    or the autograd engine), seq (autograd sequence number, -1 when none), is_backward, forward_op (for
+    backward ops: the id of the forward op with the same sequence number; file/line are copied from it),
+    kernels [Kernel] launched by this op itself, gpu_time_us (kernels of this op and its descendants;
+    None without CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+class ProfileFormatError(ValueError):
+    """profile.json is missing, corrupt, truncated, or of an unknown schema version."""
+
+
+@dataclass
+class Environment:
+    python: str = ""
+    platform: str = ""
+    torch: str = ""
+    cuda: str | None = None
+    device: str = "cpu"  # "cpu" or "cuda"
+    gpu_name: str | None = None
+    sm_count: int | None = None
+    capability: list[int] | None = None  # [major, minor]
+    gpu_memory_bytes: int | None = None
+    cpu_count: int | None = None
+
+
+@dataclass
+class Kernel:
+    name: str
+    start_us: float
+    duration_us: float
+    stream: int | None = None
+    device: int | None = None
+    grid: list[int] | None = None
+    block: list[int] | None = None
+
+
+@dataclass
+class Op:
+    id: int
+    name: str
+    step: int | None
+    start_us: float
+    duration_us: float
+    thread: int = 0
+    input_shapes: list[list[int] | None] = field(default_factory=list)
+    input_dtypes: list[str | None] = field(default_factory=list)
+    scalars: list[Any] = field(default_factory=list)
+    file: str | None = None
+    line: int | None = None
+    line_exact: bool = True
+    function: str | None = None
+    module: str | None = None
+    module_class: str | None = None
+    parent: int | None = None
+    depth: int = 0
+    seq: int = -1
+    is_backward: bool = False
+    forward_op: int | None = None
+    kernels: list[Kernel] = field(default_factory=list)
+    gpu_time_us: float | None = None
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.duration_us
+
+
+@dataclass
+class Gap:
+    """A stretch inside a step where no kernel ran on the GPU."""
+
+    start_us: float
+    duration_us: float
+
+
+@dataclass
+class Step:
+    index: int
+    start_us: float
+    end_us: float
+    wall_ms: float
+    gpu_busy_ms: float | None = None  # union of kernel intervals attributed to this step
+    kernel_count: int | None = None
+    idle_gaps: list[Gap] = field(default_factory=list)  # gaps of at least IDLE_GAP_MIN_US
+
+
+@dataclass
+class Annotation:
+    """A named CPU range: record_function / user annotations such as `enumerate(DataLoader)#...__next__`."""
+
+    name: str
+    start_us: float
+    duration_us: float
+    step: int | None = None
+    thread: int = 0
+    file: str | None = None
+    line: int | None = None
+
+
+@dataclass
+class SyncEvent:
+    """A host-side wait for the device (cudaStreamSynchronize, cudaDeviceSynchronize, ...)."""
+
+    name: str
+    start_us: float
+    duration_us: float
+    step: int | None = None
+    op: int | None = None  # id of the op that caused it (e.g. aten::_local_scalar_dense for .item())
+
+
+@dataclass
+class Memcpy:
+    name: str  # e.g. "Memcpy HtoD (Pageable -> Device)"
+    start_us: float
+    duration_us: float
+    bytes: int | None = None
+    step: int | None = None
+    op: int | None = None
+
+
+@dataclass
+class Profile:
+    schema: int = SCHEMA_VERSION
+    run_id: str = ""
+    created: str = ""
+    script: str = ""
+    argv: list[str] = field(default_factory=list)
+    cwd: str = ""
+    environment: Environment = field(default_factory=Environment)
+    sources: dict[str, str] = field(default_factory=dict)
+    step_detection: str = "optimizer_hook"
+    warmup_steps: int = 0
+    steps_requested: int = 0
+    complete: bool = True
+    steps: list[Step] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+    annotations: list[Annotation] = field(default_factory=list)
+    syncs: list[SyncEvent] = field(default_factory=list)
+    memcpys: list[Memcpy] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+
+    # ---- queries the rules share -------------------------------------------------------------
+    @property
+    def has_gpu(self) -> bool:
+        return self.environment.device == "cuda"
+
+    @property
+    def step_count(self) -> int:
+        return max(len(self.steps), 1)
+
+    def median_step_ms(self) -> float | None:
+        walls = sorted(s.wall_ms for s in self.steps)
+        if not walls:
+            return None
+        mid = len(walls) // 2
+        return walls[mid] if len(walls) % 2 else (walls[mid - 1] + walls[mid]) / 2
+
+    def op(self, op_id: int) -> Op:
+        return self.ops[op_id]
+
+    def children(self, op_id: int) -> list[Op]:
+        return [o for o in self.ops if o.parent == op_id]
+
+    def top_level_ops(self, *, backward: bool = False) -> list[Op]:
+        """Ops called directly from Python (or, with backward=True, from the autograd engine)."""
+        return [o for o in self.ops if o.parent is None and o.is_backward == backward]
+
+
+# ---- JSON round trip -------------------------------------------------------------------------
+
+
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    return dataclasses.asdict(profile)
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    """Write profile.json atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as fh:
+        json.dump(profile_to_dict(profile), fh, separators=(",", ":"))
+    tmp.replace(path)
+
+
+def _build(cls: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileFormatError(f"expected an object for {cls.__name__}, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def profile_from_dict(data: Any) -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileFormatError("profile.json does not hold a JSON object")
+    schema = data.get("schema")
+    if schema != SCHEMA_VERSION:
+        raise ProfileFormatError(
+            f"profile.json has schema version {schema!r}; this opadvisor reads version {SCHEMA_VERSION}"
+        )
+    try:
+        prof: Profile = _build(Profile, data)
+        prof.environment = _build(Environment, data.get("environment", {}))
+        prof.steps = [_build(Step, s) for s in data.get("steps", [])]
+        for s in prof.steps:
+            s.idle_gaps = [_build(Gap, g) for g in s.idle_gaps]
+        prof.ops = [_build(Op, o) for o in data.get("ops", [])]
+        for o in prof.ops:
+            o.kernels = [_build(Kernel, k) for k in o.kernels]
+        prof.annotations = [_build(Annotation, a) for a in data.get("annotations", [])]
+        prof.syncs = [_build(SyncEvent, s) for s in data.get("syncs", [])]
+        prof.memcpys = [_build(Memcpy, m) for m in data.get("memcpys", [])]
+    except TypeError as exc:  # a required field missing
+        raise ProfileFormatError(f"profile.json is malformed: {exc}") from None
+    for i, o in enumerate(prof.ops):
+        if o.id != i:
+            raise ProfileFormatError(f"profile.json is malformed: op {i} has id {o.id}")
+    return prof
+
+
+def load_profile(path: Path) -> Profile:
+    """Read profile.json; raise ProfileFormatError with a one-line reason when it cannot be used."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProfileFormatError(f"{path} does not exist") from None
+    except OSError as exc:
+        raise ProfileFormatError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProfileFormatError(
+            f"{path} is corrupt or truncated (invalid JSON at line {exc.lineno}, column {exc.colno})"
+        ) from None
+    return profile_from_dict(data)

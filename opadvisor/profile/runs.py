@@ -1,0 +1,78 @@
+"""Run folders: `.opadvisor/runs/<id>/` with profile.json and trace.json.gz; `.opadvisor/latest` names the newest.
+
+Layout of a run folder (other commands add to it, never rewrite what `profile` wrote):
+    profile.json         the Profile (see model.py); for a multi-rank run, profile.rank<N>.json per rank
+    trace.json.gz        chrome trace (Perfetto / TensorBoard); trace.rank<N>.json.gz per rank
+    applied.json         written by `opadvisor apply`: the rewrites made and where their backups are
+    backup/              byte-exact copies of files before `apply` changed them (paths mirror the project)
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from pathlib import Path
+
+from opadvisor.errors import UserError
+from opadvisor.profile.model import Profile, ProfileFormatError, load_profile
+
+STATE_DIR = ".opadvisor"
+PROFILE_FILE = "profile.json"
+TRACE_FILE = "trace.json.gz"
+
+
+def state_dir(base: Path | None = None) -> Path:
+    return (base or Path.cwd()) / STATE_DIR
+
+
+def new_run_id() -> str:
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S-") + f"{now.microsecond // 1000:03d}-{os.getpid()}"
+
+
+def mark_latest(run_dir: Path) -> None:
+    """Point `.opadvisor/latest` at run_dir (a small text file, atomic replace)."""
+    latest = run_dir.parent.parent / "latest"
+    tmp = latest.with_name("latest.tmp")
+    tmp.write_text(run_dir.name + "\n", encoding="utf-8")
+    tmp.replace(latest)
+
+
+def resolve_run(run: str | None, base: Path | None = None) -> Path:
+    """The run folder a command should read: RUN as given (a folder or a run id), else the latest."""
+    root = state_dir(base)
+    if run:
+        candidate = Path(run)
+        if not candidate.is_dir():
+            candidate = root / "runs" / run
+        if not candidate.is_dir():
+            raise UserError(f"no run folder {run!r} (looked for it as a path and under {root / 'runs'})")
+        return candidate
+    latest = root / "latest"
+    if not latest.is_file():
+        raise UserError("no run yet: run `opadvisor profile SCRIPT.py` first")
+    name = latest.read_text(encoding="utf-8").strip()
+    run_dir = root / "runs" / name
+    if not run_dir.is_dir():
+        raise UserError(f".opadvisor/latest names {name!r}, which no longer exists; profile again")
+    return run_dir
+
+
+def profile_paths(run_dir: Path) -> list[Path]:
+    """profile.json, or for a multi-rank run every profile.rank<N>.json in rank order."""
+    single = run_dir / PROFILE_FILE
+    if single.is_file():
+        return [single]
+    ranked = sorted(run_dir.glob("profile.rank*.json"), key=lambda p: int(p.stem.split("rank")[-1]))
+    if ranked:
+        return ranked
+    raise UserError(f"{run_dir} has no profile.json (the profile did not finish?); profile again")
+
+
+def load_run(run: str | None, base: Path | None = None) -> tuple[Path, list[Profile]]:
+    """Resolve and load a run: (run folder, profiles in rank order). Errors are UserError, one line."""
+    run_dir = resolve_run(run, base)
+    try:
+        return run_dir, [load_profile(p) for p in profile_paths(run_dir)]
+    except ProfileFormatError as exc:
+        raise UserError(str(exc)) from None

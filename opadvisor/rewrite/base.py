@@ -1,0 +1,66 @@
+"""The base every rule codemod builds on (libcst codemod commands).
+
+A codemod rewrites the sites of one rule. In profile mode the engine passes `targets` (the line ranges
+and details of the findings), and the codemod changes only matches that overlap a target; in static mode
+(`opadvisor apply --rule R FILE...`) `targets` is None and every match is rewritten. A match that cannot
+be rewritten safely is left alone and reported with `self.skip(node, reason)`; a rewrite is recorded with
+`self.record_change(node, description)`. Imports go through `AddImportsVisitor.add_needed_import`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import libcst as cst
+from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+from libcst.metadata import PositionProvider
+
+
+@dataclass(frozen=True)
+class Target:
+    """A place the profile says the rule applies: 1-based inclusive lines, and the finding's details."""
+
+    line: int
+    end_line: int
+    details: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Note:
+    line: int
+    message: str
+
+
+class RuleCodemod(VisitorBasedCodemodCommand):
+    RULE: ClassVar[str] = ""
+    SAFETY: ClassVar[str] = "safe"  # "safe" or "unsafe": the safety of the rewrite this codemod makes
+    METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
+
+    def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:
+        super().__init__(context)
+        self.targets = list(targets) if targets is not None else None
+        self.changes: list[Note] = []
+        self.skipped: list[Note] = []
+
+    # ---- helpers for subclasses ------------------------------------------------------------------
+    def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:
+        pos = self.get_metadata(PositionProvider, node)
+        return pos.start.line, pos.end.line
+
+    def targeted(self, node: cst.CSTNode) -> Target | None:
+        """The target this node overlaps, a catch-all Target in static mode, None if not targeted."""
+        start, end = self.lines_of(node)
+        if self.targets is None:
+            return Target(start, end)
+        for t in self.targets:
+            if start <= t.end_line and t.line <= end:
+                return t
+        return None
+
+    def skip(self, node: cst.CSTNode, reason: str) -> None:
+        self.skipped.append(Note(self.lines_of(node)[0], reason))
+
+    def record_change(self, node: cst.CSTNode, description: str) -> None:
+        self.changes.append(Note(self.lines_of(node)[0], description))

@@ -1,0 +1,30 @@
+"""Which codemod fixes which rule: rule id -> "module:Class" (imported only when needed)."""
+
+from __future__ import annotations
+
+import importlib
+
+from opadvisor.errors import UserError
+from opadvisor.rewrite.base import RuleCodemod
+
+CODEMODS: dict[str, str] = {
+    "fused_softmax": "opadvisor.rewrite.fused_softmax:FusedSoftmaxCodemod",
+    "sdpa_attention": "opadvisor.rewrite.sdpa_attention:SdpaAttentionCodemod",
+    "fused_dropout_add": "opadvisor.rewrite.fused_dropout_add:FusedDropoutAddCodemod",
+    "gemm_align": "opadvisor.rewrite.gemm_align:GemmAlignCodemod",
+    "fused_optimizer": "opadvisor.rewrite.fused_optimizer:FusedOptimizerCodemod",
+    "dataloader_stall": "opadvisor.rewrite.dataloader_stall:DataLoaderCodemod",
+    "manual_layernorm": "opadvisor.rewrite.manual_layernorm:ManualLayerNormCodemod",
+    "fp32_gemm": "opadvisor.rewrite.fp32_gemm:Fp32GemmCodemod",
+}
+
+
+def has_codemod(rule_id: str) -> bool:
+    return rule_id in CODEMODS
+
+
+def get_codemod(rule_id: str) -> type[RuleCodemod]:
+    if rule_id not in CODEMODS:
+        raise UserError(f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do")
+    module_name, _, cls_name = CODEMODS[rule_id].partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)

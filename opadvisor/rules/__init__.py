@@ -1,0 +1,1 @@
+"""Rules: one module per pattern, `detect(profile) -> list[Finding]`; see registry.py."""

@@ -1,0 +1,44 @@
+"""Findings: what a rule reports. Plain data, rendered by the CLI and consumed by `opadvisor/rewrite`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FixSafety = Literal["safe", "unsafe", "none"]
+
+
+@dataclass
+class Evidence:
+    ops: list[str] = field(default_factory=list)  # op names in the order they ran, e.g. ["aten::masked_fill", ...]
+    kernel_count: int | None = None  # GPU kernels per step for the pattern (None on a CPU profile)
+    shapes: list[list[int]] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    time_ms_per_step: float | None = None  # measured GPU time (CPU time on a CPU profile: see `time_basis`)
+    share_of_step: float | None = None  # 0..1 of the median step
+    time_basis: Literal["gpu", "cpu", "none"] = "none"
+    occurrences: int = 1  # how many times per step the pattern ran at this site
+    notes: list[str] = field(default_factory=list)  # extra evidence in words
+
+
+@dataclass
+class Finding:
+    rule: str
+    path: str  # absolute path of the user's source file
+    line: int  # 1-based first line of the pattern
+    end_line: int  # 1-based last line of the pattern
+    message: str  # one line a user understands: "3 kernels where one would do, 1.9 ms/step (15%)"
+    fix: FixSafety
+    function: str | None = None
+    module: str | None = None  # module path, e.g. "encoder.layers.0.attn"
+    evidence: Evidence = field(default_factory=Evidence)
+    time_ms_per_step: float | None = None
+    est_saving_ms_per_step: float | None = None
+    advice: str = ""  # what to do, in words
+    details: dict[str, Any] = field(default_factory=dict)  # rule-specific facts the codemod may use
+    source_status: Literal["ok", "changed", "missing"] = "ok"  # the file now vs. at profile time
+    ranks: list[int] | None = None  # multi-rank runs: the ranks where it was found
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

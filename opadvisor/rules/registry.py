@@ -1,0 +1,40 @@
+"""The rule registry: every rule module, in the order `opadvisor rules` lists them.
+
+A rule module has: a docstring in four parts (What it finds / Why it is slow / Example / Fix and its
+safety), `ID` (str), `TITLE` (str, a few words), `FIX` ("safe" | "unsafe" | "none": the safety of its
+usual fix), and `detect(profile: Profile) -> list[Finding]`. Adding a rule adds one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from opadvisor.errors import UserError
+
+RULE_MODULES: tuple[str, ...] = (
+    "fused_softmax",
+    "sdpa_attention",
+    "fused_dropout_add",
+    "gemm_align",
+    "sparse_launch",
+    "host_sync",
+    "dataloader_stall",
+    "fp32_gemm",
+    "manual_layernorm",
+    "fused_optimizer",
+)
+
+
+def rule_ids() -> list[str]:
+    return list(RULE_MODULES)
+
+
+def get_rule(rule_id: str) -> ModuleType:
+    if rule_id not in RULE_MODULES:
+        raise UserError(f"unknown rule {rule_id!r}; known rules: {', '.join(RULE_MODULES)}")
+    return importlib.import_module(f"opadvisor.rules.{rule_id}")
+
+
+def all_rules() -> list[ModuleType]:
+    return [get_rule(r) for r in RULE_MODULES]

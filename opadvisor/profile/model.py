@@ -25,6 +25,8 @@ Profile
     annotations       [Annotation]  user/record_function ranges (DataLoader __next__, Optimizer.step ...)
     syncs             [SyncEvent]   host<-device synchronisations (CUDA only)
     memcpys           [Memcpy]      host<->device copies (CUDA only)
+    constructions     [Construction]  where the script built its optimizers, DataLoaders and the
+                      nn.Linear / nn.Embedding modules (file:line of the constructor call, settings)
     rank / world_size distributed rank of this profile (0 / 1 for a single process)
 
 Op (one aten op or autograd node; nested ops point at their parent)
@@ -166,6 +168,28 @@ class Memcpy:
 
 
 @dataclass
+class Construction:
+    """Where the script built an object the rules care about, recorded while the script ran.
+
+    kind "optimizer": cls like "torch.optim.AdamW"; attrs: fused, foreach (None when not given),
+        lr, param_count, param_devices (sorted device types), param_dtypes (sorted dtype names).
+    kind "dataloader": cls "torch.utils.data.DataLoader"; attrs: batch_size, num_workers, pin_memory,
+        persistent_workers, dataset (class name), dataset_len (None when unsized).
+    kind "module": cls "torch.nn.Linear" / "torch.nn.Embedding"; `module` is its path in the model
+        (None when never called inside the window); attrs: in_features, out_features, bias (Linear) or
+        num_embeddings, embedding_dim, padding_idx (Embedding).
+    """
+
+    kind: str
+    cls: str
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    module: str | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Profile:
     schema: int = SCHEMA_VERSION
     run_id: str = ""
@@ -184,6 +208,7 @@ class Profile:
     annotations: list[Annotation] = field(default_factory=list)
     syncs: list[SyncEvent] = field(default_factory=list)
     memcpys: list[Memcpy] = field(default_factory=list)
+    constructions: list[Construction] = field(default_factory=list)
     rank: int = 0
     world_size: int = 1
 
@@ -256,6 +281,7 @@ def profile_from_dict(data: Any) -> Profile:
         prof.annotations = [_build(Annotation, a) for a in data.get("annotations", [])]
         prof.syncs = [_build(SyncEvent, s) for s in data.get("syncs", [])]
         prof.memcpys = [_build(Memcpy, m) for m in data.get("memcpys", [])]
+        prof.constructions = [_build(Construction, c) for c in data.get("constructions", [])]
     except TypeError as exc:  # a required field missing
         raise ProfileFormatError(f"profile.json is malformed: {exc}") from None
     for i, o in enumerate(prof.ops):

@@ -1,0 +1,204 @@
+"""One pass over a Profile that every rule shares: ops indexed by step, thread, user function and cost.
+
+Rules never scan `profile.ops` repeatedly (a profile holds tens of thousands of ops); they ask the index,
+built once per profile in O(number of ops) and cached on the profile object:
+
+    from opadvisor.rules._index import index_of
+    ix = index_of(profile)
+    for frame in ix.frames:              # the ops one user function ran, in order (see Frame)
+        ...
+    ix.cost_us(op)                       # this op's own time, GPU when the profile has it, else CPU
+    ix.site_cost_us([op, ...])           # forward ops + the backward ops autograd ran for them
+    ix.kernel_count(op)                  # kernels launched by op and everything under it (0 on a CPU profile)
+    ix.step_ms                           # median step wall time (None when the profile recorded no step)
+
+Vocabulary used across the helpers:
+
+- *root op*: an op with `parent is None`, i.e. called directly from Python (forward) or by the autograd
+  engine (backward). Only root ops are matched and costed, so nested ops (aten::linear -> aten::addmm)
+  are never counted twice; their kernels and time are inside the root's inclusive numbers.
+- *frame*: the forward root ops, in the order they ran, that one user function (`op.file`, `op.function`)
+  ran in one step on one thread, cut where the module path changes to a non-nested one (layer 0's
+  `forward` and layer 1's `forward` are separate frames even when no other op runs between them).
+- *time basis*: "gpu" when the profile has CUDA kernels (times are kernel times), "cpu" otherwise (times are
+  the ops' inclusive CPU durations). Never mix: `ix.basis` says which one every cost is in.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from opadvisor.profile.model import Op, Profile
+
+__all__ = ["Frame", "ProfileIndex", "index_of", "module_related"]
+
+
+@dataclass
+class Frame:
+    """The forward root ops that one call (or run of calls) of a user function made, in the order they ran.
+
+    `ops` holds only forward root ops with a known user file; `positions[op.id]` is the op's index in `ops`.
+    `module` is the shortest module path seen in the frame (the module whose code this is, when known).
+    """
+
+    step: int | None
+    thread: int
+    file: str
+    function: str | None
+    module: str | None
+    ops: list[Op] = field(default_factory=list)
+    positions: dict[int, int] = field(default_factory=dict)
+
+    def append(self, op: Op) -> None:
+        self.positions[op.id] = len(self.ops)
+        self.ops.append(op)
+
+
+def module_related(a: str | None, b: str | None) -> bool:
+    """True when module paths a and b are the same module or one holds the other (dotted prefix)."""
+    if a is None or b is None or a == b:
+        return True
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return short == "" or long.startswith(short + ".")
+
+
+class ProfileIndex:
+    """Indexes of one profile, built once (use `index_of(profile)`). Read-only after construction."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.gpu: bool = profile.has_gpu
+        self.basis: str = "gpu" if self.gpu else "cpu"
+        ops = profile.ops
+        n = len(ops)
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        self.root_id: list[int] = list(range(n))
+        # ops are in start order, so a parent always comes before its children
+        for op in ops:
+            if op.parent is not None and 0 <= op.parent < n:
+                self.children[op.parent].append(op.id)
+                self.root_id[op.id] = self.root_id[op.parent]
+        self._kernels: list[int] = [len(op.kernels) for op in ops]
+        for op in reversed(ops):  # children after parents: accumulate bottom-up
+            if op.parent is not None and 0 <= op.parent < n:
+                self._kernels[op.parent] += self._kernels[op.id]
+
+        self.steps_recorded: int = profile.step_count
+        self.step_ms: float | None = profile.median_step_ms()
+        in_window = (lambda o: o.step is not None) if profile.steps else (lambda o: True)
+        self._in_window = in_window
+
+        # backward root ops per forward root op (autograd links backward ops to their forward op)
+        self.backward_of: dict[int, list[int]] = defaultdict(list)
+        pending_fwd: dict[int, int | None] = {}
+        for op in ops:
+            if not op.is_backward or not in_window(op):
+                continue
+            rid = self.root_id[op.id]
+            if op.forward_op is not None and pending_fwd.get(rid) is None and 0 <= op.forward_op < n:
+                pending_fwd[rid] = self.root_id[op.forward_op]
+            else:
+                pending_fwd.setdefault(rid, None)
+        for bwd_root, fwd_root in pending_fwd.items():
+            if fwd_root is not None:
+                self.backward_of[fwd_root].append(bwd_root)
+
+        # frames: forward root ops by (step, thread, file, function), cut at unrelated module paths
+        self.frames: list[Frame] = []
+        self.frame_of: dict[int, Frame] = {}
+        open_frames: dict[tuple, Frame] = {}
+        self.forward_root_ops: list[Op] = []
+        for op in ops:
+            if op.parent is not None or op.is_backward or not in_window(op):
+                continue
+            self.forward_root_ops.append(op)
+            if op.file is None:
+                continue
+            key = (op.step, op.thread, op.file, op.function)
+            frame = open_frames.get(key)
+            if frame is None or not module_related(frame.module, op.module):
+                frame = Frame(op.step, op.thread, op.file, op.function, op.module)
+                open_frames[key] = frame
+                self.frames.append(frame)
+            elif op.module is not None and (frame.module is None or len(op.module) < len(frame.module)):
+                frame.module = op.module
+            frame.append(op)
+            self.frame_of[op.id] = frame
+
+    # ---- costs ---------------------------------------------------------------------------------
+    def cost_us(self, op: Op) -> float:
+        """Inclusive time of one op in the index's basis: GPU kernel time (0 when it launched none) or CPU."""
+        if self.gpu:
+            return op.gpu_time_us or 0.0
+        return op.duration_us
+
+    def kernel_count(self, op: Op) -> int:
+        """Kernels launched by op and its descendants (always 0 on a CPU profile)."""
+        return self._kernels[op.id]
+
+    def backward_ops(self, op: Op) -> list[Op]:
+        """The backward root ops autograd ran for forward root op `op` (empty when none were linked)."""
+        return [self.profile.ops[i] for i in self.backward_of.get(op.id, ())]
+
+    def site_cost_us(self, ops: Iterable[Op], *, backward: bool = True) -> float:
+        """Summed cost of forward root ops and (by default) the backward ops linked to them."""
+        total = 0.0
+        for op in ops:
+            total += self.cost_us(op)
+            if backward:
+                total += sum(self.cost_us(b) for b in self.backward_ops(op))
+        return total
+
+    def site_kernels(self, ops: Iterable[Op], *, backward: bool = True) -> int:
+        """Kernels launched by forward root ops and (by default) their backward ops."""
+        total = 0
+        for op in ops:
+            total += self.kernel_count(op)
+            if backward:
+                total += sum(self.kernel_count(b) for b in self.backward_ops(op))
+        return total
+
+    def per_step_ms(self, total_us: float) -> float:
+        """A total over the recorded window, in ms per step."""
+        return total_us / 1000.0 / self.steps_recorded
+
+    def share_of_step(self, ms_per_step: float | None) -> float | None:
+        """ms per step as a fraction of the median step (None when unknown)."""
+        if ms_per_step is None or not self.step_ms:
+            return None
+        return ms_per_step / self.step_ms
+
+    # ---- navigation ----------------------------------------------------------------------------
+    def descendants(self, op: Op) -> list[Op]:
+        """Every op nested under `op`, depth first, in start order."""
+        out: list[Op] = []
+        stack = list(reversed(self.children[op.id]))
+        while stack:
+            cur = self.profile.ops[stack.pop()]
+            out.append(cur)
+            stack.extend(reversed(self.children[cur.id]))
+        return out
+
+    def root(self, op: Op) -> Op:
+        return self.profile.ops[self.root_id[op.id]]
+
+    def in_window(self, op: Op) -> bool:
+        """True for ops inside a recorded step (every op when the profile has no steps)."""
+        return self._in_window(op)
+
+    def forward_roots(self, names: Sequence[str] | None = None) -> list[Op]:
+        """Forward root ops in the window, optionally only those with one of `names`, in start order."""
+        wanted = set(names) if names else None
+        return [op for op in self.forward_root_ops if wanted is None or op.name in wanted]
+
+
+def index_of(profile: Profile) -> ProfileIndex:
+    """The (cached) index of `profile`. Build it once; every rule calls this."""
+    ix = profile.__dict__.get("_opadvisor_index")
+    if ix is None or ix.profile is not profile or len(profile.ops) != ix._ops_len:
+        ix = ProfileIndex(profile)
+        ix._ops_len = len(profile.ops)
+        profile.__dict__["_opadvisor_index"] = ix
+    return ix

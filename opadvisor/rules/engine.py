@@ -1,0 +1,144 @@
+"""The rule engine: run the selected rules on every rank's profile, merge, check sources, rank.
+
+    from opadvisor.rules.engine import analyse, run_rules
+
+    findings = run_rules(profiles, select=["fused_softmax"], ignore=None)   # list[Finding], ranked
+    report = analyse(profiles)          # Report: findings + notes (rules that do not apply) + breakdown
+
+A rule that cannot judge a profile (sparse_launch on a CPU profile) raises `NotApplicable("why")` from
+its `detect`; the engine turns that into a `Note`, never into a finding. A rule that fails unexpectedly
+becomes a note too (its id and the error in one line), so one bad rule never hides the others' findings.
+
+Multi-rank runs: every rule runs on every rank; findings at the same rule and lines merge into one, with
+`ranks` listing where they were found and the largest per-step time of any rank (the slowest rank sets
+the step). `source_status` is set per finding by hashing the file now against `profile.sources`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from opadvisor.errors import UserError
+from opadvisor.profile.model import Profile
+from opadvisor.rules import registry
+from opadvisor.rules._source import source_status
+from opadvisor.rules.finding import Finding
+
+__all__ = ["NotApplicable", "Note", "Report", "analyse", "run_rules", "select_rules", "sort_findings"]
+
+SortKey = Literal["time", "saving"]
+
+
+class NotApplicable(Exception):
+    """Raised by a rule's `detect` when the profile cannot answer it (e.g. needs a GPU profile)."""
+
+
+@dataclass
+class Note:
+    """A rule that did not apply to the profile, or failed: said to the user apart from findings."""
+
+    rule: str
+    message: str
+    ranks: list[int] | None = None
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[Note] = field(default_factory=list)
+    rules_run: list[str] = field(default_factory=list)
+
+
+def select_rules(select: Sequence[str] | None = None, ignore: Sequence[str] | None = None) -> list[str]:
+    """Rule ids to run, in registry order; an unknown id is a UserError naming the known ones."""
+    known = registry.rule_ids()
+    for rid in [*(select or ()), *(ignore or ())]:
+        if rid not in known:
+            raise UserError(f"unknown rule {rid!r}; known rules: {', '.join(known)}")
+    chosen = [r for r in known if not select or r in select]
+    return [r for r in chosen if r not in set(ignore or ())]
+
+
+def _sort_value(f: Finding, by: SortKey) -> float:
+    v = f.est_saving_ms_per_step if by == "saving" else f.time_ms_per_step
+    if v is None and by == "saving":
+        v = f.time_ms_per_step  # no estimate: fall back to the measured time, below any estimate tie
+        return -1.0 if v is None else v * 1e-6
+    return -1.0 if v is None else v
+
+
+def sort_findings(findings: list[Finding], by: SortKey = "time") -> list[Finding]:
+    """Largest first by time per step (or estimated saving); ties by file and line for a stable order."""
+    return sorted(findings, key=lambda f: (-_sort_value(f, by), f.path, f.line, f.rule))
+
+
+def _merge(per_rank: list[tuple[int, list[Finding]]], multi: bool) -> list[Finding]:
+    merged: dict[tuple, Finding] = {}
+    for rank, found in per_rank:
+        for f in found:
+            key = (f.rule, f.path, f.line, f.end_line)
+            have = merged.get(key)
+            if have is None:
+                if multi:
+                    f.ranks = [rank]
+                merged[key] = f
+                continue
+            if (f.time_ms_per_step or 0.0) > (have.time_ms_per_step or 0.0):
+                f.ranks = have.ranks
+                merged[key] = have = f
+            if have.ranks is not None and rank not in have.ranks:
+                have.ranks.append(rank)
+    return list(merged.values())
+
+
+def analyse(
+    profiles: Sequence[Profile],
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+    *,
+    sort: SortKey = "time",
+) -> Report:
+    """Run the selected rules on every profile; findings merged across ranks and ranked."""
+    rule_ids = select_rules(select, ignore)
+    multi = len(profiles) > 1
+    report = Report(rules_run=rule_ids)
+    per_rank: list[tuple[int, list[Finding]]] = []
+    notes: dict[tuple[str, str], Note] = {}
+    for profile in profiles:
+        found: list[Finding] = []
+        for rid in rule_ids:
+            module = registry.get_rule(rid)
+            try:
+                found.extend(module.detect(profile))
+            except NotApplicable as exc:
+                _note(notes, rid, str(exc), profile.rank, multi)
+            except Exception as exc:  # noqa: BLE001 - one failing rule must not hide the others
+                _note(
+                    notes,
+                    rid,
+                    f"rule failed on this profile ({type(exc).__name__}: {exc})",
+                    profile.rank,
+                    multi,
+                )
+        for f in found:
+            if f.source_status == "ok":
+                f.source_status = source_status(profile, f.path)
+        per_rank.append((profile.rank, found))
+    report.findings = sort_findings(_merge(per_rank, multi), sort)
+    report.notes = list(notes.values())
+    return report
+
+
+def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool) -> None:
+    note = notes.setdefault((rid, message), Note(rid, message, [] if multi else None))
+    if note.ranks is not None and rank not in note.ranks:
+        note.ranks.append(rank)
+
+
+def run_rules(
+    profiles: list[Profile], select: list[str] | None = None, ignore: list[str] | None = None
+) -> list[Finding]:
+    """Findings of the selected rules on all ranks, merged (equal findings get `ranks`), largest first."""
+    return analyse(profiles, select, ignore).findings

@@ -28,6 +28,14 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    # A callback keeps `opadvisor` a group of commands, whatever number of commands is registered.
+    pass
+
+
 for _module in (_profile, _suggest, _apply, _verify):
     _module.register(app)
 

@@ -129,6 +129,7 @@ class Step:
     end_us: float
     wall_ms: float
     gpu_busy_ms: float | None = None  # union of kernel intervals attributed to this step
+    gpu_span_ms: float | None = None  # from the end of the previous step's GPU work to the end of this one's
     kernel_count: int | None = None
     idle_gaps: list[Gap] = field(default_factory=list)  # gaps of at least IDLE_GAP_MIN_US
 

@@ -1,0 +1,128 @@
+"""`opadvisor profile`: measure a training script without editing it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from opadvisor.cli.common import EXIT_USER_ERROR, fail, user_errors, warn
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "profile",
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": False},
+    )(profile)
+
+
+@user_errors
+def profile(
+    ctx: typer.Context,
+    script: Annotated[Path, typer.Argument(help="The training script to run (its own arguments go after --).")],
+    steps: Annotated[int, typer.Option(help="Training steps to record.", min=1)] = 5,
+    warmup: Annotated[int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)] = 3,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Write the run to this folder (new or empty) instead of .opadvisor/runs/<id>."),
+    ] = None,
+    run_to_end: Annotated[bool, typer.Option("--run-to-end", help="Let the script finish instead of stopping it after the window.")] = False,
+    window_after: Annotated[
+        float, typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0)
+    ] = 5.0,
+    window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
+) -> None:
+    """Run SCRIPT under torch.profiler for a few steps, write the run, and stop the script.
+
+    Steps are found by themselves: each optimizer.step() ends one (call opadvisor.step() in loops without
+    a torch optimizer). After --warmup steps, --steps steps are recorded with shapes, exact source lines
+    and (on CUDA) the kernels each op launched; then the run is written to .opadvisor/runs/<id>/
+    (profile.json and trace.json.gz, which opens in Perfetto) and the script is stopped.
+
+    Example:  opadvisor profile train.py --steps 5 -- --batch-size 32
+    """
+    from opadvisor.profile.runner import run_script
+    from opadvisor.profile.session import SessionConfig
+
+    config = SessionConfig(
+        warmup=warmup, steps=steps, run_to_end=run_to_end, window_after_seconds=window_after, window_seconds=window
+    )
+    with _Progress(steps) as progress:
+        outcome = run_script(script, list(ctx.args), config, out=out, on_progress=progress.update)
+    for message in outcome.warnings:
+        warn(message)
+    _report(outcome, config, script)
+
+
+def _report(outcome, config, script: Path) -> None:
+    recorded = len(outcome.profile.steps) if outcome.profile else 0
+    if outcome.status == "complete":
+        _print_summary(outcome)
+        return
+    if outcome.status == "no_steps":
+        raise fail(
+            f"no steps detected in {script}: it never called optimizer.step() (nor opadvisor.step()), "
+            "and no time window was recorded"
+        )
+    where = f"; the {recorded} recorded step(s) were kept in {outcome.run_dir}" if outcome.run_dir else ""
+    if outcome.status == "script_error":
+        sys.stderr.write(outcome.script_traceback or "")
+        raise fail(f"{script} raised an exception after {outcome.steps_seen} step(s){where}")
+    if outcome.status == "script_exit":
+        raise fail(f"{script} called sys.exit({outcome.exit_code}) after {outcome.steps_seen} step(s){where}")
+    # ended_early: the script finished (or sys.exit(0)) before the window was recorded in full
+    if outcome.run_dir is None:
+        raise fail(
+            f"{script} ended after {outcome.steps_seen} step(s), before the window started "
+            f"(--warmup {config.warmup}): lower --warmup or let the script run longer"
+        )
+    warn(
+        f"{script} ended after {outcome.steps_seen} step(s): recorded {recorded} of {config.steps} "
+        f"(--warmup {config.warmup} --steps {config.steps})"
+    )
+    _print_summary(outcome)
+
+
+def _print_summary(outcome) -> None:
+    from opadvisor.profile.summary import summarize
+
+    summary = summarize(outcome.profile)
+    from rich.console import Console
+
+    console = Console(stderr=False, highlight=False)
+    console.print(summary.render(outcome.run_dir))
+
+
+class _Progress:
+    """A rich progress bar on stderr: steps recorded / total (the script's output scrolls above it)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> _Progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]opadvisor[/] {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        self._task = self._progress.add_task("waiting for the first steps", total=self.total)
+        self._progress.start()
+        return self
+
+    def update(self, recorded: int, total: int) -> None:
+        self._progress.update(self._task, completed=recorded, description="recording steps")
+
+    def __exit__(self, *exc) -> None:
+        self._progress.stop()
+
+
+__all__ = ["register", "EXIT_USER_ERROR"]

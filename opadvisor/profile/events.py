@@ -1,0 +1,344 @@
+"""Turn what torch.profiler recorded in-process into the Profile model.
+
+The source is `kineto_results.experimental_event_tree()`: per thread, a tree of Python calls (with the
+exact caller line), aten ops (with input shapes, dtypes and scalar values), CUDA runtime calls and,
+beneath each runtime call, the device activity it caused (kernels, memcpys, syncs) — so GPU time is
+attributed to ops by correlation, never by timestamps. Ops run by the autograd engine take the source
+line of the forward op with the same sequence number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from opadvisor.profile.model import (
+    Annotation,
+    Gap,
+    Kernel,
+    Memcpy,
+    Op,
+    Step,
+    SyncEvent,
+)
+from opadvisor.profile.userframes import resolve_user_file
+
+IDLE_GAP_MIN_US = 10.0
+
+# Ops that only describe memory (no kernel, no arithmetic): dropped when nested, kept when called directly.
+_METADATA_OPS = frozenset(
+    "aten::" + n
+    for n in (
+        "view as_strided empty empty_like empty_strided t transpose expand reshape _reshape_alias "
+        "resolve_conj resolve_neg detach detach_ alias lift_fresh unsqueeze squeeze permute slice select "
+        "_unsafe_view contiguous to _to_copy result_type size stride is_nonzero"
+    ).split()
+)
+GEMM_OPS = frozenset(
+    "aten::" + n
+    for n in "mm addmm bmm baddbmm matmul linear _scaled_mm addbmm mv dot einsum conv2d convolution".split()
+)
+_SYNC_CALLS = frozenset(
+    ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cuStreamSynchronize")
+)
+_ANNOTATION_PREFIX = "ProfilerStep#"
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+
+
+@dataclass
+class _Loc:
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    exact: bool = True
+
+
+@dataclass
+class _Frame:
+    """A user function on the Python stack: the last line seen executing in it."""
+
+    file: str
+    function: str
+    last_line: int
+
+
+@dataclass
+class Extracted:
+    ops: list[Op] = field(default_factory=list)
+    annotations: list[Annotation] = field(default_factory=list)
+    syncs: list[SyncEvent] = field(default_factory=list)
+    memcpys: list[Memcpy] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    user_files: set[str] = field(default_factory=set)
+    unattributed_kernels: int = 0
+
+
+def _tag(event: Any) -> str:
+    return type(event.extra_fields).__name__.replace("_ExtraFields_", "")
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan: "inf", "-inf", "nan"
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in value):
+        return [_scalar(v) for v in value]
+    return None
+
+
+def _inputs(event: Any) -> tuple[list, list, list]:
+    shapes, dtypes, scalars = [], [], []
+    for value in event.extra_fields.inputs:
+        sizes = getattr(value, "sizes", None)
+        if sizes is not None and hasattr(value, "dtype"):
+            shapes.append(list(sizes))
+            dtypes.append(_dtype_name(value.dtype))
+            scalars.append(None)
+        elif isinstance(value, list) and value and hasattr(value[0], "sizes"):
+            shapes.append(None)  # a TensorList (foreach ops): keep the first tensor's dtype
+            dtypes.append(_dtype_name(getattr(value[0], "dtype", None)))
+            scalars.append(None)
+        else:
+            shapes.append(None)
+            dtypes.append(None)
+            scalars.append(_scalar(value))
+    return shapes, dtypes, scalars
+
+
+class TreeReader:
+    """Walks the event tree once and collects ops, kernels, annotations, syncs and copies."""
+
+    def __init__(self, origin_ns: int, module_paths: dict[int, str], cuda: bool):
+        self.origin_ns = origin_ns
+        self.module_paths = module_paths
+        self.cuda = cuda
+        self.out = Extracted()
+        self._by_seq: dict[int, int] = {}  # autograd sequence number -> last forward op id with it
+
+    def us(self, t_ns: int) -> float:
+        return (t_ns - self.origin_ns) / 1000.0
+
+    # ---- walk ------------------------------------------------------------------------------------
+    def read(self, roots: list[Any]) -> Extracted:
+        for root in sorted(roots, key=lambda e: e.start_time_ns):
+            self._visit(root, _Loc(), None, None, None, False, None)
+        return self.out
+
+    def _visit(
+        self,
+        event: Any,
+        loc: _Loc,
+        frame: _Frame | None,
+        module: tuple[str | None, str | None] | None,
+        parent_op: int | None,
+        backward: bool,
+        forward_op: int | None,
+    ) -> None:
+        tag = _tag(event)
+        if tag in ("PyCall", "PyCCall"):
+            self._visit_python(event, tag, loc, frame, module, parent_op, backward, forward_op)
+        elif tag == "TorchOp":
+            self._visit_torch_op(event, loc, frame, module, parent_op, backward, forward_op)
+        elif tag == "Kineto":
+            self._visit_runtime(event, parent_op)
+        else:
+            for child in event.children:
+                self._visit(child, loc, frame, module, parent_op, backward, forward_op)
+
+    def _visit_python(self, event, tag, loc, frame, module, parent_op, backward, forward_op) -> None:
+        fields = event.extra_fields
+        caller = fields.caller
+        caller_file = resolve_user_file(caller.file_name)
+        if frame is not None and caller_file == frame.file:
+            frame.last_line = caller.line_number
+        if caller_file is not None:
+            loc = _Loc(caller_file, caller.line_number, caller.function_name, True)
+        child_frame = frame
+        if tag == "PyCall":
+            info = fields.module
+            if info is not None:
+                module = (self.module_paths.get(info.self_ptr), info.cls_name)
+            callsite_file = resolve_user_file(fields.callsite.file_name)
+            if callsite_file is not None:
+                child_frame = _Frame(callsite_file, fields.callsite.function_name, fields.callsite.line_number)
+            elif info is None:
+                child_frame = None  # inside library code: ops below take the loc of the call into it
+        for child in event.children:
+            child_loc = loc
+            if child_frame is not None and child_frame is not frame and _tag(child) == "TorchOp":
+                # An op reached without a Python call on its line (`a @ b`): the last line seen in the frame.
+                child_loc = _Loc(child_frame.file, child_frame.last_line, child_frame.function, False)
+            self._visit(child, child_loc, child_frame, module, parent_op, backward, forward_op)
+
+    def _visit_torch_op(self, event, loc, frame, module, parent_op, backward, forward_op) -> None:
+        name = event.name
+        fields = event.extra_fields
+        if name.startswith(_ANNOTATION_PREFIX):
+            return  # step ranges come from the session's own marks
+        scope = str(fields.scope)
+        if scope.endswith("USER_SCOPE") or "#" in name and not name.startswith("aten::"):
+            self._add_annotation(event, loc)
+            for child in event.children:
+                self._visit(child, loc, frame, module, parent_op, backward, forward_op)
+            return
+        if name.startswith(_BACKWARD_PREFIX):
+            backward = True
+            forward_op = self._by_seq.get(fields.sequence_number)
+        op_id = parent_op
+        if self._keep(event, parent_op, backward):
+            op_id = self._add_op(event, loc, module, parent_op, backward, forward_op)
+        for child in event.children:
+            self._visit(child, loc, frame, module, op_id, backward, forward_op)
+
+    def _keep(self, event: Any, parent_op: int | None, backward: bool) -> bool:
+        """Keep what rules read: ops called from Python or autograd, GEMMs, and ops that launch work.
+
+        On CUDA a nested op matters only if it launched device work; on CPU (no kernels to tell) the
+        first level below a top-level op is kept, minus pure metadata ops.
+        """
+        name = event.name
+        if parent_op is None or name in GEMM_OPS or self._launches_device_work(event):
+            return True
+        parent = self.out.ops[parent_op]
+        if backward and parent.depth == 0:
+            return True  # the autograd node itself ("SoftmaxBackward0") under evaluate_function
+        return not self.cuda and parent.depth == 0 and name not in _METADATA_OPS
+
+    def _launches_device_work(self, event: Any) -> bool:
+        return self.cuda and any(_tag(c) == "Kineto" for c in event.children)
+
+    def _add_op(self, event, loc, module, parent_op, backward, forward_op) -> int:
+        fields = event.extra_fields
+        shapes, dtypes, scalars = _inputs(event)
+        op = Op(
+            id=len(self.out.ops),
+            name=event.name,
+            step=None,
+            start_us=self.us(event.start_time_ns),
+            duration_us=event.duration_time_ns / 1000.0,
+            thread=event.start_tid,
+            input_shapes=shapes,
+            input_dtypes=dtypes,
+            scalars=scalars,
+            parent=parent_op,
+            depth=0 if parent_op is None else self.out.ops[parent_op].depth + 1,
+            seq=fields.sequence_number,
+            is_backward=backward,
+            forward_op=forward_op,
+            gpu_time_us=0.0 if self.cuda else None,
+        )
+        if backward and forward_op is not None:
+            src = self.out.ops[forward_op]
+            op.file, op.line, op.line_exact, op.function = src.file, src.line, src.line_exact, src.function
+            op.module, op.module_class = src.module, src.module_class
+        elif loc.file is not None:
+            op.file, op.line, op.line_exact, op.function = loc.file, loc.line, loc.exact, loc.function
+            self.out.user_files.add(loc.file)
+        if module is not None and not backward:
+            op.module, op.module_class = module
+        if not backward and fields.sequence_number >= 0:
+            self._by_seq[fields.sequence_number] = op.id
+        self.out.ops.append(op)
+        return op.id
+
+    def _add_annotation(self, event: Any, loc: _Loc) -> None:
+        self.out.annotations.append(
+            Annotation(
+                name=event.name,
+                start_us=self.us(event.start_time_ns),
+                duration_us=event.duration_time_ns / 1000.0,
+                thread=event.start_tid,
+                file=loc.file,
+                line=loc.line,
+            )
+        )
+
+    # ---- CUDA runtime calls and the device work beneath them ------------------------------------------
+    def _visit_runtime(self, event: Any, op_id: int | None) -> None:
+        name = event.name
+        if name in _SYNC_CALLS or name.endswith("Synchronize"):
+            self.out.syncs.append(
+                SyncEvent(name, self.us(event.start_time_ns), event.duration_time_ns / 1000.0, op=op_id)
+            )
+        for child in event.children:
+            if _tag(child) != "Kineto" or child.correlation_id != event.correlation_id:
+                continue  # time-nested neighbours, not activity caused by this call
+            self._add_device_activity(child, op_id)
+
+    def _add_device_activity(self, event: Any, op_id: int | None) -> None:
+        name = event.name
+        start, dur = self.us(event.start_time_ns), event.duration_time_ns / 1000.0
+        if name.endswith("Sync"):  # "Stream Sync" / "Context Sync": the wait itself, already recorded
+            return
+        if name.startswith("Memcpy"):
+            self.out.memcpys.append(Memcpy(name, start, dur, op=op_id))
+        if op_id is None:
+            self.out.unattributed_kernels += 1
+            return
+        self.out.ops[op_id].kernels.append(Kernel(name=name, start_us=start, duration_us=dur))
+
+
+def assign_steps(extracted: Extracted, marks: list[tuple[float, float]], cuda: bool) -> None:
+    """Give every op, annotation, sync and copy its step (by CPU start); compute GPU busy time and gaps."""
+    import bisect
+
+    starts = [m[0] for m in marks]
+
+    def step_of(t_us: float) -> int | None:
+        i = bisect.bisect_right(starts, t_us) - 1
+        if i >= 0 and t_us <= marks[i][1]:
+            return i
+        return None
+
+    for op in extracted.ops:
+        op.step = step_of(op.start_us)
+    for item in (*extracted.annotations, *extracted.syncs, *extracted.memcpys):
+        item.step = step_of(item.start_us)
+    for op in reversed(extracted.ops):  # children come after parents: accumulate bottom-up
+        if cuda:
+            op.gpu_time_us = (op.gpu_time_us or 0.0) + sum(k.duration_us for k in op.kernels)
+            if op.parent is not None:
+                parent = extracted.ops[op.parent]
+                parent.gpu_time_us = (parent.gpu_time_us or 0.0) + op.gpu_time_us
+    extracted.steps = [
+        Step(index=i, start_us=s, end_us=e, wall_ms=(e - s) / 1000.0) for i, (s, e) in enumerate(marks)
+    ]
+    if cuda:
+        _gpu_timeline(extracted)
+
+
+def _gpu_timeline(extracted: Extracted) -> None:
+    """Per step: the GPU's span (from the end of the previous step's work), busy time, and idle gaps."""
+    per_step: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for op in extracted.ops:
+        if op.step is not None:
+            per_step[op.step].extend((k.start_us, k.start_us + k.duration_us) for k in op.kernels)
+    previous_end: float | None = None
+    for step in extracted.steps:
+        intervals = sorted(per_step.get(step.index, []))
+        step.kernel_count = len(intervals)
+        if not intervals:
+            step.gpu_busy_ms = 0.0
+            continue
+        span_start = step.start_us if previous_end is None else min(previous_end, intervals[0][0])
+        busy, gaps, cursor = 0.0, [], span_start
+        for start, end in intervals:
+            if start > cursor:
+                if start - cursor >= IDLE_GAP_MIN_US:
+                    gaps.append(Gap(cursor, start - cursor))
+                busy += end - start
+                cursor = end
+            elif end > cursor:
+                busy += end - cursor
+                cursor = end
+        step.gpu_busy_ms = busy / 1000.0
+        step.gpu_span_ms = (cursor - span_start) / 1000.0
+        step.idle_gaps = gaps
+        previous_end = cursor

@@ -1,0 +1,259 @@
+"""`opadvisor profile`: run a training script in-process under the session, then write its run folder.
+
+The script runs with its own argv and `__name__ == "__main__"`, from its own directory on sys.path, as
+`python script.py args` would. Outcomes:
+- the window was recorded: the run is written and the script is stopped (unless `run_to_end`);
+- the script ended, failed or called sys.exit before the window completed: what was recorded (at least
+  one whole step) is still written, marked incomplete, and the outcome says how far it got.
+A run folder appears whole or not at all: it is written beside its final place and renamed into it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import hashlib
+import os
+import platform
+import runpy
+import shutil
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opadvisor.errors import UserError
+from opadvisor.profile import runs
+from opadvisor.profile.events import TreeReader, assign_steps
+from opadvisor.profile.model import Environment, Profile, save_profile
+from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
+
+
+@dataclass
+class RunOutcome:
+    run_dir: Path | None  # None when nothing was recorded
+    profile: Profile | None
+    status: str  # "complete" | "ended_early" | "script_error" | "script_exit" | "no_steps"
+    steps_seen: int = 0
+    exit_code: int | None = None  # the script's sys.exit code, when it called sys.exit
+    script_traceback: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def check_script(script: Path) -> str:
+    """Read and compile the script; UserError for a missing, non-Python or syntactically broken file."""
+    if not script.exists():
+        raise UserError(f"{script}: no such file")
+    if script.is_dir():
+        raise UserError(f"{script} is a directory, not a Python script")
+    if script.suffix not in (".py", ".pyw"):
+        raise UserError(f"{script} is not a Python script (expected a .py file)")
+    try:
+        source = script.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{script} is not a Python script (not UTF-8 text)") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {script}: {exc.strerror}") from None
+    try:
+        compile(source, str(script), "exec")
+    except SyntaxError as exc:
+        raise UserError(f"{script}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except ValueError as exc:  # null bytes
+        raise UserError(f"{script} is not a Python script ({exc})") from None
+    return source
+
+
+def check_output_parent(out: Path | None, cwd: Path) -> Path:
+    """The folder the run will be created in; UserError now (before running anything) if not writable."""
+    parent = out.parent if out is not None else runs.state_dir(cwd) / "runs"
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty folder")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot write the run under {parent}: {exc.strerror or exc}") from None
+    return parent
+
+
+def environment(cuda: bool) -> Environment:
+    import torch
+
+    env = Environment(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device="cuda" if cuda else "cpu",
+        cpu_count=os.cpu_count(),
+    )
+    if cuda:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env.gpu_name = props.name
+        env.sm_count = props.multi_processor_count
+        env.capability = [props.major, props.minor]
+        env.gpu_memory_bytes = props.total_memory
+    return env
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def build_profile(recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool) -> Profile:
+    """The Profile of a stopped recording (its profiler has exported nothing yet)."""
+    results = recording.profiler.profiler.kineto_results
+    roots = results.experimental_event_tree()
+    marks_ns = [(m.start_ns, m.end_ns) for m in recording.steps]
+    origin_ns = _profiler_origin(roots, marks_ns)
+    reader = TreeReader(origin_ns, session.module_paths, cuda)
+    extracted = reader.read(roots)
+    marks_us = [((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)]
+    assign_steps(extracted, marks_us, cuda)
+    files = set(extracted.user_files) | {str(script.resolve())}
+    files |= {c.file for c in session.constructions if c.file}
+    return Profile(
+        run_id="",
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        script=str(script.resolve()),
+        argv=argv,
+        cwd=os.getcwd(),
+        environment=environment(cuda),
+        sources={f: h for f in sorted(files) if (h := _sha256(f)) is not None},
+        step_detection=session.detection,
+        warmup_steps=session.config.warmup,
+        steps_requested=session.config.steps,
+        complete=recording.complete and len(recording.steps) >= session.config.steps,
+        steps=extracted.steps,
+        ops=extracted.ops,
+        annotations=extracted.annotations,
+        syncs=extracted.syncs,
+        memcpys=extracted.memcpys,
+        constructions=session.constructions,
+    )
+
+
+def _step_marks_in_tree(roots: list, marks_ns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Step intervals on the profiler's clock: the `ProfilerStep#i` ranges the session opened.
+
+    The session also took perf_counter marks; the profiler's own clock is what ops are stamped with, so
+    prefer the ranges it recorded and fall back to the marks only if a range is missing.
+    """
+    found: dict[int, tuple[int, int]] = {}
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        if event.name.startswith("ProfilerStep#"):
+            index = int(event.name.split("#", 1)[1])
+            found[index] = (event.start_time_ns, event.start_time_ns + event.duration_time_ns)
+        stack.extend(event.children)
+    ordered = [found[i] for i in sorted(found) if i < len(marks_ns)]
+    if len(ordered) != len(marks_ns):
+        return marks_ns
+    # A step ends where the next begins: the range closes inside the hook, a little before the next opens.
+    return [(s, ordered[i + 1][0] if i + 1 < len(ordered) else e) for i, (s, e) in enumerate(ordered)]
+
+
+def _profiler_origin(roots: list, marks_ns: list[tuple[int, int]]) -> int:
+    starts = [r.start_time_ns for r in roots if r.start_time_ns > 0]
+    return min(starts) if starts else (marks_ns[0][0] if marks_ns else 0)
+
+
+def _export_trace(recording: Recording, dest: Path) -> None:
+    raw = dest.with_suffix("")  # trace.json
+    recording.profiler.export_chrome_trace(str(raw))
+    with raw.open("rb") as src, gzip.open(dest, "wb", compresslevel=5) as dst:
+        shutil.copyfileobj(src, dst, length=1 << 20)
+    raw.unlink()
+
+
+def write_run(
+    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None, cwd: Path
+) -> tuple[Path, Profile]:
+    """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole."""
+    final = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    try:
+        profile = build_profile(recording, session, script, argv, cuda)
+        profile.run_id = final.name
+        save_profile(profile, staging / runs.PROFILE_FILE)
+        _export_trace(recording, staging / runs.TRACE_FILE)
+        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a run folder is an ordinary folder
+        if final.exists():
+            final.rmdir()  # an empty --out folder (checked before the run)
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out is None:
+        runs.mark_latest(final)
+    return final, profile
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _user_traceback(exc: BaseException, script: Path) -> str:
+    """The script's traceback without opadvisor's and runpy's frames above it."""
+    tb = exc.__traceback__
+    script_name = str(script.resolve())
+    while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script_name:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def run_script(
+    script: Path,
+    args: list[str],
+    config: SessionConfig,
+    out: Path | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> RunOutcome:
+    """Run `script args` under a profiling session and write what it recorded."""
+    import torch
+
+    cwd = Path.cwd()
+    check_script(script)
+    check_output_parent(out, cwd)
+    config.cuda = torch.cuda.is_available()
+    argv = [str(script), *args]
+    session = Session(config, on_progress)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = argv
+    sys.path.insert(0, str(script.resolve().parent))
+    status, exit_code, script_tb = "ended_early", None, None
+    session.install()
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except WindowComplete:
+        status = "complete"
+    except SystemExit as exc:
+        code = exc.code
+        exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        status = "ended_early" if exit_code == 0 else "script_exit"
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the user's own failure: report it, keep what was recorded
+        status, script_tb = "script_error", _user_traceback(exc, script)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        recording = session.finish()
+        session.uninstall()
+    if recording is not None and recording.complete and status in ("ended_early", "complete"):
+        status = "complete"  # --run-to-end, or a time window the script outlived
+    outcome = RunOutcome(None, None, status, session.steps_seen, exit_code, script_tb, list(session.warnings))
+    if recording is not None and recording.steps:
+        outcome.run_dir, outcome.profile = write_run(recording, session, script, argv, config.cuda, out, cwd)
+    elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
+        outcome.status = "no_steps"
+    return outcome

@@ -1,0 +1,374 @@
+"""The in-process profiling session: step detection, the recorded window, hooks, construction sites.
+
+One `Session` is active while `opadvisor profile` runs a script. It installs, for the script's lifetime:
+- a global optimizer step post hook: each `optimizer.step()` of the first optimizer that steps ends a
+  training step (`opadvisor.step()` ends one explicitly and then takes over from the hook);
+- global module forward hooks: NVTX ranges named by module path (readable in Nsight Systems), the map
+  from module objects to their paths, and the time-window fallback for scripts that never step;
+- wrappers around the constructors of optimizers, DataLoaders, nn.Linear and nn.Embedding that record
+  where the script built them (the fixes go there).
+
+The profiler runs only inside the window: after `warmup` steps it starts, records `steps` steps, stops,
+and the session raises `WindowComplete` from the step boundary so a script meant to train for hours ends
+(unless `run_to_end`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opadvisor.profile.model import Construction
+from opadvisor.profile.userframes import innermost_user_frame
+
+
+class WindowComplete(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Raised at the step boundary that completes the window, to end the user's script early.
+
+    A BaseException so that the script's own `except Exception:` blocks do not swallow it.
+    """
+
+
+@dataclass
+class SessionConfig:
+    warmup: int = 3
+    steps: int = 5
+    run_to_end: bool = False
+    # Fallback for scripts that never step: start recording after this many seconds of module
+    # forwards with no step seen, and record for `window_seconds`.
+    window_after_seconds: float = 5.0
+    window_seconds: float = 2.0
+    cuda: bool = False
+
+
+@dataclass
+class StepMark:
+    index: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass
+class Recording:
+    """What the window produced: the stopped profiler and the step intervals (perf_counter_ns)."""
+
+    profiler: Any
+    steps: list[StepMark] = field(default_factory=list)
+    complete: bool = False
+
+
+_active: Session | None = None
+
+
+def active() -> Session | None:
+    return _active
+
+
+def mark_step() -> None:
+    """`opadvisor.step()`: end a step explicitly (a no-op outside `opadvisor profile`)."""
+    if _active is not None:
+        _active.on_step(explicit=True)
+
+
+class Session:
+    def __init__(self, config: SessionConfig, on_progress: Callable[[int, int], None] | None = None):
+        self.config = config
+        self.on_progress = on_progress
+        self.detection = "optimizer_hook"
+        self.steps_seen = 0
+        self.recording: Recording | None = None
+        self.constructions: list[Construction] = []
+        self.module_paths: dict[int, str] = {}
+        self._modules_by_construction: dict[int, Construction] = {}
+        self._first_optimizer: int | None = None
+        self._explicit = False
+        self._profiler: Any = None
+        self._step_start_ns: int | None = None
+        self._step_fn: Any = None
+        self._first_forward_s: float | None = None
+        self._window_started_s: float | None = None
+        self._undo: list[Callable[[], None]] = []
+        self.warnings: list[str] = []
+        self._nvtx: Any = None
+        self._nvtx_step: Any = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def install(self) -> None:
+        global _active
+        import torch
+        from torch.nn.modules import module as module_mod
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        try:
+            import nvtx
+
+            self._nvtx = nvtx
+        except ImportError:  # nvtx is a dependency; without it the run still works, just without ranges
+            self._nvtx = None
+
+        h1 = register_optimizer_step_post_hook(self._optimizer_hook)
+        h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
+        h3 = module_mod.register_module_forward_hook(self._forward_post_hook, always_call=True)
+        self._undo += [h1.remove, h2.remove, h3.remove]
+        self._wrap_init(torch.optim.Optimizer, self._record_optimizer)
+        self._wrap_init(torch.utils.data.DataLoader, self._record_dataloader)
+        self._wrap_init(torch.nn.Linear, self._record_module)
+        self._wrap_init(torch.nn.Embedding, self._record_module)
+        _active = self
+        if self.config.warmup == 0:
+            self._start_window()
+
+    def uninstall(self) -> None:
+        global _active
+        _active = None
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        for path_id, construction in self._modules_by_construction.items():
+            construction.module = self.module_paths.get(path_id)
+
+    def finish(self) -> Recording | None:
+        """Stop a window still in progress (script ended or failed inside it); return what was recorded."""
+        if self._profiler is not None:
+            self._stop_window(complete=False)
+        return self.recording
+
+    # ---- step boundaries -----------------------------------------------------------------------
+    def _optimizer_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._explicit:
+            return
+        if self._first_optimizer is None:
+            self._first_optimizer = id(optimizer)
+        if id(optimizer) != self._first_optimizer:
+            return  # a second optimizer (e.g. a GAN's) steps inside the same training step
+        self.on_step(explicit=False)
+
+    def on_step(self, *, explicit: bool) -> None:
+        if explicit and not self._explicit:
+            self._explicit = True
+            self.detection = "explicit"
+        if self.detection == "time_window":
+            return
+        now = time.perf_counter_ns()
+        self.steps_seen += 1
+        if self._profiler is not None and self._step_start_ns is not None:
+            self._end_step_range(now)
+            recorded = len(self.recording.steps) if self.recording else 0
+            if self.on_progress:
+                self.on_progress(recorded, self.config.steps)
+            if recorded >= self.config.steps:
+                self._stop_window(complete=True)
+                if not self.config.run_to_end:
+                    raise WindowComplete()
+                return
+            self._begin_step_range()
+        elif self._profiler is None and self.recording is None and self.steps_seen == self.config.warmup:
+            self._start_window()
+        elif self.on_progress and self.recording is None:
+            self.on_progress(0, self.config.steps)
+
+    def _start_window(self) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        kwargs: dict[str, Any] = {}
+        if self.config.cuda:
+            activities.append(ProfilerActivity.CUDA)
+            from torch.profiler import _ExperimentalConfig
+
+            kwargs["experimental_config"] = _ExperimentalConfig(enable_cuda_sync_events=True)
+        self._profiler = profile(activities=activities, record_shapes=True, with_stack=True, **kwargs)
+        if self.config.cuda:
+            torch.cuda.synchronize()
+        self._profiler.start()
+        self.recording = Recording(profiler=self._profiler)
+        self._begin_step_range()
+
+    def _begin_step_range(self) -> None:
+        import torch
+
+        index = len(self.recording.steps) if self.recording else 0
+        self._step_fn = torch.autograd.profiler.record_function(f"ProfilerStep#{index}")
+        self._step_fn.__enter__()
+        if self._nvtx is not None:
+            self._nvtx_step = self._nvtx.start_range(message=f"step {index}", domain="opadvisor")
+        self._step_start_ns = time.perf_counter_ns()
+
+    def _end_step_range(self, now_ns: int) -> None:
+        assert self.recording is not None and self._step_start_ns is not None
+        if self._step_fn is not None:
+            self._step_fn.__exit__(None, None, None)
+            self._step_fn = None
+        if self._nvtx is not None and self._nvtx_step is not None:
+            self._nvtx.end_range(self._nvtx_step)
+            self._nvtx_step = None
+        index = len(self.recording.steps)
+        self.recording.steps.append(StepMark(index, self._step_start_ns, now_ns))
+        self._step_start_ns = None
+
+    def _stop_window(self, *, complete: bool) -> None:
+        import torch
+
+        if self._step_fn is not None:  # a step left open by a failure or the end of the script
+            self._step_fn.__exit__(None, None, None)
+            self._step_fn = None
+        if self.config.cuda:
+            torch.cuda.synchronize()
+        self._profiler.stop()
+        self._profiler = None
+        self._step_start_ns = None
+        assert self.recording is not None
+        self.recording.complete = complete
+
+    # ---- module hooks ----------------------------------------------------------------------------
+    def _forward_pre_hook(self, module: Any, args: Any) -> None:
+        key = id(module)
+        if key not in self.module_paths:
+            self._register_paths(module)
+        if self._nvtx is not None:
+            self._nvtx.push_range(message=self.module_paths.get(key) or type(module).__name__, domain="opadvisor")
+        self._check_time_window()
+
+    def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:
+        if self._nvtx is not None:
+            self._nvtx.pop_range(domain="opadvisor")
+
+    def _register_paths(self, root: Any) -> None:
+        """Name every submodule of the first unknown module called: it is the outermost one."""
+        for name, sub in root.named_modules():
+            self.module_paths.setdefault(id(sub), name)
+
+    def _check_time_window(self) -> None:
+        if self.steps_seen or self.recording is not None and self.detection != "time_window":
+            return
+        now = time.monotonic()
+        if self._first_forward_s is None:
+            self._first_forward_s = now
+            return
+        if self._window_started_s is None:
+            if now - self._first_forward_s >= self.config.window_after_seconds:
+                self.detection = "time_window"
+                self._window_started_s = now
+                self._start_window()
+            return
+        if self._profiler is not None and now - self._window_started_s >= self.config.window_seconds:
+            self._end_step_range(time.perf_counter_ns())
+            self._stop_window(complete=True)
+            if not self.config.run_to_end:
+                raise WindowComplete()
+
+    # ---- construction sites ------------------------------------------------------------------------
+    def _wrap_init(self, cls: type, record: Callable[[Any, tuple, dict], None]) -> None:
+        original = cls.__init__
+
+        def __init__(obj: Any, *args: Any, **kwargs: Any) -> None:
+            original(obj, *args, **kwargs)
+            try:
+                record(obj, args, kwargs)
+            except Exception as exc:  # recording a site must never break the user's script
+                self.warnings.append(f"could not record where a {cls.__name__} was built: {exc}")
+
+        __init__.__wrapped__ = original  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        self._undo.append(lambda: setattr(cls, "__init__", original))
+
+    def _site(self) -> tuple[str | None, int | None, str | None]:
+        frame = innermost_user_frame()
+        return frame if frame is not None else (None, None, None)
+
+    def _record_optimizer(self, opt: Any, args: tuple, kwargs: dict) -> None:
+        params = [p for group in opt.param_groups for p in group["params"]]
+        file, line, function = self._site()
+        self.constructions.append(
+            Construction(
+                kind="optimizer",
+                cls=_public_name(type(opt), "torch.optim"),
+                file=file,
+                line=line,
+                function=function,
+                attrs={
+                    "fused": opt.defaults.get("fused"),
+                    "foreach": opt.defaults.get("foreach"),
+                    "lr": _plain(opt.defaults.get("lr")),
+                    "param_count": len(params),
+                    "param_devices": sorted({p.device.type for p in params}),
+                    "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+                },
+            )
+        )
+
+    def _record_dataloader(self, loader: Any, args: tuple, kwargs: dict) -> None:
+        dataset = loader.dataset
+        try:
+            length = len(dataset)
+        except TypeError:
+            length = None
+        file, line, function = self._site()
+        self.constructions.append(
+            Construction(
+                kind="dataloader",
+                cls=_public_name(type(loader), "torch.utils.data"),
+                file=file,
+                line=line,
+                function=function,
+                attrs={
+                    "batch_size": loader.batch_size,
+                    "num_workers": loader.num_workers,
+                    "pin_memory": loader.pin_memory,
+                    "persistent_workers": loader.persistent_workers,
+                    "dataset": type(dataset).__name__,
+                    "dataset_len": length,
+                },
+            )
+        )
+
+    def _record_module(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        if isinstance(module, torch.nn.Linear):
+            attrs = {
+                "in_features": module.in_features,
+                "out_features": module.out_features,
+                "bias": module.bias is not None,
+            }
+        else:
+            attrs = {
+                "num_embeddings": module.num_embeddings,
+                "embedding_dim": module.embedding_dim,
+                "padding_idx": module.padding_idx,
+            }
+        file, line, function = self._site()
+        construction = Construction(
+            kind="module",
+            cls=_public_name(type(module), "torch.nn"),
+            file=file,
+            line=line,
+            function=function,
+            attrs=attrs,
+        )
+        self.constructions.append(construction)
+        self._modules_by_construction[id(module)] = construction
+
+
+def _public_name(cls: type, package: str) -> str:
+    """`torch.optim.adamw.AdamW` -> `torch.optim.AdamW` when the package exports it; user classes as is."""
+    import importlib
+
+    try:
+        if getattr(importlib.import_module(package), cls.__name__, None) is cls:
+            return f"{package}.{cls.__name__}"
+    except ImportError:
+        pass
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)

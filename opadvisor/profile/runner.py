@@ -29,6 +29,7 @@ from opadvisor.profile import runs
 from opadvisor.profile.events import TreeReader, assign_steps
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
+from opadvisor.profile.userframes import set_search_path
 
 
 @dataclass
@@ -231,6 +232,7 @@ def run_script(
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
     sys.path.insert(0, str(script.resolve().parent))
+    set_search_path(sys.path)
     status, exit_code, script_tb = "ended_early", None, None
     session.install()
     try:

@@ -29,6 +29,29 @@ def _roots() -> tuple[str, ...]:
 
 
 _ROOTS: tuple[str, ...] | None = None
+_SEARCH: tuple[str, ...] = ()
+
+
+def set_search_path(dirs: list[str]) -> None:
+    """Folders to resolve relative file names against, in order (the profiled process's sys.path).
+
+    torch's Python tracer shortens file names by the sys.path entry they were found under, so a script
+    run from another folder appears as `train.py` and torch's own files as `torch/nn/...`.
+    """
+    global _SEARCH
+    _SEARCH = tuple(dict.fromkeys(d or "." for d in dirs))
+    resolve_user_file.cache_clear()
+
+
+def _locate(file_name: str) -> Path | None:
+    path = Path(file_name)
+    if path.is_absolute():
+        return path if path.is_file() else None
+    for base in (*_SEARCH, str(Path.cwd())):
+        candidate = Path(base) / path
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 @lru_cache(maxsize=4096)
@@ -43,10 +66,8 @@ def resolve_user_file(file_name: str) -> str | None:
         return None
     if _ROOTS is None:
         _ROOTS = _roots()
-    path = Path(file_name)
-    if not path.is_absolute():
-        path = Path.cwd() / path
-    if not path.is_file():
+    path = _locate(file_name)
+    if path is None:
         return None
     resolved = str(path.resolve())
     # The venv/prefix root contains everything installed; the user's project may live under it too

@@ -1,0 +1,11 @@
+import sys
+
+import torch
+
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(10):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    if i == 1:
+        sys.exit(3)

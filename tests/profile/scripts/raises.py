@@ -1,0 +1,16 @@
+import torch
+
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def broken_step(i):
+    if i == 3:
+        raise ValueError("the user's own bug at step 3")
+
+
+for i in range(10):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    broken_step(i)

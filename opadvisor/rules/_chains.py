@@ -3,8 +3,10 @@
 A *chain* is a list of `Link`s. Each link accepts ops by name (`names`) and by an optional predicate on
 the op and the ops already bound (`test`: shapes, dtypes, scalar arguments); a link can be `optional`.
 Between two bound ops only *pass-through* ops may run (`Chain.skip`: views, reshapes, casts, mask
-preparation ...), at most `Chain.max_between` of them. Matching runs over the frames of a `ProfileIndex`
-(one user function's forward root ops, see _index.py), so a chain never spans two functions.
+preparation ...), at most `Chain.max_between` of them, from any function. Matching runs over each
+thread's forward root ops in the order they ran (`ProfileIndex.sequences`), and every bound op must
+belong to the same frame (one call of one user function, see _index.py): a chain never spans two
+functions, and an op of another function that does real work between two links breaks the chain.
 
     from opadvisor.rules._chains import Chain, Link, find_chains, dims, numel
 
@@ -191,7 +193,7 @@ class ChainMatch:
     frame: Frame
     ops: dict[str, Op]  # label -> bound op
     order: list[Op]  # bound ops in the order they ran
-    span: list[Op] = field(default_factory=list)  # every frame op from the first to the last bound op
+    span: list[Op] = field(default_factory=list)  # every op that ran from the first to the last bound op
 
     @property
     def first(self) -> Op:
@@ -217,34 +219,40 @@ def _match_at(
     li: int,
     bound: dict[str, Op],
     chain: Chain,
-    anchored: bool,
+    frame: Frame | None,
+    frame_of: dict[int, Frame],
 ) -> list[int] | None:
-    """Bind links[li:] to ops from `start`; return the positions bound, or None. `anchored`: bind at start."""
+    """Bind links[li:] to ops from `start` on (ops of `frame` only); the positions bound, or None.
+
+    `frame` None means the first link: it must bind at `start` itself and fixes the frame.
+    """
     if li == len(links):
         return []
     link = links[li]
+    anchored = frame is None
     j = start
     limit = start if anchored else start + chain.max_between
     while j < len(ops) and j <= limit:
         op = ops[j]
-        if link.accepts(op, bound):
-            bound[link.label] = op
-            rest = _match_at(ops, j + 1, links, li + 1, bound, chain, False)
-            if rest is not None:
-                return [j, *rest]
-            del bound[link.label]
+        op_frame = frame_of.get(op.id)
+        if (anchored and op_frame is not None) or (op_frame is frame and frame is not None):
+            if link.accepts(op, bound):
+                bound[link.label] = op
+                rest = _match_at(ops, j + 1, links, li + 1, bound, chain, op_frame, frame_of)
+                if rest is not None:
+                    return [j, *rest]
+                del bound[link.label]
         if anchored or not chain.skip(op):
             break
         j += 1
     if link.optional:
-        return _match_at(ops, start, links, li + 1, bound, chain, anchored)
+        return _match_at(ops, start, links, li + 1, bound, chain, frame, frame_of)
     return None
 
 
-def match_frame(frame: Frame, chain: Chain) -> list[ChainMatch]:
-    """Every non-overlapping match of `chain` in one frame, left to right."""
+def match_sequence(ops: Sequence[Op], chain: Chain, frame_of: dict[int, Frame]) -> list[ChainMatch]:
+    """Every non-overlapping match of `chain` in one thread's forward root ops, left to right."""
     out: list[ChainMatch] = []
-    ops = frame.ops
     links = chain.links
     first_names: frozenset[str] = frozenset()
     for link in links:  # names any leading link could bind: a cheap pre-filter per start position
@@ -253,25 +261,28 @@ def match_frame(frame: Frame, chain: Chain) -> list[ChainMatch]:
             break
     i = 0
     while i < len(ops):
-        if ops[i].name not in first_names:
+        if ops[i].name not in first_names or ops[i].id not in frame_of:
             i += 1
             continue
         bound: dict[str, Op] = {}
-        pos = _match_at(ops, i, links, 0, bound, chain, True)
+        pos = _match_at(ops, i, links, 0, bound, chain, None, frame_of)
         if pos is None:
             i += 1
             continue
         order = [ops[p] for p in pos]
-        out.append(ChainMatch(frame, dict(bound), order, list(ops[pos[0] : pos[-1] + 1])))
+        out.append(ChainMatch(frame_of[order[0].id], dict(bound), order, list(ops[pos[0] : pos[-1] + 1])))
         i = pos[-1] + 1
     return out
 
 
 def find_chains(index: ProfileIndex, chain: Chain, frames: Iterable[Frame] | None = None) -> list[ChainMatch]:
-    """Every match of `chain` in the profile's frames (or in `frames`), in frame order."""
+    """Every match of `chain` in the profile (only in `frames` when given), in the order they ran per thread."""
+    keep = None if frames is None else {id(f) for f in frames}
     out: list[ChainMatch] = []
-    for frame in index.frames if frames is None else frames:
-        out.extend(match_frame(frame, chain))
+    for ops in index.sequences.values():
+        for m in match_sequence(ops, chain, index.frame_of):
+            if keep is None or id(m.frame) in keep:
+                out.append(m)
     return out
 
 

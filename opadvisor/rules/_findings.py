@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 from opadvisor.profile.model import Op
 from opadvisor.rules._chains import in_dtype, shape
-from opadvisor.rules._index import ProfileIndex
+from opadvisor.rules._index import ProfileIndex, owner_module
 from opadvisor.rules.finding import Evidence, Finding, FixSafety
 
 __all__ = ["build_finding", "cost_words", "fmt_ms", "fmt_share", "module_pattern", "short_name"]
@@ -145,7 +145,7 @@ def build_finding(
         message=message,
         fix=fix,
         function=function,
-        module=module_pattern(op.module for op in every),
+        module=module_pattern(owner_module(op) or None for op in every),
         evidence=evidence,
         time_ms_per_step=ms,
         est_saving_ms_per_step=est_saving_ms,

@@ -7,6 +7,8 @@ built once per profile in O(number of ops) and cached on the profile object:
     ix = index_of(profile)
     for frame in ix.frames:              # the ops one user function ran, in order (see Frame)
         ...
+    ix.sequences[(step, thread)]         # every forward root op of one step on one thread, in order
+    ix.frame_of[op.id]                   # the Frame of a forward root op (absent: no user file)
     ix.cost_us(op)                       # this op's own time, GPU when the profile has it, else CPU
     ix.site_cost_us([op, ...])           # forward ops + the backward ops autograd ran for them
     ix.kernel_count(op)                  # kernels launched by op and everything under it (0 on a CPU profile)
@@ -18,8 +20,9 @@ Vocabulary used across the helpers:
   engine (backward). Only root ops are matched and costed, so nested ops (aten::linear -> aten::addmm)
   are never counted twice; their kernels and time are inside the root's inclusive numbers.
 - *frame*: the forward root ops, in the order they ran, that one user function (`op.file`, `op.function`)
-  ran in one step on one thread, cut where the module path changes to a non-nested one (layer 0's
-  `forward` and layer 1's `forward` are separate frames even when no other op runs between them).
+  ran in one step on one thread, cut where the module of the calling code (`owner_module`) changes to a
+  non-nested one (layer 0's `forward` and layer 1's `forward` are separate frames even when no other op
+  runs between them).
 - *time basis*: "gpu" when the profile has CUDA kernels (times are kernel times), "cpu" otherwise (times are
   the ops' inclusive CPU durations). Never mix: `ix.basis` says which one every cost is in.
 """
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
 
-__all__ = ["Frame", "ProfileIndex", "index_of", "module_related"]
+__all__ = ["Frame", "ProfileIndex", "index_of", "module_related", "owner_module"]
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Frame:
     """The forward root ops that one call (or run of calls) of a user function made, in the order they ran.
 
     `ops` holds only forward root ops with a known user file; `positions[op.id]` is the op's index in `ops`.
-    `module` is the shortest module path seen in the frame (the module whose code this is, when known).
+    `module` is the shortest `owner_module` seen in the frame (the module whose code this is, when known).
     """
 
     step: int | None
@@ -54,6 +57,40 @@ class Frame:
     def append(self, op: Op) -> None:
         self.positions[op.id] = len(self.ops)
         self.ops.append(op)
+
+
+# torch.nn's own module classes: an op run inside one of these (`self.proj(x)`) was called from the user
+# function of the module that owns it, so that function's module is the parent path.
+TORCH_NN_CLASSES: frozenset[str] = frozenset(
+    """AdaptiveAvgPool1d AdaptiveAvgPool2d AdaptiveAvgPool3d AdaptiveLogSoftmaxWithLoss AdaptiveMaxPool1d
+    AdaptiveMaxPool2d AdaptiveMaxPool3d AlphaDropout AvgPool1d AvgPool2d AvgPool3d BCELoss BCEWithLogitsLoss
+    BatchNorm1d BatchNorm2d BatchNorm3d Bilinear CELU CTCLoss ChannelShuffle CircularPad1d CircularPad2d
+    CircularPad3d ConstantPad1d ConstantPad2d ConstantPad3d Conv1d Conv2d Conv3d ConvTranspose1d
+    ConvTranspose2d ConvTranspose3d CosineEmbeddingLoss CosineSimilarity CrossEntropyLoss CrossMapLRN2d
+    Dropout Dropout1d Dropout2d Dropout3d ELU Embedding EmbeddingBag FeatureAlphaDropout Flatten Fold
+    FractionalMaxPool2d FractionalMaxPool3d GELU GLU GRU GRUCell GaussianNLLLoss GroupNorm Hardshrink
+    Hardsigmoid Hardswish Hardtanh HingeEmbeddingLoss HuberLoss Identity InstanceNorm1d InstanceNorm2d
+    InstanceNorm3d KLDivLoss L1Loss LPPool1d LPPool2d LPPool3d LSTM LSTMCell LayerNorm LazyLinear LeakyReLU
+    Linear LocalResponseNorm LogSigmoid LogSoftmax MSELoss MarginRankingLoss MaxPool1d MaxPool2d MaxPool3d
+    Mish MultiLabelMarginLoss MultiLabelSoftMarginLoss MultiMarginLoss MultiheadAttention NLLLoss PReLU
+    PairwiseDistance PixelShuffle PixelUnshuffle PoissonNLLLoss RMSNorm RNN RNNCell RReLU ReLU ReLU6
+    ReflectionPad1d ReflectionPad2d ReflectionPad3d ReplicationPad1d ReplicationPad2d ReplicationPad3d SELU
+    Sequential SiLU Sigmoid SmoothL1Loss SoftMarginLoss Softmax Softmax2d Softmin Softplus Softshrink
+    Softsign SyncBatchNorm Tanh Tanhshrink Threshold TripletMarginLoss Unflatten Unfold Upsample
+    UpsamplingBilinear2d UpsamplingNearest2d ZeroPad1d ZeroPad2d ZeroPad3d""".split()
+)
+
+
+def owner_module(op: Op) -> str | None:
+    """The module path of the user code that called `op`.
+
+    `op.module` is the innermost nn.Module running; when that is one of torch.nn's own classes (the op
+    ran inside `self.proj(x)`), the user's code belongs to the module holding it: the parent path.
+    """
+    mod = op.module
+    if mod is None or op.module_class not in TORCH_NN_CLASSES:
+        return mod
+    return mod.rpartition(".")[0]
 
 
 def module_related(a: str | None, b: str | None) -> bool:
@@ -110,20 +147,23 @@ class ProfileIndex:
         self.frame_of: dict[int, Frame] = {}
         open_frames: dict[tuple, Frame] = {}
         self.forward_root_ops: list[Op] = []
+        self.sequences: dict[tuple[int | None, int], list[Op]] = defaultdict(list)  # (step, thread) -> roots
         for op in ops:
             if op.parent is not None or op.is_backward or not in_window(op):
                 continue
             self.forward_root_ops.append(op)
+            self.sequences[(op.step, op.thread)].append(op)
             if op.file is None:
                 continue
             key = (op.step, op.thread, op.file, op.function)
             frame = open_frames.get(key)
-            if frame is None or not module_related(frame.module, op.module):
-                frame = Frame(op.step, op.thread, op.file, op.function, op.module)
+            owner = owner_module(op)
+            if frame is None or not module_related(frame.module, owner):
+                frame = Frame(op.step, op.thread, op.file, op.function, owner)
                 open_frames[key] = frame
                 self.frames.append(frame)
-            elif op.module is not None and (frame.module is None or len(op.module) < len(frame.module)):
-                frame.module = op.module
+            elif owner is not None and (frame.module is None or len(owner) < len(frame.module)):
+                frame.module = owner
             frame.append(op)
             self.frame_of[op.id] = frame
 

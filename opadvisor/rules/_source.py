@@ -12,7 +12,8 @@ frame, at or before the real one). This module turns those into the exact statem
     src.operators(10, 14)                 # [OperatorSite] of binary / augmented operators ("@", "/", "+=")
     src.statement_span(12)                # (first, last) line of the statement holding line 12
     src.enclosing_function(12)            # FunctionSpan(name, qualname, line, end_line) or None
-    locate_ops(src, ops)                  # (first, last) statement lines of a chain of ops (see below)
+    locate_each(src, ops)                 # each op's statement lines, for a chain that ran in this order
+    locate_ops(src, ops)                  # (first, last) statement lines of the whole chain
     source_status(profile, path)          # "ok" | "changed" | "missing": the file now vs. at profile time
 
 Every query is cheap after the first parse of a file (one visitor collects calls, operators, statements and
@@ -43,6 +44,7 @@ __all__ = [
     "file_sha256",
     "load_profiled_source",
     "load_source",
+    "locate_each",
     "locate_op",
     "locate_ops",
     "source_status",
@@ -357,30 +359,38 @@ def locate_op(src: SourceFile, op: Op, *, until: int | None = None) -> tuple[int
     return src.statement_span(found[0].line)
 
 
-def locate_ops(src: SourceFile | None, ops: list[Op]) -> tuple[int, int] | None:
-    """(first, last) statement line of a chain of ops that ran in this order in one function.
+def locate_each(src: SourceFile, ops: list[Op]) -> list[tuple[int, int] | None]:
+    """The statement lines of each op of a chain that ran in this order in one function (None: not found).
 
-    Exact lines anchor the search; an operator op is searched between the previous located line and the
-    next exact line, so `scores = q @ k.T / d` followed by `scores.masked_fill(...)` pinpoints both.
-    Returns None when `src` is None or no op has a line.
+    Exact lines anchor the search; an operator op (`line_exact` False) is searched from the statement of
+    the previous op (or its own recorded line, whichever is later) down to the next exact line, so
+    `scores = q @ k.T / d` followed by `scores = scores + mask` and `F.softmax(...)` pinpoints all three.
     """
-    if src is None:
-        return None
-    spans: list[tuple[int, int]] = []
+    out: list[tuple[int, int] | None] = []
     cursor: int | None = None
     for i, op in enumerate(ops):
         if op.line is None:
+            out.append(None)
             continue
         if op.line_exact:
-            span = src.statement_span(op.line)
+            span: tuple[int, int] | None = src.statement_span(op.line)
         else:
             nxt = next((o.line for o in ops[i + 1 :] if o.line_exact and o.line is not None), None)
-            start_op = op
-            if cursor is not None and cursor > (op.line or 0):
-                start_op = dataclasses.replace(op, line=cursor)
-            span = locate_op(src, start_op, until=nxt) or src.statement_span(op.line)
-        spans.append(span)
-        cursor = span[0]
+            start = max(op.line, cursor or 0)
+            span = locate_op(src, dataclasses.replace(op, line=start), until=nxt)
+            if span is None and start != op.line:
+                span = locate_op(src, op, until=nxt)
+        out.append(span)
+        if span is not None:
+            cursor = span[0]
+    return out
+
+
+def locate_ops(src: SourceFile | None, ops: list[Op]) -> tuple[int, int] | None:
+    """(first, last) statement line over a chain of ops (see `locate_each`); None when nothing is found."""
+    if src is None:
+        return None
+    spans = [s for s in locate_each(src, ops) if s is not None]
     if not spans:
         return None
     return min(s[0] for s in spans), max(s[1] for s in spans)

@@ -1,9 +1,338 @@
-"""`opadvisor suggest` (being built; see its issue)."""
+"""`opadvisor suggest`, `opadvisor rules`, `opadvisor explain`: findings ranked by measured time.
+
+Rendering only: the analysis is `opadvisor.rules.engine.analyse`, the JSON document is `suggest_document`
+(its JSON schema ships as `opadvisor/rules/suggest_schema.py`), SARIF is `sarif_document`.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+
+from opadvisor.cli.common import EXIT_FINDINGS, user_errors, warn
+
+SARIF_SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
+TOOL_URI = "https://github.com/opadvisor/opadvisor"
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the app."""
+    """Add `suggest`, `rules` and `explain` to the app."""
+    app.command("suggest")(suggest)
+    app.command("rules")(rules)
+    app.command("explain")(explain)
+
+
+def _split(values: list[str] | None) -> list[str] | None:
+    if not values:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def display_path(path: str, cwd: Path | None = None) -> str:
+    """Relative to the current directory when the file is under it, else absolute (the JSON contract)."""
+    base = (cwd or Path.cwd()).resolve()
+    try:
+        return str(Path(path).resolve().relative_to(base))
+    except ValueError:
+        return str(Path(path))
+
+
+@user_errors
+def suggest(
+    run: Annotated[str | None, typer.Argument(help="Run folder or run id (default: the latest run).")] = None,
+    format: Annotated[str, typer.Option("--format", "-f", help="table, json or sarif.")] = "table",
+    sort: Annotated[
+        str, typer.Option(help="Rank by 'time' (measured per step) or 'saving' (estimated).")
+    ] = "time",
+    select: Annotated[
+        list[str] | None, typer.Option(help="Only these rule ids (repeat or comma-separate).")
+    ] = None,
+    ignore: Annotated[
+        list[str] | None, typer.Option(help="Skip these rule ids (repeat or comma-separate).")
+    ] = None,
+    exit_code: Annotated[
+        bool, typer.Option("--exit-code", help="Exit 1 when there are findings (for CI).")
+    ] = False,
+) -> None:
+    """Explain where the run loses time: a breakdown of the step, then findings ranked by time per step.
+
+    Each finding gives file:line, the rule, the evidence (kernels, time per step, share of the step), the
+    estimated saving and the command that fixes it. `--format json` prints the documented contract,
+    `--format sarif` SARIF 2.1.0 for code-scanning tools.
+    """
+    from opadvisor.errors import UserError
+    from opadvisor.profile.runs import load_run
+    from opadvisor.rules.engine import analyse
+
+    if format not in ("table", "json", "sarif"):
+        raise UserError(f"unknown format {format!r}; use table, json or sarif")
+    if sort not in ("time", "saving"):
+        raise UserError(f"unknown sort {sort!r}; use time or saving")
+    run_dir, profiles = load_run(run)
+    report = analyse(profiles, _split(select), _split(ignore), sort=sort)  # type: ignore[arg-type]
+    _warn_sources(report.findings)
+    if format == "json":
+        print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))
+    elif format == "sarif":
+        print(json.dumps(sarif_document(report), indent=2))
+    else:
+        _render_table(run_dir, profiles, report, run)
+    if exit_code and report.findings:
+        raise typer.Exit(EXIT_FINDINGS)
+
+
+def _warn_sources(findings) -> None:
+    seen: set[str] = set()
+    for f in findings:
+        if f.source_status != "ok" and f.path not in seen:
+            seen.add(f.path)
+            what = "changed" if f.source_status == "changed" else "is gone"
+            warn(
+                f"{display_path(f.path)} {what} since it was profiled: its findings may point at moved lines; profile again"
+            )
+
+
+# ---- JSON ------------------------------------------------------------------------------------
+
+
+def finding_entry(f) -> dict[str, Any]:
+    """One finding as the JSON contract has it (the first eight keys are DESIGN.md's, in its order)."""
+    return {
+        "rule": f.rule,
+        "path": display_path(f.path),
+        "line": f.line,
+        "end_line": f.end_line,
+        "message": f.message,
+        "time_ms_per_step": _round(f.time_ms_per_step),
+        "est_saving_ms_per_step": _round(f.est_saving_ms_per_step),
+        "fix": f.fix,
+        "time_basis": f.evidence.time_basis,
+        "share_of_step": _round(f.evidence.share_of_step, 4),
+        "function": f.function,
+        "module": f.module,
+        "source_status": f.source_status,
+        "ranks": f.ranks,
+        "apply": apply_command(f),
+        "advice": f.advice,
+        "evidence": {
+            "ops": f.evidence.ops,
+            "kernel_count": f.evidence.kernel_count,
+            "shapes": f.evidence.shapes,
+            "dtypes": f.evidence.dtypes,
+            "occurrences": f.evidence.occurrences,
+            "notes": f.evidence.notes,
+        },
+        "details": f.details,
+    }
+
+
+def _round(v: float | None, digits: int = 3) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
+    """The `suggest --format json` object (schema: opadvisor/rules/suggest_schema.py)."""
+    from opadvisor.rules._breakdown import breakdown
+
+    first = profiles[0]
+    env = first.environment
+    return {
+        "schema": 1,
+        "run": display_path(str(run_dir)),
+        "device": env.gpu_name if env.device == "cuda" and env.gpu_name else env.device,
+        "step_ms": _round(first.median_step_ms()),
+        "findings": [finding_entry(f) for f in report.findings],
+        "notes": [{"rule": n.rule, "message": n.message, "ranks": n.ranks} for n in report.notes],
+        "breakdown": breakdown(first),
+        "rules_run": report.rules_run,
+    }
+
+
+def apply_command(f) -> str | None:
+    """The command that applies a finding's fix, None when it has no automatic fix."""
+    from opadvisor.rewrite.registry import has_codemod
+
+    if f.fix == "none" or not has_codemod(f.rule):
+        return None
+    return f"opadvisor apply --rule {f.rule}" + (" --unsafe" if f.fix == "unsafe" else "")
+
+
+# ---- SARIF -----------------------------------------------------------------------------------
+
+
+def _uri(path: str) -> dict[str, Any]:
+    shown = display_path(path)
+    if os.path.isabs(shown):
+        return {"uri": Path(shown).as_uri()}
+    return {"uri": Path(shown).as_posix(), "uriBaseId": "%SRCROOT%"}
+
+
+def sarif_document(report) -> dict[str, Any]:
+    """SARIF 2.1.0: one run, the rules that ran as reportingDescriptors, one result per finding."""
+    from opadvisor import __version__
+    from opadvisor.rules import registry
+
+    rule_ids = report.rules_run
+    descriptors = []
+    for rid in rule_ids:
+        mod = registry.get_rule(rid)
+        doc = (mod.__doc__ or "").strip()
+        descriptors.append(
+            {
+                "id": rid,
+                "name": rid,
+                "shortDescription": {"text": mod.TITLE},
+                "fullDescription": {"text": doc.splitlines()[0] if doc else mod.TITLE},
+                "help": {"text": doc or mod.TITLE},
+                "properties": {"fix": mod.FIX},
+            }
+        )
+    index = {rid: i for i, rid in enumerate(rule_ids)}
+    results = []
+    for f in report.findings:
+        share = f.evidence.share_of_step
+        level = "warning" if share is not None and share >= 0.05 else "note"
+        props: dict[str, Any] = {
+            "time_ms_per_step": _round(f.time_ms_per_step),
+            "est_saving_ms_per_step": _round(f.est_saving_ms_per_step),
+            "fix": f.fix,
+            "source_status": f.source_status,
+        }
+        if f.ranks is not None:
+            props["ranks"] = f.ranks
+        text = f.message + (f". Fix: {f.advice}" if f.advice else "")
+        results.append(
+            {
+                "ruleId": f.rule,
+                "ruleIndex": index.get(f.rule, 0),
+                "level": level,
+                "message": {"text": text},
+                "locations": [
+                    {
+                        "physicalLocation": {
+                            "artifactLocation": _uri(f.path),
+                            "region": {"startLine": max(1, f.line), "endLine": max(1, f.line, f.end_line)},
+                        }
+                    }
+                ],
+                "partialFingerprints": {"opadvisor/v1": f"{f.rule}:{display_path(f.path)}:{f.line}"},
+                "properties": props,
+            }
+        )
+    run: dict[str, Any] = {
+        "tool": {
+            "driver": {
+                "name": "opadvisor",
+                "version": __version__,
+                "informationUri": TOOL_URI,
+                "rules": descriptors,
+            }
+        },
+        "results": results,
+        "columnKind": "unicodeCodePoints",
+        "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().resolve().as_uri() + "/"}},
+    }
+    if report.notes:
+        run["invocations"] = [
+            {
+                "executionSuccessful": True,
+                "toolExecutionNotifications": [
+                    {"level": "note", "message": {"text": f"{n.rule}: {n.message}"}} for n in report.notes
+                ],
+            }
+        ]
+    return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
+
+
+# ---- table -----------------------------------------------------------------------------------
+
+
+def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from opadvisor.rules._breakdown import breakdown
+    from opadvisor.rules._findings import fmt_ms, fmt_share
+
+    console = Console(highlight=False, soft_wrap=False)
+    first = profiles[0]
+    env = first.environment
+    device = env.gpu_name if env.device == "cuda" and env.gpu_name else "CPU (no GPU times)"
+    ranks = f", {len(profiles)} ranks" if len(profiles) > 1 else ""
+    console.print(
+        f"[bold]{display_path(str(run_dir))}[/bold]  {display_path(first.script)}  on {device}{ranks}: "
+        f"{len(first.steps)} steps, median {fmt_ms(first.median_step_ms())}/step"
+    )
+    bd = breakdown(first)
+    basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
+    parts = "  ".join(
+        f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
+    )
+    console.print(f"Step ({basis}): {parts}")
+    if not report.findings:
+        console.print("No findings." + (" (rules run: " + ", ".join(report.rules_run) + ")"))
+    else:
+        table = Table(show_lines=True, header_style="bold")
+        table.add_column("#", justify="right")
+        table.add_column("time/step", justify="right")
+        table.add_column("saving", justify="right")
+        table.add_column("where / rule", overflow="fold")
+        table.add_column("what it found / fix", overflow="fold", ratio=1)
+        suffix = f" {run_arg}" if run_arg else ""
+        for i, f in enumerate(report.findings, 1):
+            where = f"{display_path(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+            if f.source_status != "ok":
+                where += f"\n({'file changed since profiling' if f.source_status == 'changed' else 'file gone'})"
+            cmd = apply_command(f)
+            fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
+            time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")
+            table.add_row(
+                str(i), time, fmt_ms(f.est_saving_ms_per_step), f"{where}\n{f.rule}", f"{f.message}\nfix: {fix}"
+            )
+        console.print(table)
+    for n in report.notes:
+        ranks = f" (ranks {', '.join(map(str, n.ranks))})" if n.ranks else ""
+        console.print(f"note: {n.rule}: {n.message}{ranks}")
+    if first.environment.device != "cuda":
+        console.print("CPU profile: times are CPU op times; savings need kernel times: profile on a GPU.")
+
+
+# ---- rules / explain -------------------------------------------------------------------------
+
+
+@user_errors
+def rules() -> None:
+    """List the rules: id, fix safety and what each finds."""
+    from opadvisor.rewrite.registry import has_codemod
+    from opadvisor.rules import registry
+
+    width = max(len(r) for r in registry.rule_ids())
+    for rid in registry.rule_ids():
+        try:
+            mod = registry.get_rule(rid)
+        except ImportError:
+            print(f"{rid:<{width}}  (not available in this build)")
+            continue
+        fix = mod.FIX if has_codemod(rid) or mod.FIX == "none" else f"{mod.FIX}, no codemod yet"
+        print(f"{rid:<{width}}  {mod.TITLE} [fix: {fix}]")
+    print("\n`opadvisor explain RULE` says what a rule finds, why it is slow, and how it is fixed.")
+
+
+@user_errors
+def explain(rule: Annotated[str, typer.Argument(help="A rule id (see `opadvisor rules`).")]) -> None:
+    """Print a rule's documentation: what it finds, why it is slow, an example, the fix and its safety."""
+    from opadvisor.rules import registry
+
+    mod = registry.get_rule(rule)
+    print(f"{mod.ID}: {mod.TITLE} (fix: {mod.FIX})\n")
+    print(_dedent_doc(mod.__doc__ or ""))
+
+
+def _dedent_doc(doc: str) -> str:
+    import inspect
+
+    return inspect.cleandoc(doc)

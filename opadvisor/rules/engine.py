@@ -109,9 +109,8 @@ def analyse(
     for profile in profiles:
         found: list[Finding] = []
         for rid in rule_ids:
-            module = registry.get_rule(rid)
             try:
-                found.extend(module.detect(profile))
+                found.extend(registry.get_rule(rid).detect(profile))
             except NotApplicable as exc:
                 _note(notes, rid, str(exc), profile.rank, multi)
             except Exception as exc:  # noqa: BLE001 - one failing rule must not hide the others
@@ -127,8 +126,41 @@ def analyse(
                 f.source_status = source_status(profile, f.path)
         per_rank.append((profile.rank, found))
     report.findings = sort_findings(_merge(per_rank, multi), sort)
+    link_alternatives(report.findings)
     report.notes = list(notes.values())
     return report
+
+
+def link_alternatives(findings: list[Finding]) -> None:
+    """Findings whose fixes rewrite the same lines another way (a rule's `ALTERNATIVES`) name each other.
+
+    Each gets `details["alternative"] = {"rule", "line", "end_line", "bigger_win"}` and a message tail
+    saying which of the two saves more (by estimated saving; without estimates, the one covering more
+    time). Both findings stand: the user applies one.
+    """
+    by_path: dict[str, list[Finding]] = {}
+    for f in findings:
+        by_path.setdefault(f.path, []).append(f)
+    for f in findings:
+        try:
+            alternatives = getattr(registry.get_rule(f.rule), "ALTERNATIVES", ())
+        except (ImportError, UserError):
+            continue
+        for g in by_path.get(f.path, ()):
+            if g is f or g.rule not in alternatives or g.end_line < f.line or g.line > f.end_line:
+                continue
+            mine, theirs = f.est_saving_ms_per_step, g.est_saving_ms_per_step
+            if mine is None or theirs is None:
+                mine, theirs = f.time_ms_per_step or 0.0, g.time_ms_per_step or 0.0
+            bigger = mine > theirs
+            f.details["alternative"] = {
+                "rule": g.rule,
+                "line": g.line,
+                "end_line": g.end_line,
+                "bigger_win": bigger,
+            }
+            tail = "this is the bigger win" if bigger else f"{g.rule} there is the bigger win"
+            f.message += f"; or {g.rule} (lines {g.line}-{g.end_line}): {tail}"
 
 
 def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool) -> None:

@@ -29,6 +29,10 @@ Profile
                       nn.Linear / nn.Embedding modules (file:line of the constructor call, settings)
     rank / world_size distributed rank of this profile (0 / 1 for a single process)
 
+On disk, op and kernel fields equal to their default are left out, and each kernel's `name` is an index
+into the top-level `kernel_names` list; `load_profile` restores both. Non-finite scalars are strings
+("inf", "-inf", "nan"). Read profile.json through `load_profile`, not as raw JSON.
+
 Op (one aten op or autograd node; nested ops point at their parent)
     id, name ("aten::softmax"), step (index into steps, None outside any step),
     start_us, duration_us (CPU, inclusive), thread (OS thread id; backward runs on the autograd thread),
@@ -243,8 +247,53 @@ class Profile:
 # ---- JSON round trip -------------------------------------------------------------------------
 
 
+_DEFAULTS: dict[type, list[tuple[str, Any]]] = {}
+_REQUIRED = object()  # equal to no value: required fields are always written
+
+
+def _field_defaults(cls: type) -> list[tuple[str, Any]]:
+    if cls not in _DEFAULTS:
+        defaults = []
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                defaults.append((f.name, f.default))
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults.append((f.name, f.default_factory()))
+            else:
+                defaults.append((f.name, _REQUIRED))
+        _DEFAULTS[cls] = defaults
+    return _DEFAULTS[cls]
+
+
+def _without_defaults(obj: Any) -> dict[str, Any]:
+    """A flat dataclass as a dict, leaving out fields equal to their default (loading fills them back)."""
+    out: dict[str, Any] = {}
+    for name, default in _field_defaults(type(obj)):
+        value = getattr(obj, name)
+        if value != default:
+            out[name] = value
+    return out
+
+
 def profile_to_dict(profile: Profile) -> dict[str, Any]:
-    return dataclasses.asdict(profile)
+    """The JSON form. Ops and kernels leave out default-valued fields, and kernel names (long C++
+    template names, repeated every step) are stored once in `kernel_names` and referenced by index."""
+    data = dataclasses.asdict(dataclasses.replace(profile, ops=[]))
+    names: dict[str, int] = {}
+    ops = []
+    for op in profile.ops:
+        entry = _without_defaults(op)
+        if op.kernels:
+            kernels = []
+            for k in op.kernels:
+                kd = _without_defaults(k)
+                kd["name"] = names.setdefault(k.name, len(names))
+                kernels.append(kd)
+            entry["kernels"] = kernels
+        ops.append(entry)
+    data["ops"] = ops
+    data["kernel_names"] = list(names)
+    return data
 
 
 def save_profile(profile: Profile, path: Path) -> None:
@@ -277,13 +326,17 @@ def profile_from_dict(data: Any) -> Profile:
         for s in prof.steps:
             s.idle_gaps = [_build(Gap, g) for g in s.idle_gaps]
         prof.ops = [_build(Op, o) for o in data.get("ops", [])]
+        kernel_names = data.get("kernel_names", [])
         for o in prof.ops:
             o.kernels = [_build(Kernel, k) for k in o.kernels]
+            for k in o.kernels:
+                if isinstance(k.name, int):
+                    k.name = kernel_names[k.name]
         prof.annotations = [_build(Annotation, a) for a in data.get("annotations", [])]
         prof.syncs = [_build(SyncEvent, s) for s in data.get("syncs", [])]
         prof.memcpys = [_build(Memcpy, m) for m in data.get("memcpys", [])]
         prof.constructions = [_build(Construction, c) for c in data.get("constructions", [])]
-    except TypeError as exc:  # a required field missing
+    except (TypeError, IndexError, AttributeError) as exc:  # a required field missing, a bad reference
         raise ProfileFormatError(f"profile.json is malformed: {exc}") from None
     for i, o in enumerate(prof.ops):
         if o.id != i:

@@ -175,9 +175,12 @@ def _export_trace(recording: Recording, dest: Path) -> None:
 
 
 def write_run(
-    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None, cwd: Path
+    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None, cwd: Path,
+    rank: tuple[int, int] | None = None,  # issue 9
 ) -> tuple[Path, Profile]:
     """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole."""
+    if rank is not None:  # issue 9: one rank of a multi-process run
+        return _write_rank_files(recording, session, script, argv, cuda, out, rank)
     final = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
@@ -196,6 +199,36 @@ def write_run(
     if out is None:
         runs.mark_latest(final)
     return final, profile
+
+
+def rank_file_names(rank: int) -> tuple[str, str]:
+    """(issue 9) The profile and trace file names of one rank, as `runs.profile_paths` reads them."""
+    return f"profile.rank{rank}.json", f"trace.rank{rank}.json.gz"
+
+
+def _write_rank_files(
+    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None,
+    rank: tuple[int, int],
+) -> tuple[Path, Profile]:
+    """(issue 9, opadvisor/profile/distributed.py) `rank` = (rank, world_size): `out` is the run folder the
+    launcher made and every rank shares; this rank adds profile.rank<N>.json and trace.rank<N>.json.gz,
+    each renamed into place whole, the trace first (a profile file means both are there). The launcher
+    marks the run latest once every rank has written.
+    """
+    assert out is not None and out.is_dir()
+    staging = Path(tempfile.mkdtemp(prefix=f".rank{rank[0]}.partial-", dir=out))
+    try:
+        profile = build_profile(recording, session, script, argv, cuda)
+        profile.run_id, (profile.rank, profile.world_size) = out.name, rank
+        profile_name, trace_name = rank_file_names(rank[0])
+        save_profile(profile, staging / profile_name)
+        _export_trace(recording, staging / trace_name)
+        for name in (trace_name, profile_name):
+            (staging / name).chmod(0o666 & ~_umask())
+            (staging / name).rename(out / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out, profile
 
 
 def _umask() -> int:
@@ -219,13 +252,19 @@ def run_script(
     config: SessionConfig,
     out: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    rank: tuple[int, int] | None = None,
 ) -> RunOutcome:
-    """Run `script args` under a profiling session and write what it recorded."""
+    """Run `script args` under a profiling session and write what it recorded.
+
+    `rank` (issue 9): (rank, world_size) when this process is one rank of `opadvisor profile
+    --nproc-per-node`; `out` is then the run folder shared by all ranks (see `_write_rank_files`).
+    """
     import torch
 
     cwd = Path.cwd()
     check_script(script)
-    check_output_parent(out, cwd)
+    if rank is None:  # issue 9: a rank's shared folder was checked and made by its launcher
+        check_output_parent(out, cwd)
     config.cuda = torch.cuda.is_available()
     argv = [str(script), *args]
     session = Session(config, on_progress)
@@ -255,7 +294,9 @@ def run_script(
         status = "complete"  # --run-to-end, or a time window the script outlived
     outcome = RunOutcome(None, None, status, session.steps_seen, exit_code, script_tb, list(session.warnings))
     if recording is not None and recording.steps:
-        outcome.run_dir, outcome.profile = write_run(recording, session, script, argv, config.cuda, out, cwd)
+        outcome.run_dir, outcome.profile = write_run(
+            recording, session, script, argv, config.cuda, out, cwd, rank
+        )
     elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
         outcome.status = "no_steps"
     return outcome

@@ -1,0 +1,69 @@
+"""What `opadvisor profile --nproc-per-node N` says: the launch, each rank's outcome, the cross-rank summary.
+
+Kept beside `distributed.py` (which does the work) so that the CLI module only dispatches here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from opadvisor.cli.common import fail, warn
+from opadvisor.profile.distributed import DistOutcome, LaunchSpec, describe_failure, launch
+
+
+def profile_ranks(
+    script: Path, args: list[str], spec: LaunchSpec, *, warmup: int, steps: int, run_to_end: bool, out: Path | None
+) -> None:
+    """Launch, wait, report: exit 0 with a summary, or one `opadvisor: error:` line naming the rank and exit 2."""
+    world = spec.nproc_per_node * spec.nnodes
+    node = f" (node {spec.node_rank} of {spec.nnodes})" if spec.nnodes > 1 else ""
+    print(f"opadvisor: launching {world} rank(s){node} through torchrun", file=sys.stderr, flush=True)
+    outcome = launch(script, args, spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out)
+    if not outcome.ok:
+        trace, message = describe_failure(outcome, script)
+        if trace:
+            sys.stderr.write(trace if trace.endswith("\n") else trace + "\n")
+        raise fail(message)
+    _report_success(outcome, script, warmup, steps)
+
+
+def _report_success(outcome: DistOutcome, script: Path, warmup: int, steps: int) -> None:
+    if not outcome.profiles:
+        never = [r for r in outcome.ranks if r.status == "no_steps"]
+        if never:
+            raise fail(
+                f"no steps detected in {script} on rank(s) {', '.join(str(r.rank) for r in never)}: it never "
+                "called optimizer.step() (nor opadvisor.step()); multi-rank runs record steps only"
+            )
+        seen = max((r.steps_seen for r in outcome.ranks), default=0)
+        raise fail(
+            f"{script} ended after {seen} step(s), before the window started (--warmup {warmup}): "
+            "lower --warmup or let the script run longer"
+        )
+    missing = [r.rank for r in outcome.ranks if not r.wrote_profile]
+    if missing:
+        warn(f"rank(s) {', '.join(map(str, missing))} recorded no whole step; their profiles are missing")
+    short = [p for p in outcome.profiles if len(p.steps) < steps]
+    if short:
+        warn(
+            f"{script} ended early: recorded {min(len(p.steps) for p in short)} of {steps} step(s) "
+            f"(--warmup {warmup} --steps {steps})"
+        )
+    _print_summary(outcome)
+
+
+def _print_summary(outcome: DistOutcome) -> None:
+    from rich.console import Console, Group
+    from rich.text import Text
+
+    from opadvisor.profile.summary import summarize
+    from opadvisor.rules import cross_rank
+
+    report = cross_rank.analyse(outcome.profiles)
+    first = summarize(outcome.profiles[0])
+    tail = f"Run written to {outcome.run_dir}" + ("" if outcome.marked_latest else " (not marked latest)")
+    tail += f"\nNext: opadvisor suggest{'' if outcome.marked_latest else ' ' + str(outcome.run_dir)}"
+    Console(highlight=False).print(
+        Group(cross_rank.render(report, brief=True), first.render(None), Text(tail))
+    )

@@ -1,0 +1,477 @@
+"""`opadvisor profile --nproc-per-node N`: profile every rank of a multi-process (torchrun) training run.
+
+Two halves, one per process kind:
+
+- `launch` runs in the `opadvisor profile` process. It checks the script, makes the run folder, and runs
+
+      python -m torch.distributed.run --nproc-per-node N --max-restarts 0 (--standalone | --nnodes ...)
+             -m opadvisor.profile.distributed RUN_DIR --warmup W --steps S -- SCRIPT ARGS...
+
+  in a session of its own (Ctrl-C reaches the launcher as one SIGTERM, which torchrun passes on to every
+  rank). When torchrun has ended it reads what each rank reported and returns a `DistOutcome`; the run is
+  marked latest only when every rank of this node wrote its profile.
+- `rank_main` is that `-m opadvisor.profile.distributed` entry, once per rank: the lead's `run_script`
+  runs the script in-process with rank-named files in the shared run folder.
+
+Run folder of a multi-rank run (beside what `runs.py` describes):
+    profile.rank<N>.json, trace.rank<N>.json.gz   written by rank N (`rank`/`world_size` in the profile)
+    status.rank<N>.json   how rank N ended: {"rank", "local_rank", "node_rank", "world_size", "host",
+                          "pid", "status" ("running" until it ends, then the runner's status or
+                          "terminated"), "steps_seen", "steps_recorded", "exit_code", "error" (last
+                          line of the script's traceback), "traceback", "ended_at" (unix time)}
+
+Lockstep: every rank stops at the same step boundary, the post hook of its `warmup + steps`-th
+optimizer step. Under DDP the gradients of that step were all-reduced during backward on every rank,
+so no rank stops while a peer still waits in a collective of the window; no collective runs after it
+(the process group is destroyed on each rank once the script has stopped cleanly). The single-process
+time-window fallback (for scripts that never step) is off here: ranks would close their windows at
+different moments, in the middle of different collectives.
+
+A failing rank: its `run_script` catches the script's exception and writes the steps it recorded; the
+rank then exits 1 and torchrun (`--max-restarts 0`) stops the other ranks with SIGTERM (SIGKILL after
+its grace period). A rank still inside the script turns SIGTERM into an exception, so it too keeps the
+steps it recorded; one already writing its files finishes them first. Peers waiting in a gloo
+collective get "connection closed" as soon as the failed process exits; NCCL peers blocked in a CUDA
+wait cannot run Python and are killed at the end of torchrun's grace period. No rank hangs.
+
+What a failed run keeps: whatever profiles the ranks wrote (each file whole). The run folder is marked
+latest only if every rank of this node wrote its profile (as a single-process run that failed after
+recording some steps is); if no rank wrote one, the folder is removed. The error names the rank that
+failed first (the earliest to end among the failed ranks: the root cause; the others' errors follow from
+it) with its exception and traceback, then the others, then torchrun's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from opadvisor.errors import UserError
+from opadvisor.profile import runs
+from opadvisor.profile.model import Profile, ProfileFormatError, load_profile
+
+STATUS_PREFIX = "status.rank"
+_MODULE = "opadvisor.profile.distributed"
+# Seconds the launcher waits for torchrun to stop its ranks after Ctrl-C before it kills torchrun itself
+# (torchrun's own grace period for a rank that ignores SIGTERM is 30 s).
+_INTERRUPT_GRACE_S = 45.0
+
+
+def status_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"{STATUS_PREFIX}{rank}.json"
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+# ---- the rank side: `python -m opadvisor.profile.distributed` under torchrun ------------------------
+
+
+class RankTerminated(BaseException):  # noqa: N818 - a control-flow signal, like WindowComplete
+    """SIGTERM from torchrun (another rank failed, or Ctrl-C) while this rank's script was running."""
+
+
+_stop_on_sigterm = True  # False once the script and this rank's files are done
+
+
+def _on_sigterm(signum, frame) -> None:
+    """Stop the script (its recorded steps are still written); never interrupt the writing itself."""
+    from opadvisor.profile.runner import _write_rank_files
+
+    if not _stop_on_sigterm:
+        return
+    while frame is not None:
+        if frame.f_code is _write_rank_files.__code__:
+            return  # finishing this rank's files; the process ends right after
+        frame = frame.f_back
+    raise RankTerminated("stopped by the launcher (SIGTERM)")
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    """One rank: run the script under the profiler, write rank-named files, report how it ended."""
+    parser = argparse.ArgumentParser(prog=f"python -m {_MODULE}")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--run-to-end", action="store_true")
+    parser.add_argument("script", type=Path)
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    status = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "node_rank": int(os.environ.get("GROUP_RANK", "0")),
+        "world_size": world_size,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "status": "running",
+        "steps_seen": 0,
+        "steps_recorded": 0,
+        "exit_code": None,
+        "error": None,
+        "traceback": None,
+        "ended_at": None,
+    }
+    path = status_path(ns.run_dir, rank)
+    _write_json(path, status)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    code = 1
+    try:
+        code = _run_rank(ns, args, rank, world_size, local_rank, status)
+    except BaseException as exc:  # opadvisor's own failure (or a SIGTERM while writing): report it
+        status["status"] = "terminated" if isinstance(exc, RankTerminated) else "opadvisor_error"
+        status["error"] = f"{type(exc).__name__}: {exc}"
+        status["traceback"] = traceback.format_exc()
+    finally:
+        status["ended_at"] = time.time()
+        _write_json(path, status)
+    return code
+
+
+def _run_rank(ns, args: list[str], rank: int, world_size: int, local_rank: int, status: dict) -> int:
+    import torch
+
+    from opadvisor.profile.runner import run_script
+    from opadvisor.profile.session import SessionConfig
+
+    if torch.cuda.is_available() and local_rank < torch.cuda.device_count():
+        # The profiler synchronises the current device: make it this rank's GPU (as scripts do) so that
+        # rank N does not also open a context on GPU 0.
+        torch.cuda.set_device(local_rank)
+    config = SessionConfig(
+        warmup=ns.warmup,
+        steps=ns.steps,
+        run_to_end=ns.run_to_end,
+        window_after_seconds=float("inf"),  # no time-window fallback across ranks (see the module doc)
+    )
+    outcome = run_script(ns.script, args, config, out=ns.run_dir, rank=(rank, world_size))
+    global _stop_on_sigterm
+    _stop_on_sigterm = False
+    status.update(
+        status=outcome.status,
+        steps_seen=outcome.steps_seen,
+        steps_recorded=len(outcome.profile.steps) if outcome.profile else 0,
+        exit_code=outcome.exit_code,
+        traceback=outcome.script_traceback,
+        error=_last_line(outcome.script_traceback),
+    )
+    if outcome.script_traceback and "RankTerminated" in (status["error"] or ""):
+        status["status"] = "terminated"
+    if outcome.status == "complete":
+        _destroy_process_group()
+    if outcome.status == "script_error":
+        return 1
+    if outcome.status == "script_exit":
+        return outcome.exit_code or 1
+    return 0
+
+
+def _destroy_process_group() -> None:
+    """The window ended cleanly on every rank at the same step: release the group (NCCL warns otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - the profile is written; a failing teardown changes nothing
+            pass
+
+
+def _last_line(text: str | None) -> str | None:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else None
+
+
+# ---- the launcher side: inside `opadvisor profile --nproc-per-node N` --------------------------------
+
+
+@dataclass
+class RankReport:
+    """How one rank ended, from its status file (None fields: the rank never reported)."""
+
+    rank: int
+    status: str  # a runner status, "terminated", "opadvisor_error", "running" (killed), "missing"
+    local_rank: int | None = None
+    host: str | None = None
+    steps_seen: int = 0
+    steps_recorded: int = 0
+    exit_code: int | None = None
+    error: str | None = None
+    traceback: str | None = None
+    ended_at: float | None = None
+    wrote_profile: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("script_error", "script_exit", "opadvisor_error", "terminated", "running", "missing")
+
+    def where(self) -> str:
+        host = f" on {self.host}" if self.host else ""
+        return f"rank {self.rank} (local rank {self.local_rank}{host})" if self.local_rank is not None else f"rank {self.rank}"
+
+
+@dataclass
+class DistOutcome:
+    run_dir: Path | None  # None when no rank wrote a profile (the folder was removed)
+    launcher_code: int  # torchrun's exit code (negative: killed by that signal)
+    ranks: list[RankReport] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)  # this node's profiles, rank order
+    marked_latest: bool = False
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.launcher_code == 0 and not self.interrupted and all(not r.failed for r in self.ranks)
+
+    def root_cause(self) -> RankReport | None:
+        """The rank that failed first: its error is the cause, the others' follow from it."""
+        failed = [r for r in self.ranks if r.failed]
+        if not failed:
+            return None
+        # A rank the launcher stopped is never the cause while another failed by itself.
+        own = [r for r in failed if r.status not in ("terminated", "running", "missing")] or failed
+        return min(own, key=lambda r: (r.ended_at is None, r.ended_at or 0.0, r.rank))
+
+
+@dataclass
+class LaunchSpec:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    def torchrun_args(self) -> list[str]:
+        args = ["--nproc-per-node", str(self.nproc_per_node), "--max-restarts", "0"]
+        if self.nnodes == 1:
+            return [*args, "--standalone"]  # a free local port: parallel runs do not collide
+        args += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank)]
+        args += ["--master-addr", self.master_addr or "127.0.0.1"]
+        if self.master_port is not None:
+            args += ["--master-port", str(self.master_port)]
+        return args
+
+    def node_ranks(self) -> range:
+        """Global ranks of this node (static rendezvous numbers ranks node by node)."""
+        return range(self.node_rank * self.nproc_per_node, (self.node_rank + 1) * self.nproc_per_node)
+
+
+def check_spec(spec: LaunchSpec, out: Path | None) -> None:
+    if spec.nproc_per_node < 1 or spec.nnodes < 1:
+        raise UserError("--nproc-per-node and --nnodes must be at least 1")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise UserError(f"--node-rank {spec.node_rank} is not a node of --nnodes {spec.nnodes}")
+    if spec.nnodes > 1 and (out is None or spec.master_addr is None):
+        raise UserError(
+            "--nnodes > 1 needs --master-addr (node 0's address) and --out DIR, the same folder on every "
+            "node (shared storage, or gather the rank files afterwards)"
+        )
+
+
+def prepare_run_dir(spec: LaunchSpec, out: Path | None, cwd: Path) -> Path:
+    """The run folder the ranks will share: made here, before torchrun starts (UserError if it cannot be)."""
+    from opadvisor.profile.runner import check_output_parent, rank_file_names
+
+    if spec.nnodes > 1 and out is not None and out.is_dir():
+        # Other nodes write into the same folder: refuse only what would overwrite this node's ranks.
+        taken = [r for r in spec.node_ranks() if (out / rank_file_names(r)[0]).exists()]
+        if taken:
+            raise UserError(f"--out {out} already holds profiles of rank(s) {_ranges(taken)}")
+        return out
+    check_output_parent(out, cwd)
+    run_dir = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def launch(
+    script: Path,
+    args: list[str],
+    spec: LaunchSpec,
+    *,
+    warmup: int,
+    steps: int,
+    run_to_end: bool = False,
+    out: Path | None = None,
+) -> DistOutcome:
+    """Profile `script args` on every rank through torchrun; what each rank reported, and its profiles."""
+    from opadvisor.profile.runner import check_script
+
+    cwd = Path.cwd()
+    check_spec(spec, out)
+    check_script(script)
+    run_dir = prepare_run_dir(spec, out, cwd)
+    command = [sys.executable, "-m", "torch.distributed.run", *spec.torchrun_args(), "-m", _MODULE, str(run_dir)]
+    command += ["--warmup", str(warmup), "--steps", str(steps), *(["--run-to-end"] if run_to_end else [])]
+    command += [str(script), "--", *args]
+    code, interrupted = _run_launcher(command)
+    outcome = collect(run_dir, spec, code)
+    outcome.interrupted = interrupted
+    if not outcome.profiles and not _others_in(run_dir, spec):
+        _remove_run_dir(run_dir, spec)
+        outcome.run_dir = None
+    elif out is None and all(r.wrote_profile for r in outcome.ranks):
+        runs.mark_latest(run_dir)
+        outcome.marked_latest = True
+    return outcome
+
+
+def _run_launcher(command: list[str]) -> tuple[int, bool]:
+    """Run torchrun to its end. Ctrl-C: one SIGTERM to torchrun (it stops the ranks), then wait for it."""
+    proc = subprocess.Popen(command, start_new_session=True)
+    interrupted = False
+    while True:
+        try:
+            return proc.wait(), interrupted
+        except KeyboardInterrupt:
+            if interrupted:  # a second Ctrl-C: stop waiting for a clean end
+                proc.kill()
+                continue
+            interrupted = True
+            proc.send_signal(signal.SIGTERM)
+            try:
+                return proc.wait(timeout=_INTERRUPT_GRACE_S), interrupted
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            except KeyboardInterrupt:
+                proc.kill()
+
+
+def collect(run_dir: Path, spec: LaunchSpec, launcher_code: int) -> DistOutcome:
+    """What this node's ranks reported in the run folder, and the profiles they wrote."""
+    from opadvisor.profile.runner import rank_file_names
+
+    outcome = DistOutcome(run_dir, launcher_code)
+    reported = {}
+    for path in run_dir.glob(f"{STATUS_PREFIX}*.json"):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("rank"), int):
+            reported[data["rank"]] = data
+    node = [d for d in reported.values() if d.get("node_rank") == spec.node_rank]
+    ranks = sorted({d["rank"] for d in node} | set(spec.node_ranks() if len(node) < spec.nproc_per_node else ()))
+    for rank in ranks:
+        data = reported.get(rank)
+        if data is None:
+            outcome.ranks.append(RankReport(rank, "missing"))
+            continue
+        known = {k: data.get(k) for k in RankReport.__dataclass_fields__ if k in data and k != "rank"}
+        report = RankReport(rank, **{**known, "steps_seen": known.get("steps_seen") or 0,
+                                      "steps_recorded": known.get("steps_recorded") or 0})
+        profile_file = run_dir / rank_file_names(rank)[0]
+        if profile_file.is_file():
+            try:
+                outcome.profiles.append(load_profile(profile_file))
+                report.wrote_profile = True
+            except ProfileFormatError:
+                pass
+        outcome.ranks.append(report)
+    return outcome
+
+
+def _others_in(run_dir: Path, spec: LaunchSpec) -> bool:
+    """Does the folder hold other nodes' profiles (a shared multi-node --out)?"""
+    mine = {f"profile.rank{r}.json" for r in spec.node_ranks()}
+    return any(p.name not in mine for p in run_dir.glob("profile.rank*.json"))
+
+
+def _remove_run_dir(run_dir: Path, spec: LaunchSpec) -> None:
+    """Nothing recorded: remove this node's status files and, if then empty, the folder."""
+    for rank in spec.node_ranks():
+        status_path(run_dir, rank).unlink(missing_ok=True)
+    for leftover in run_dir.glob(".rank*.partial-*"):
+        import shutil
+
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # not empty (someone else's files) or already gone
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+# ---- messages for the CLI -----------------------------------------------------------------------------
+
+
+def describe_failure(outcome: DistOutcome, script: Path) -> tuple[str | None, str]:
+    """(traceback to print or None, one-line error) for a failed multi-rank run."""
+    cause = outcome.root_cause()
+    kept = (
+        f"; the recorded steps of rank(s) {_ranges([p.rank for p in outcome.profiles])} were kept in {outcome.run_dir}"
+        if outcome.profiles
+        else "; nothing was recorded"
+    )
+    launcher = f" (torchrun exited with {_code_words(outcome.launcher_code)})"
+    if outcome.interrupted:
+        return None, f"interrupted; the launcher stopped every rank{kept}{launcher}"
+    if cause is None:
+        return None, f"torchrun failed before the ranks reported{kept}{launcher}"
+    what = _rank_words(cause, script)
+    others = [r for r in outcome.ranks if r.failed and r is not cause]
+    tail = ""
+    if others:
+        tail = "; then " + ", ".join(f"rank {r.rank} {_short_words(r)}" for r in others)
+    return cause.traceback, f"{what}{tail}{kept}{launcher}"
+
+
+def _rank_words(r: RankReport, script: Path) -> str:
+    after = f" after {r.steps_seen} step(s)"
+    if r.status == "script_error":
+        return f"{r.where()} raised {r.error or 'an exception'}{after} in {script}"
+    if r.status == "script_exit":
+        return f"{r.where()}: {script} called sys.exit({r.exit_code}){after}"
+    if r.status == "opadvisor_error":
+        return f"{r.where()}: opadvisor failed: {r.error}"
+    if r.status == "terminated":
+        return f"{r.where()} was stopped by the launcher{after}"
+    if r.status == "running":
+        return f"{r.where()} died{after if r.steps_seen else ''} without reporting (killed by a signal or os._exit?)"
+    return f"{r.where()} never started (see torchrun's output above)"
+
+
+def _short_words(r: RankReport) -> str:
+    return {
+        "script_error": f"raised {r.error or 'an exception'}",
+        "script_exit": f"exited with sys.exit({r.exit_code})",
+        "terminated": "was stopped by the launcher",
+        "running": "died without reporting",
+        "missing": "never started",
+    }.get(r.status, r.error or r.status)
+
+
+def _code_words(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+if __name__ == "__main__":
+    # Run the imported module's rank_main, not this `__main__` copy: one RankTerminated class, one flag.
+    from opadvisor.profile.distributed import rank_main as _rank_main
+
+    sys.exit(_rank_main())

@@ -43,6 +43,7 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         self.targets = list(targets) if targets is not None else None
         self.changes: list[Note] = []
         self.skipped: list[Note] = []
+        self.notes: list[Note] = []  # display-only suggestions (`note`): printed, never written
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -64,3 +65,17 @@ class RuleCodemod(VisitorBasedCodemodCommand):
 
     def record_change(self, node: cst.CSTNode, description: str) -> None:
         self.changes.append(Note(self.lines_of(node)[0], description))
+
+    # ---- added with the engine (issue 6) -----------------------------------------------------------
+    def target_for_lines(self, start: int, end: int) -> Target | None:
+        """Like `targeted`, for a line range (a match spanning several statements)."""
+        if self.targets is None:
+            return Target(start, end)
+        for t in self.targets:
+            if start <= t.end_line and t.line <= end:
+                return t
+        return None
+
+    def note(self, node: cst.CSTNode, message: str) -> None:
+        """A display-only suggestion (it would change the model, so it is never written): shown to the user."""
+        self.notes.append(Note(self.lines_of(node)[0], message))

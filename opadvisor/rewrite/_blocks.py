@@ -1,0 +1,168 @@
+"""A codemod base for rewrites that fold several consecutive statements of a block into one.
+
+Subclasses implement `block_edits(stmts, indent)`: given the (original) statements of one block, return
+`BlockEdit`s. Each edit names the statements it spans (`first`..`last`), optionally keeps the first as a
+new statement (`kept_first`), and replaces nodes inside the last one (`replacements`, keyed by id() of the
+original node). Every statement strictly between is removed. Nothing else in the file is touched.
+
+Comments are never dropped: the leading lines of removed statements, their end-of-line comments, and
+comments inside replaced code (outside the `carried` nodes that the rewrite reuses) become comment lines
+above the rewritten statement, in source order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider, ScopeProvider
+
+from opadvisor.rewrite import _edit as ed
+from opadvisor.rewrite._names import reference
+from opadvisor.rewrite.base import RuleCodemod, Target
+
+
+@dataclass
+class BlockEdit:
+    first: int
+    last: int
+    replacements: dict[int, cst.BaseExpression]  # id(original node in stmts[last]) -> new node
+    carried: list[cst.CSTNode] = field(default_factory=list)  # original nodes reused by the rewrite
+    kept_first: cst.SimpleStatementLine | None = None  # replaces stmts[first] when first < last
+    kept_first_dropped: cst.CSTNode | None = None  # the part of stmts[first] that kept_first no longer has
+
+
+class BlockRewriter(RuleCodemod):
+    METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ScopeProvider, ParentNodeProvider)
+
+    def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:
+        super().__init__(context, targets)
+        self._module: cst.Module | None = None
+        self._indents: list[str] = []
+
+    # ---- subclasses ---------------------------------------------------------------------------------
+    def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
+        raise NotImplementedError
+
+    # ---- helpers for subclasses -----------------------------------------------------------------------
+    def ref(self, qualified_name: str) -> cst.BaseExpression:
+        assert self._module is not None
+        return reference(self.context, self._module, qualified_name)
+
+    def call_for(
+        self,
+        func: cst.BaseExpression,
+        positional: Sequence[cst.BaseExpression],
+        keywords: Sequence[tuple[str, cst.BaseExpression]],
+        stmt: cst.SimpleStatementLine,
+        top: cst.CSTNode,
+        indent: str,
+    ) -> cst.Call:
+        """The call on one line when the statement still fits, else one argument per line."""
+        assert self._module is not None
+        flat = ed.build_call(func, positional, keywords)
+        probe = ed.replace_nodes(stmt, {id(top): flat}).with_changes(leading_lines=[])  # type: ignore[union-attr]
+        text = self._module.code_for_node(probe)
+        if ed.fits(text, indent):
+            return flat
+        return ed.build_call(func, positional, keywords, exploded=True, indent_unit=self._module.default_indent)
+
+    def stmt_lines(self, stmts: Sequence[cst.CSTNode], first: int, last: int) -> tuple[int, int]:
+        start = self.get_metadata(PositionProvider, _inner(stmts[first])).start.line
+        end = self.get_metadata(PositionProvider, _inner(stmts[last])).end.line
+        return start, end
+
+    # ---- traversal ------------------------------------------------------------------------------------
+    def visit_Module(self, node: cst.Module) -> bool:
+        self._module = node
+        return True
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> bool:
+        assert self._module is not None
+        self._indents.append(node.indent if node.indent is not None else self._module.default_indent)
+        return True
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+        indent = "".join(self._indents)
+        self._indents.pop()
+        body = self._apply(original_node.body, updated_node.body, indent)
+        return updated_node if body is None else updated_node.with_changes(body=body)
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        body = self._apply(original_node.body, updated_node.body, "")
+        return updated_node if body is None else updated_node.with_changes(body=body)
+
+    def _apply(
+        self, original: Sequence[cst.BaseStatement], updated: Sequence[cst.BaseStatement], indent: str
+    ) -> list[cst.BaseStatement] | None:
+        edits = self.block_edits(original, indent)
+        if not edits:
+            return None
+        by_last: dict[int, list[BlockEdit]] = {}
+        removed: set[int] = set()
+        firsts: dict[int, BlockEdit] = {}
+        for edit in edits:
+            by_last.setdefault(edit.last, []).append(edit)
+            if edit.first < edit.last:
+                firsts[edit.first] = edit
+                removed.update(range(edit.first + 1, edit.last))
+        body: list[cst.BaseStatement] = []
+        moved: list[cst.EmptyLine] = []
+        for index, stmt in enumerate(original):
+            if index in firsts:
+                edit = firsts[index]
+                assert isinstance(stmt, cst.SimpleStatementLine)
+                if edit.kept_first is not None:
+                    body.append(edit.kept_first)
+                    if edit.kept_first_dropped is not None:
+                        moved.extend(ed.comment_lines(ed.orphaned_comments([edit.kept_first_dropped], edit.carried)))
+                else:
+                    moved.extend(_moved_lines(stmt, edit.carried))
+                continue
+            if index in removed:
+                edit = next(e for e in edits if e.first < index < e.last)
+                assert isinstance(stmt, cst.SimpleStatementLine)
+                moved.extend(_moved_lines(stmt, edit.carried))
+                continue
+            if index in by_last:
+                assert isinstance(stmt, cst.SimpleStatementLine)
+                mapping: dict[int, cst.CSTNode] = {}
+                carried: list[cst.CSTNode] = []
+                for edit in by_last[index]:
+                    mapping.update(edit.replacements)
+                    carried.extend(edit.carried)
+                tops = [n for n in _all_nodes(stmt) if id(n) in mapping]
+                inner = ed.comment_lines(ed.orphaned_comments(tops, carried))
+                new_stmt = ed.replace_nodes(stmt, mapping)
+                assert isinstance(new_stmt, cst.SimpleStatementLine)
+                body.append(new_stmt.with_changes(leading_lines=[*moved, *new_stmt.leading_lines, *inner]))
+                moved = []
+                continue
+            body.append(updated[index])
+        return body
+
+
+def _inner(stmt: cst.CSTNode) -> cst.CSTNode:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        return stmt.body[0]
+    return stmt
+
+
+def _moved_lines(stmt: cst.SimpleStatementLine, carried: Sequence[cst.CSTNode]) -> list[cst.EmptyLine]:
+    """What a removed statement leaves behind: its leading lines and its comments (as comment lines)."""
+    comments = ed.orphaned_comments([*stmt.body, stmt.trailing_whitespace], carried)
+    return [*stmt.leading_lines, *ed.comment_lines(comments)]
+
+
+def _all_nodes(root: cst.CSTNode) -> list[cst.CSTNode]:
+    out: list[cst.CSTNode] = []
+
+    class _All(cst.CSTVisitor):
+        def on_visit(self, node: cst.CSTNode) -> bool:
+            out.append(node)
+            return True
+
+    root.visit(_All())
+    return out

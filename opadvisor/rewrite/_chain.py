@@ -1,0 +1,618 @@
+"""Finding softmax chains in a block of statements, for `fused_softmax` and `sdpa_attention`.
+
+A chain is one value flowing through a few tensor ops around a softmax, within one statement or across
+consecutive statements of a block, each rebinding a name the next one reads:
+
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)          # qk, scale
+    scores = scores.masked_fill(~mask, torch.finfo(...).min)  # mask (fill)      } "pre" steps
+    probs = F.softmax(scores, dim=-1)                         # softmax
+    probs = probs.masked_fill(~mask, 0.0)                     # zero             } "post" steps
+    probs = self.dropout(probs)                               # dropout
+    ctx = probs @ v                                           # pv
+
+Each statement is a `Segment`: the steps it applies (in application order), the expression flowing into
+it (`entry`: the Name that links it to the previous segment, or the chain's base), and the outermost op
+node (`top`). The codemod picks the longest run of segments it can rewrite (`candidates`), and
+`temps_problem` checks that the intermediate values it folds away are read nowhere else.
+
+Grammar: pre steps apply in the order scale -> mask (and for SDPA: qk -> scale -> mask), each at most
+once; post steps are zero and dropout in either order, each at most once (then pv for SDPA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider, ScopeProvider
+
+from opadvisor.rewrite import _match as mt
+
+PRE_FUSED = ("mask", "scale")  # inward from the softmax
+PRE_SDPA = ("mask", "scale", "qk")
+POST_FUSED = ("zero", "dropout")
+POST_SDPA = ("zero", "dropout", "pv")
+
+
+@dataclass
+class Step:
+    kind: str  # qk | scale | mask | softmax | zero | dropout | pv
+    node: cst.BaseExpression  # the expression applying the op
+    input: cst.BaseExpression | None  # the flowing value it reads (None for qk)
+    params: dict[str, cst.BaseExpression | None] = field(default_factory=dict)
+    divide: bool = False  # scale given as a divisor
+    problem: str | None = None  # recognised, but cannot be rewritten (the reason)
+
+
+@dataclass
+class Segment:
+    index: int  # statement index in the block
+    steps: list[Step]  # application order
+    entry: cst.BaseExpression  # what flows in: a Name link to the previous segment, or the base
+    top: cst.BaseExpression  # outermost op of this segment
+    target: str | None  # the name this statement binds (pre/post segments always bind one)
+    aug: bool = False  # the statement is `name op= value`
+
+
+@dataclass
+class Chain:
+    segments: list[Segment]
+    softmax_seg: int  # position in segments of the segment holding the softmax
+
+    @property
+    def first(self) -> int:
+        return self.segments[0].index
+
+    @property
+    def last(self) -> int:
+        return self.segments[-1].index
+
+    @property
+    def steps(self) -> list[Step]:
+        return [s for seg in self.segments for s in seg.steps]
+
+    def kinds(self) -> list[str]:
+        return [s.kind for s in self.steps]
+
+    def step(self, kind: str) -> Step | None:
+        return next((s for s in self.steps if s.kind == kind), None)
+
+    @property
+    def base(self) -> cst.BaseExpression:
+        return self.segments[0].entry
+
+    @property
+    def top(self) -> cst.BaseExpression:
+        return self.segments[-1].top
+
+    def sub(self, a: int, z: int) -> Chain:
+        """Segments a..z (positions in self.segments)."""
+        return Chain(self.segments[a : z + 1], self.softmax_seg - a)
+
+
+def _small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        return stmt.body[0]
+    return None
+
+
+def _assign_name(stmt: cst.CSTNode) -> tuple[str, cst.BaseExpression] | None:
+    """(name, value) for `name = value` (one plain-name target)."""
+    small = _small(stmt)
+    if (
+        isinstance(small, cst.Assign)
+        and len(small.targets) == 1
+        and isinstance(small.targets[0].target, cst.Name)
+    ):
+        return small.targets[0].target.value, small.value
+    return None
+
+
+class ChainFinder:
+    """Finds chains in one block; `codemod` supplies metadata (names, parents, positions, scopes)."""
+
+    def __init__(self, codemod: cst.MetadataDependent, stmts: Sequence[cst.CSTNode], *, sdpa: bool) -> None:
+        self.cm = codemod
+        self.stmts = list(stmts)
+        self.sdpa = sdpa
+        self.pre_kinds = PRE_SDPA if sdpa else PRE_FUSED
+        self.post_kinds = POST_SDPA if sdpa else POST_FUSED
+        self._class_infos: dict[int, mt.ClassInfo] = {}
+
+    # ---- what `self.X` is ---------------------------------------------------------------------------
+    def module_kind(self, func: cst.BaseExpression) -> tuple[str | None, cst.Call | None]:
+        """For `self.X`: ("dropout" | "softmax" | None, the constructor call in __init__)."""
+        attr = mt.self_attr(func)
+        if attr is None:
+            return None, None
+        cls = mt.enclosing_class(self.cm, func)
+        if cls is None:
+            return None, None
+        info = self._class_infos.get(id(cls))
+        if info is None:
+            info = self._class_infos[id(cls)] = mt.class_info(cls)
+        value = info.value(attr)
+        if not isinstance(value, cst.Call):
+            return None, None
+        if mt.resolves_to(self.cm, value.func, mt.DROPOUT_MODULES):
+            return "dropout", value
+        if mt.resolves_to(self.cm, value.func, mt.SOFTMAX_MODULES):
+            return "softmax", value
+        return None, None
+
+    def class_value(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
+        """What `__init__` assigns to `self.X` (module, buffer or value), None when unknown."""
+        attr = mt.self_attr(func)
+        cls = mt.enclosing_class(self.cm, func) if attr else None
+        if cls is None or attr is None:
+            return None
+        info = self._class_infos.get(id(cls))
+        if info is None:
+            info = self._class_infos[id(cls)] = mt.class_info(cls)
+        return info.value(attr)
+
+    # ---- single ops --------------------------------------------------------------------------------
+    def _method(self, node: cst.BaseExpression, name: str) -> bool:
+        return (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == name
+            and not mt.is_torch_namespace(self.cm, node.func.value)
+        )
+
+    def _masked_fill(self, node: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression] | None:
+        """(input, mask, value) of `x.masked_fill(m, v)` / `torch.masked_fill(x, m, v)`."""
+        if self._method(node, "masked_fill"):
+            args = mt.bind_args(node, ("mask", "value"), required=2)  # type: ignore[arg-type]
+            if args:
+                return node.func.value, args["mask"].value, args["value"].value  # type: ignore[union-attr]
+        elif isinstance(node, cst.Call) and mt.resolves_to(self.cm, node.func, mt.MASKED_FILL_FUNCS):
+            args = mt.bind_args(node, ("input", "mask", "value"), required=3)
+            if args:
+                return args["input"].value, args["mask"].value, args["value"].value
+        return None
+
+    def _matmul(self, node: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+        if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.MatrixMultiply):
+            return node.left, node.right
+        if isinstance(node, cst.Call) and mt.resolves_to(self.cm, node.func, mt.MATMUL_FUNCS):
+            args = mt.bind_args(node, ("input", "other"), required=2) or mt.bind_args(node, ("input", "mat2"), required=2)
+            if args:
+                return args["input"].value, (args.get("other") or args["mat2"]).value
+        return None
+
+    def _transposed(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        """K for `K.transpose(-2, -1)`, `K.transpose(-1, -2)`, `K.mT`, `torch.transpose(K, -2, -1)`."""
+        node = mt.unparen(node) if not isinstance(node, cst.Name) else node
+        if m.matches(node, m.Attribute(attr=m.Name("mT"))):
+            return node.value  # type: ignore[union-attr]
+        dims: tuple[cst.BaseExpression | None, cst.BaseExpression | None] = (None, None)
+        source: cst.BaseExpression | None = None
+        if self._method(node, "transpose"):
+            args = mt.bind_args(node, ("dim0", "dim1"), required=2)  # type: ignore[arg-type]
+            if args:
+                source, dims = node.func.value, (args["dim0"].value, args["dim1"].value)  # type: ignore[union-attr]
+        elif isinstance(node, cst.Call) and mt.resolves_to(self.cm, node.func, mt.TRANSPOSE_FUNCS):
+            args = mt.bind_args(node, ("input", "dim0", "dim1"), required=3)
+            if args:
+                source, dims = args["input"].value, (args["dim0"].value, args["dim1"].value)
+        if source is not None and {mt.int_value(dims[0]), mt.int_value(dims[1])} == {-1, -2}:
+            return source
+        return None
+
+    def _is_op(self, node: cst.BaseExpression) -> bool:
+        """Whether node computes a tensor in the chain's way (a masked_fill, a matrix product, or arithmetic
+        on one), so it is the flowing side of a binary op rather than a factor or a mask."""
+        if self._masked_fill(node) is not None or self._matmul(node) is not None:
+            return True
+        if isinstance(node, cst.BinaryOperation):
+            return self._is_op(node.left) or self._is_op(node.right)
+        return False
+
+    def peel_pre(self, node: cst.BaseExpression, kind: str, prefer: frozenset[str]) -> Step | None:
+        if kind == "mask":
+            fill = self._masked_fill(node)
+            if fill is not None:
+                return Step("mask", node, fill[0], {"mask": fill[1], "fill": fill[2]})
+            if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
+                flow, other = node.left, node.right
+                if (isinstance(node.right, cst.Name) and node.right.value in prefer) or (
+                    self._is_op(node.right) and not self._is_op(node.left)
+                ):
+                    flow, other = node.right, node.left
+                if (isinstance(other, cst.Name) and other.value in prefer) or mt.number_value(other) is not None:
+                    return None
+                return Step("mask", node, flow, {"mask": other, "fill": None})
+            return None
+        if kind == "scale":
+            if not isinstance(node, cst.BinaryOperation):
+                return None
+            if isinstance(node.operator, cst.Divide):
+                if mt.is_scalarish(node.right, prefer):
+                    return Step("scale", node, node.left, {"factor": node.right}, divide=True)
+                return None
+            if isinstance(node.operator, cst.Multiply):
+                left_ok = mt.is_scalarish(node.left, prefer) and not self._is_op(node.left)
+                right_ok = mt.is_scalarish(node.right, prefer) and not self._is_op(node.right)
+                if right_ok and left_ok:  # two names: only a literal-looking side is surely the factor
+                    right_ok = not isinstance(mt.unparen(node.right), cst.Name | cst.Attribute)
+                    left_ok = not right_ok and not isinstance(mt.unparen(node.left), cst.Name | cst.Attribute)
+                if right_ok:  # `x * c`
+                    return Step("scale", node, node.left, {"factor": node.right})
+                if left_ok:  # `c * x`
+                    return Step("scale", node, node.right, {"factor": node.left})
+            return None
+        if kind == "qk":
+            mm = self._matmul(node)
+            if mm is None:
+                return None
+            k = self._transposed(mm[1])
+            if k is None:
+                return None
+            return Step("qk", node, None, {"q": mm[0], "k": k})
+        raise ValueError(kind)
+
+    def peel_softmax(self, node: cst.BaseExpression) -> Step | None:
+        if not isinstance(node, cst.Call):
+            return None
+        args: dict[str, cst.Arg] | None = None
+        source: cst.BaseExpression | None = None
+        if mt.resolves_to(self.cm, node.func, {"torch.nn.functional.softmax"}):
+            args = mt.bind_args(node, ("input", "dim", "_stacklevel", "dtype"))
+        elif mt.resolves_to(self.cm, node.func, {"torch.softmax", "torch.special.softmax"}):
+            args = mt.bind_args(node, ("input", "dim", "dtype"))
+        elif self._method(node, "softmax"):
+            args = mt.bind_args(node, ("dim", "dtype"), required=0)
+            source = node.func.value  # type: ignore[union-attr]
+        else:
+            kind, ctor = self.module_kind(node.func)
+            if kind != "softmax" or ctor is None:
+                return None
+            call_args = mt.bind_args(node, ("input",))
+            ctor_args = mt.bind_args(ctor, ("dim",), required=0)
+            if call_args is None or ctor_args is None:
+                return None
+            dim = ctor_args.get("dim")
+            step = Step("softmax", node, call_args["input"].value, {"dim": dim.value if dim else None})
+            if dim is None:
+                step.problem = "the nn.Softmax module has no explicit dim"
+            return step
+        if args is None:
+            return None
+        step = Step("softmax", node, source if source is not None else args["input"].value, {})
+        step.params["dim"] = args["dim"].value if "dim" in args else None
+        if "dim" not in args:
+            step.problem = "the softmax has no explicit dim"
+        elif "dtype" in args:
+            step.problem = "the softmax casts with dtype=, which the fused kernel does not do"
+        return step
+
+    def peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
+        if kind == "zero":
+            fill = self._masked_fill(node)
+            if fill is not None and mt.is_zero(fill[2]):
+                return Step("zero", node, fill[0], {"mask": fill[1]})
+            return None
+        if kind == "dropout":
+            if not isinstance(node, cst.Call):
+                return None
+            if mt.resolves_to(self.cm, node.func, mt.DROPOUT_FUNCS):
+                args = mt.bind_args(node, ("input", "p", "training", "inplace"))
+                if args is None:
+                    return None
+                p = args["p"].value if "p" in args else cst.Float("0.5")
+                training = args["training"].value if "training" in args else None
+                return Step("dropout", node, args["input"].value, {"p": p, "training": training})
+            if mt.resolves_to(self.cm, node.func, mt.TORCH_DROPOUT):
+                args = mt.bind_args(node, ("input", "p", "train"), required=3)
+                if args is None:
+                    return None
+                return Step("dropout", node, args["input"].value, {"p": args["p"].value, "training": args["train"].value})
+            kind_, _ctor = self.module_kind(node.func)
+            if kind_ == "dropout":
+                args = mt.bind_args(node, ("input",))
+                if args is None:
+                    return None
+                return Step("dropout", node, args["input"].value, {"module": node.func})
+            return None
+        if kind == "pv":
+            mm = self._matmul(node)
+            if mm is None:
+                return None
+            return Step("pv", node, mm[0], {"v": mm[1]})
+        raise ValueError(kind)
+
+    # ---- walking a statement ---------------------------------------------------------------------------
+    def enclosing_op(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The Call / BinaryOperation that takes `node` as an operand, argument or method receiver."""
+        parent = mt.parent(self.cm, node)
+        if isinstance(parent, cst.Arg):
+            parent = mt.parent(self.cm, parent)
+        elif isinstance(parent, cst.Attribute) and parent.value is node:
+            call = mt.parent(self.cm, parent)
+            parent = call if isinstance(call, cst.Call) and call.func is parent else None
+        if isinstance(parent, cst.Call | cst.BinaryOperation):
+            return parent
+        return None
+
+    def _extend_up(self, node: cst.BaseExpression, used: set[str]) -> tuple[list[Step], cst.BaseExpression]:
+        """Post steps applied on top of `node` inside its statement; returns (steps, new top)."""
+        steps: list[Step] = []
+        current = node
+        while True:
+            op = self.enclosing_op(current)
+            if op is None:
+                return steps, current
+            step = None
+            for kind in self.post_kinds:
+                if kind in used:
+                    continue
+                candidate = self.peel_post(op, kind)
+                if candidate is not None and candidate.input is current:
+                    step = candidate
+                    break
+            if step is None:
+                return steps, current
+            steps.append(step)
+            used.add(step.kind)
+            current = op
+            if step.kind == "pv":
+                return steps, current
+
+    def _peel_down(
+        self, node: cst.BaseExpression, start: int, prefer: frozenset[str]
+    ) -> tuple[list[Step], cst.BaseExpression, int]:
+        """Pre steps under node (outermost first); returns (steps, what is left, next grammar position)."""
+        steps: list[Step] = []
+        pos = start
+        current = node
+        while pos < len(self.pre_kinds):
+            for offset, kind in enumerate(self.pre_kinds[pos:]):
+                step = self.peel_pre(current, kind, prefer)
+                if step is not None:
+                    steps.append(step)
+                    pos += offset + 1
+                    break
+            else:
+                break
+            if step.input is None:  # qk: nothing flows into it
+                break
+            current = step.input
+        return steps, current, pos
+
+    def _in_nested_scope(self, node: cst.CSTNode, stmt: cst.CSTNode) -> bool:
+        return mt.inside(
+            self.cm, node, (cst.Lambda, cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp), stmt
+        )
+
+    def _target_of_top(self, top: cst.BaseExpression, stmt: cst.CSTNode) -> str | None:
+        assign = _assign_name(stmt)
+        if assign is not None and assign[1] is top:
+            return assign[0]
+        return None
+
+    def _reads_of(self, name: str, stmt: cst.CSTNode) -> list[cst.Name]:
+        small = _small(stmt)
+        if small is None:
+            return []
+        roots: list[cst.CSTNode]
+        if isinstance(small, cst.Assign):
+            roots = [small.value]
+        elif isinstance(small, cst.AugAssign | cst.Expr | cst.Return) and getattr(small, "value", None) is not None:
+            roots = [small.value]  # type: ignore[list-item]
+        else:
+            return []
+        out = []
+        for root in roots:
+            for n in mt.names_in(root):
+                par = mt.parent(self.cm, n)
+                if n.value != name:
+                    continue
+                if isinstance(par, cst.Attribute) and par.attr is n:
+                    continue
+                if isinstance(par, cst.Arg) and par.keyword is n:
+                    continue
+                out.append(n)
+        return out
+
+    # ---- whole chains ---------------------------------------------------------------------------------
+    def softmax_calls(self, stmt: cst.CSTNode) -> list[Step]:
+        small = _small(stmt)
+        if small is None:
+            return []
+        return [s for s in (self.peel_softmax(c) for c in mt.nodes_of(small, cst.Call)) if s is not None]
+
+    def chain_at(self, index: int, softmax: Step, lower: int, link: bool) -> Chain:
+        """The longest chain around `softmax` in statement `index` (not reaching above statement `lower`)."""
+        stmt = self.stmts[index]
+        link = link and not self._in_nested_scope(softmax.node, stmt)
+        # inside the softmax statement
+        assert softmax.input is not None
+        prefer = self._prefer(index)
+        pre, entry, pos = self._peel_down(softmax.input, 0, prefer)
+        used: set[str] = set()
+        post, top = self._extend_up(softmax.node, used)
+        segments = [Segment(index, [*reversed(pre), softmax, *post], entry, top, self._target_of_top(top, stmt))]
+        # backwards: statements that compute what flows in
+        i = index
+        while link and isinstance(entry, cst.Name) and i - 1 >= lower and pos < len(self.pre_kinds) and (
+            segments[0].steps[0].kind != "qk"
+        ):
+            prev = self.stmts[i - 1]
+            small = _small(prev)
+            if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name) and small.target.value == entry.value:
+                kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(type(small.operator))
+                if kind is None or kind not in self.pre_kinds[pos:]:
+                    break
+                if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
+                    break
+                params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
+                step = Step(kind, small.value, small.target, params, divide=isinstance(small.operator, cst.DivideAssign))
+                pos = self.pre_kinds.index(kind) + 1
+                segments.insert(0, Segment(i - 1, [step], small.target, small.value, entry.value, aug=True))
+                entry = small.target
+                i -= 1
+                continue
+            assign = _assign_name(prev)
+            if assign is None or assign[0] != entry.value:
+                break
+            steps, inner, new_pos = self._peel_down(assign[1], pos, self._prefer(i - 1))
+            if not steps:
+                break
+            if self._in_nested_scope(inner, prev):
+                break
+            segments.insert(0, Segment(i - 1, list(reversed(steps)), inner, assign[1], assign[0]))
+            entry, pos = inner, new_pos
+            i -= 1
+            if steps[-1].kind == "qk":
+                break
+        # forwards: statements that post-process the result
+        j = index
+        while link and j + 1 < len(self.stmts) and segments[-1].target is not None and "pv" not in used:
+            name = segments[-1].target
+            nxt = self.stmts[j + 1]
+            reads = self._reads_of(name, nxt)
+            if len(reads) != 1 or self._in_nested_scope(reads[0], nxt):
+                break
+            steps, top = self._extend_up(reads[0], used)
+            if not steps:
+                break
+            segments.append(Segment(j + 1, steps, reads[0], top, self._target_of_top(top, nxt)))
+            j += 1
+        softmax_seg = next(n for n, seg in enumerate(segments) if seg.index == index)
+        return Chain(segments, softmax_seg)
+
+    def _prefer(self, index: int) -> frozenset[str]:
+        """Names that hold the flowing tensor around statement `index` (its target, the previous one's)."""
+        names = set()
+        for k in (index, index - 1):
+            if 0 <= k < len(self.stmts):
+                small = _small(self.stmts[k])
+                if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+                    names.add(small.targets[0].target.value)
+                if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name):
+                    names.add(small.target.value)
+        return frozenset(names)
+
+    def candidates(self, chain: Chain) -> list[Chain]:
+        """Sub-chains around the softmax, longest first (the codemod takes the first it can rewrite)."""
+        n = len(chain.segments)
+        s = chain.softmax_seg
+        subs = [(a, z) for a in range(0, s + 1) for z in range(n - 1, s - 1, -1)]
+        subs.sort(key=lambda az: (-(az[1] - az[0]), az[0]))
+        return [chain.sub(a, z) for a, z in subs]
+
+    # ---- safety of folding the temporaries ----------------------------------------------------------------
+    def pos(self, node: cst.CSTNode) -> tuple[tuple[int, int], tuple[int, int]]:
+        p = self.cm.get_metadata(PositionProvider, node)
+        return (p.start.line, p.start.column), (p.end.line, p.end.column)
+
+    def fresh_before(self, chain: Chain) -> bool:
+        """For a chain starting with `x op= ...`: the statement before binds x to a new tensor."""
+        first = chain.segments[0]
+        if not first.aug:
+            return True
+        if first.index == 0:
+            return False
+        assign = _assign_name(self.stmts[first.index - 1])
+        return (
+            assign is not None
+            and assign[0] == first.target
+            and not isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript)
+        )
+
+    def temps_problem(
+        self, chain: Chain, carried: Sequence[cst.CSTNode], meta_name: str | None = None, keep_first: bool = False
+    ) -> tuple[str, int, bool] | None:
+        """A read that folding would break: (name, line, it is in a return), else None.
+
+        Folded away: the value each segment but the last binds (the first one's too when it is kept as
+        `name = base`, since it then holds the base). A read of such a value is fine when it is the link to
+        the next segment, when it lies in code the rewrite drops, or (for `meta_name`, the name the rewrite
+        reads the chain's input from, which keeps dtype, device and shape) when it reads only
+        `.dtype`/`.device`/`.shape`/`.size()`/`.dim()`/`.ndim` inside a carried expression.
+        """
+        segments = chain.segments
+        final = segments[-1].target
+        folded = {seg.target for seg in segments[:-1] if seg.target}
+        if not folded:
+            return None
+        links = {id(seg.entry) for seg in segments[1:]}
+        first_stmt = self.stmts[segments[0].index]
+        last_stmt = self.stmts[segments[-1].index]
+        chain_stmts = [self.stmts[seg.index] for seg in segments]
+        start = self.pos(_small(first_stmt) or first_stmt)[0]
+        end = self.pos(_small(last_stmt) or last_stmt)[1]
+        scope = self.cm.get_metadata(ScopeProvider, _small(first_stmt) or first_stmt)
+        in_loop = mt.inside(self.cm, first_stmt, (cst.For, cst.While), _function_of(self.cm, first_stmt))
+        for name in sorted(folded):
+            accesses: dict[int, cst.CSTNode] = {}
+            if scope is None:
+                continue
+            for assignment in scope.assignments[name]:
+                for ref in getattr(assignment, "references", ()):
+                    accesses[id(ref.node)] = ref
+            for access in scope.accesses[name]:
+                accesses[id(access.node)] = access
+            for access in accesses.values():
+                node = access.node
+                if id(node) in links:
+                    continue
+                (line, col), _ = self.pos(node)
+                in_chain = any(mt.contains(s, node) for s in chain_stmts)
+                if in_chain and mt.contains(first_stmt, node) and (not keep_first or mt.contains(segments[0].entry, node)):
+                    continue  # the first statement reads what was bound before the chain, and still is
+                if in_chain:
+                    carrier = next((c for c in carried if mt.contains(c, node)), None)
+                    if carrier is None:
+                        continue
+                    if name == meta_name and _metadata_read(self.cm, node):
+                        continue
+                    return name, line, False
+                if name == final:
+                    continue
+                if access.scope is not scope:
+                    return name, line, _in_return(self.cm, node)
+                if (line, col) < start:
+                    if in_loop:
+                        return name, line, False
+                    continue
+                if (line, col) > end and self._rebound_before(name, segments[-1].index, (line, col)):
+                    continue
+                return name, line, _in_return(self.cm, node)
+        return None
+
+    def _rebound_before(self, name: str, after_index: int, where: tuple[int, int]) -> bool:
+        for stmt in self.stmts[after_index + 1 :]:
+            assign = _assign_name(stmt)
+            if assign is not None and assign[0] == name:
+                return self.pos(_small(stmt))[1] <= where
+        return False
+
+
+def _function_of(cm: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | None:
+    current = mt.parent(cm, node)
+    while current is not None and not isinstance(current, cst.FunctionDef):
+        current = mt.parent(cm, current)
+    return current
+
+
+def _metadata_read(cm: cst.MetadataDependent, name: cst.Name) -> bool:
+    par = mt.parent(cm, name)
+    if isinstance(par, cst.Attribute) and par.value is name:
+        if par.attr.value in {"dtype", "device", "shape", "ndim", "is_cuda"}:
+            return True
+        call = mt.parent(cm, par)
+        return isinstance(call, cst.Call) and call.func is par and par.attr.value in {"size", "dim"}
+    return False
+
+
+def _in_return(cm: cst.MetadataDependent, node: cst.CSTNode) -> bool:
+    current = mt.parent(cm, node)
+    while current is not None and not isinstance(current, cst.BaseStatement):
+        if isinstance(current, cst.Return | cst.Yield):
+            return True
+        current = mt.parent(cm, current)
+    return False

@@ -1,0 +1,75 @@
+"""How a rewrite spells a function it calls: reuse the file's own imports and aliases, else add one import.
+
+`reference(codemod, module, "torch.nn.functional.scaled_dot_product_attention")` gives, in this order:
+the alias of a `from torch.nn.functional import scaled_dot_product_attention [as X]`; `F.scaled_dot_...`
+when the file has `import torch.nn.functional as F` or `from torch.nn import functional as F`;
+`torch.nn.functional.scaled_dot_...` when `torch` is imported; otherwise it schedules
+`from torch.nn.functional import scaled_dot_product_attention` with `AddImportsVisitor` (added once, after
+the transform) and uses the bare name — or, when that name is already used for something else in the
+file, `import torch.nn.functional` and the dotted name.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.helpers import get_full_name_for_node
+
+from opadvisor.rewrite._match import names_in
+
+
+def _dotted(name: str) -> cst.BaseExpression:
+    parts = name.split(".")
+    node: cst.BaseExpression = cst.Name(parts[0])
+    for part in parts[1:]:
+        node = cst.Attribute(value=node, attr=cst.Name(part))
+    return node
+
+
+def _top_level_imports(module: cst.Module) -> list[cst.Import | cst.ImportFrom]:
+    out: list[cst.Import | cst.ImportFrom] = []
+    for stmt in module.body:
+        if isinstance(stmt, cst.SimpleStatementLine):
+            out.extend(s for s in stmt.body if isinstance(s, cst.Import | cst.ImportFrom))
+    return out
+
+
+def reference(context: CodemodContext, module: cst.Module, qualified_name: str) -> cst.BaseExpression:
+    """An expression naming `qualified_name` in this module (see the module docstring)."""
+    module_path, _, obj = qualified_name.rpartition(".")
+    imports = _top_level_imports(module)
+    bound_root = False
+    module_alias: str | None = None
+    for imp in imports:
+        if isinstance(imp, cst.ImportFrom):
+            if imp.relative or imp.module is None or isinstance(imp.names, cst.ImportStar):
+                continue
+            source = get_full_name_for_node(imp.module)
+            for alias in imp.names:
+                imported = get_full_name_for_node(alias.name)
+                local = alias.evaluated_alias or imported
+                if source == module_path and imported == obj:
+                    return cst.Name(local)  # from pkg.mod import obj [as X]
+                if f"{source}.{imported}" == module_path and module_alias is None:
+                    module_alias = local  # from pkg import mod [as X]
+        else:
+            for alias in imp.names:
+                imported = get_full_name_for_node(alias.name) or ""
+                if alias.asname is not None:
+                    if imported == module_path and module_alias is None:
+                        module_alias = alias.evaluated_alias  # import pkg.mod as X
+                elif imported.split(".")[0] == module_path.split(".")[0]:
+                    # `import torch` (or `import torch.nn`) binds `torch`; the submodule must be imported
+                    # for the dotted name to work: torch imports torch.nn.functional itself, others may not.
+                    if imported == module_path or module_path.startswith(imported + ".") and imported == "torch":
+                        bound_root = True
+    if module_alias is not None:
+        return cst.Attribute(value=cst.Name(module_alias), attr=cst.Name(obj))
+    if bound_root:
+        return _dotted(qualified_name)
+    if not any(n.value == obj for n in names_in(module)):
+        AddImportsVisitor.add_needed_import(context, module_path, obj)
+        return cst.Name(obj)
+    AddImportsVisitor.add_needed_import(context, module_path)
+    return _dotted(qualified_name)

@@ -1,0 +1,680 @@
+"""The rewrite engine behind `opadvisor apply`: pick targets, run codemods, check, diff, write, back up, undo.
+
+Two modes:
+
+- profile mode (`apply_run`): the findings of a rule in a run (default: the latest) name files and line
+  ranges; each file's codemod runs restricted to those ranges (`Target`s). A file is refused when its
+  sha256 differs from the one the profile recorded (its lines may have moved; `--force` overrides), when
+  it lies outside the project (the current directory) or inside site-packages. A file that an earlier
+  `apply` of the same run rewrote is accepted when it is exactly what that apply wrote; the findings'
+  lines (which refer to the profiled original) are mapped onto it through a line diff.
+- static mode (`apply_files`): the named files, every match (no profile, no hash to check).
+
+For every file: parse (a file that does not parse is an error: nothing is written), run the codemod,
+re-parse and compile the result, run the codemod again on it (it must not change anything a second time:
+otherwise the rewrite is not stable and nothing is written), and produce a unified diff. Refusals and
+errors are checked for every file before anything is written, so an apply either writes all its files
+or none.
+
+Writing: each file is replaced atomically (a temporary file beside it, then rename; its permission bits
+kept), after a byte-exact backup of what it was:
+- profile mode: `<run>/backup/<path relative to the project>`, recorded in `<run>/applied.json`
+  (`{"schema": 1, "applied": [{"rule", "path", "backup", "sha256_before", "sha256_after",
+  "changes": [{"line", "message"}]}]}`, one entry per file per apply, appended). The first backup of a
+  file is kept: a later apply to the same file (another rule) records it again as that file's original,
+  so `backup` always holds the file as profiled.
+- static mode: the same layout under `.opadvisor/static/` (`applied.json` + `backup/`).
+
+`undo` restores every file recorded in a run's (or the static) applied.json to its backup, byte for byte,
+refusing a file edited since the apply wrote it (unless forced), then drops those entries and backups.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import libcst as cst
+from libcst.codemod import CodemodContext, SkipFile
+
+from opadvisor.errors import UserError
+from opadvisor.rewrite import registry
+from opadvisor.rewrite.base import Note, RuleCodemod, Target
+
+APPLIED_FILE = "applied.json"
+APPLIED_SCHEMA = 1
+BACKUP_DIR = "backup"
+STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
+
+# `--rule all` applies in this order; sdpa_attention first: where it and fused_softmax cover the same
+# lines, the finding marked as the bigger win is the one applied.
+ORDER = ("sdpa_attention", "fused_softmax", "fused_dropout_add", "gemm_align")
+
+
+# ---- results --------------------------------------------------------------------------------------------
+@dataclass
+class RuleResult:
+    rule: str
+    changes: list[Note] = field(default_factory=list)
+    skipped: list[Note] = field(default_factory=list)  # matched sites left alone, with the reason
+    notes: list[Note] = field(default_factory=list)  # display-only suggestions
+    before: bytes = b""  # the file before and after this rule's pass
+    after: bytes = b""
+
+
+@dataclass
+class FileResult:
+    path: Path  # resolved absolute path
+    before: bytes
+    after: bytes
+    rules: list[RuleResult] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.before != self.after
+
+    def diff(self, base: Path | None = None) -> str:
+        name = display_path(self.path, base)
+        old = self.before.decode("utf-8", errors="surrogateescape").splitlines(keepends=True)
+        new = self.after.decode("utf-8", errors="surrogateescape").splitlines(keepends=True)
+        lines = list(difflib.unified_diff(old, new, f"a/{name}", f"b/{name}"))
+        return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+
+
+@dataclass
+class ApplyResult:
+    files: list[FileResult]
+    messages: list[str] = field(default_factory=list)  # findings not applied, and why (one line each)
+    state_dir: Path | None = None  # where backups and applied.json went (or would go)
+    written: bool = False
+
+    @property
+    def changed(self) -> list[FileResult]:
+        return [f for f in self.files if f.changed]
+
+
+# ---- small helpers ----------------------------------------------------------------------------------------
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def display_path(path: Path, base: Path | None = None) -> str:
+    base = (base or Path.cwd()).resolve()
+    try:
+        return str(path.relative_to(base))
+    except ValueError:
+        return str(path)
+
+
+def project_root() -> Path:
+    return Path.cwd().resolve()
+
+
+def codemod_order(rules: Iterable[str]) -> list[str]:
+    rules = list(dict.fromkeys(rules))
+    ordered = [r for r in ORDER if r in rules]
+    return ordered + [r for r in registry.CODEMODS if r in rules and r not in ordered]
+
+
+def location_problem(path: Path, root: Path) -> str | None:
+    """Why a file may not be rewritten because of where it is, or None."""
+    if any(part in {"site-packages", "dist-packages"} for part in path.parts):
+        return f"{path} is inside site-packages (installed code, not this project's); not rewriting it"
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return f"{path} lies outside the project directory {root}; run opadvisor from the project that holds it"
+    return None
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"{path} is not a regular file")
+    # root can write anything: judge by the permission bits, as a user would read them
+    if not st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(path, os.W_OK):
+        raise UserError(f"{path} is read-only; not rewriting it (make it writable first)")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write in {path.parent} (the rewrite replaces the file through a temporary one)")
+
+
+# ---- running one codemod on one source ---------------------------------------------------------------------
+def _parse(source: bytes, path: Path | str) -> cst.Module:
+    try:
+        return cst.parse_module(source)
+    except cst.ParserSyntaxError as exc:
+        raise UserError(
+            f"{path}: cannot parse it (line {exc.raw_line}, column {exc.raw_column}: {exc.message}); nothing written"
+        ) from None
+    except (UnicodeDecodeError, SyntaxError, ValueError) as exc:
+        raise UserError(f"{path}: cannot parse it ({exc}); nothing written") from None
+
+
+def _run_once(
+    codemod_cls: type[RuleCodemod], module: cst.Module, targets: Sequence[Target] | None, path: Path | str
+) -> tuple[cst.Module, RuleCodemod]:
+    codemod = codemod_cls(CodemodContext(filename=str(path)), targets)
+    try:
+        return codemod.transform_module(module), codemod
+    except SkipFile:
+        return module, codemod
+    except UserError:
+        raise
+    except Exception as exc:  # a bug in a codemod must not write anything
+        raise UserError(
+            f"{path}: the {codemod_cls.RULE} rewrite failed ({type(exc).__name__}: {exc}); nothing written"
+        ) from exc
+
+
+def rewrite_source(
+    source: bytes, rule: str, targets: Sequence[Target] | None = None, path: Path | str = "<source>"
+) -> tuple[bytes, RuleResult]:
+    """Run `rule`'s codemod on `source` (restricted to `targets`, or every match when None).
+
+    Checks the result re-parses and compiles, and that the codemod is stable on it (a second run changes
+    nothing it should not); raises UserError otherwise.
+    """
+    codemod_cls = registry.get_codemod(rule)
+    module = _parse(source, path)
+    new_module, codemod = _run_once(codemod_cls, module, targets, path)
+    result = RuleResult(rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", [])))
+    new_source = new_module.bytes
+    result.before, result.after = source, new_source
+    if new_source == source:
+        if codemod.changes:  # said it changed something, produced nothing: drop the claim
+            result.changes = []
+        return source, result
+    try:
+        cst.parse_module(new_source)
+        compile(new_source, str(path), "exec", dont_inherit=True)
+    except (cst.ParserSyntaxError, SyntaxError, ValueError) as exc:
+        raise UserError(
+            f"{path}: the {rule} rewrite does not parse ({exc.__class__.__name__}: {exc}); nothing written"
+        ) from None
+    # stability: every match left after the rewrite is one the targets did not ask for
+    if targets is None:
+        expected_left = 0
+    else:
+        _, everything = _run_once(codemod_cls, module, None, path)
+        expected_left = len(everything.changes) - len(codemod.changes)
+    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path)
+    if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
+        raise UserError(
+            f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
+        )
+    return new_source, result
+
+
+# ---- line mapping across rewrites ------------------------------------------------------------------------------
+class LineMap:
+    """Maps 1-based line ranges of an old text onto a new one (through difflib's opcodes)."""
+
+    def __init__(self, old: bytes, new: bytes) -> None:
+        a = old.decode("utf-8", errors="surrogateescape").splitlines()
+        b = new.decode("utf-8", errors="surrogateescape").splitlines()
+        self.opcodes = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
+        self.identity = a == b
+
+    def map(self, start: int, end: int) -> tuple[int, int, bool]:
+        """(new start, new end, whether the range touches changed lines)."""
+        if self.identity:
+            return start, end, False
+        touched = False
+        new_start = new_end = None
+        for tag, i1, i2, j1, j2 in self.opcodes:
+            lo, hi = i1 + 1, i2  # old lines of this opcode, 1-based inclusive
+            if tag == "insert":
+                if start <= i1 < end:  # lines inserted inside the range
+                    touched = True
+                continue
+            if hi < start or lo > end:
+                continue
+            if tag != "equal":
+                touched = True
+            if new_start is None:
+                new_start = j1 + 1 + (max(start, lo) - lo if tag == "equal" else 0)
+            new_end = j1 + (min(end, hi) - lo) + 1 if tag == "equal" else max(j2, j1 + 1)
+        if new_start is None:
+            return start, end, True
+        return new_start, max(new_end or new_start, new_start), touched
+
+
+def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
+    """The target on the current text, and the rule that already rewrote its lines (if one did)."""
+    start, end, touched_by = target.line, target.end_line, None
+    for rule, line_map in maps:
+        start, end, touched = line_map.map(start, end)
+        if touched and touched_by is None:
+            touched_by = rule
+    return Target(start, end, target.details), touched_by
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+@dataclass
+class FileJob:
+    path: Path
+    current: bytes
+    original: bytes  # what the findings' lines refer to (the profiled file)
+    targets: dict[str, list[Target]] | None  # rule -> targets; None: static mode
+    rules: list[str] = field(default_factory=list)
+
+
+def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
+    results = []
+    root = project_root()
+    for job in jobs:
+        text = job.current
+        maps: list[tuple[str, LineMap]] = []
+        if job.original != job.current:
+            maps.append(("an earlier apply", LineMap(job.original, job.current)))
+        file_result = FileResult(job.path, job.current, job.current)
+        for rule in job.rules:
+            targets: list[Target] | None = None
+            covered: list[tuple[Target, str]] = []
+            if job.targets is not None:
+                targets = []
+                for target in job.targets.get(rule, []):
+                    mapped, touched_by = _map_target(target, maps)
+                    if touched_by is not None and touched_by != "an earlier apply":
+                        covered.append((target, touched_by))
+                    else:
+                        targets.append(mapped)
+                if not targets:
+                    for target, by in covered:
+                        messages.append(
+                            f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
+                            f"those lines were just rewritten by {by}"
+                        )
+                    continue
+            new_text, rule_result = rewrite_source(text, rule, targets, job.path)
+            if targets:
+                _unmatched(job.path, rule, targets, rule_result, messages, root)
+            for target, by in covered:
+                messages.append(
+                    f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
+                    f"those lines were just rewritten by {by}"
+                )
+            file_result.rules.append(rule_result)
+            if new_text != text:
+                maps.append((rule, LineMap(text, new_text)))
+                text = new_text
+        file_result.after = text
+        results.append(file_result)
+    return results
+
+
+def _unmatched(
+    path: Path, rule: str, targets: Sequence[Target], result: RuleResult, messages: list[str], root: Path
+) -> None:
+    """Say which findings the codemod found nothing to do at (so no finding is silently dropped)."""
+    lines = [n.line for n in (*result.changes, *result.skipped)]
+    for target in targets:
+        if not any(target.line <= line <= target.end_line for line in lines):
+            messages.append(
+                f"{display_path(path, root)}:{target.line}: {rule}: not applied: the {rule} rewrite found no "
+                f"code it can rewrite at lines {target.line}-{target.end_line}"
+            )
+
+
+# ---- profile mode ------------------------------------------------------------------------------------------------------
+def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> list[str]:
+    """The rules `--rule` names, with their codemods; refusals as UserError."""
+    if rule == "all":
+        chosen = []
+        for rid in codemod_order(registry.CODEMODS):
+            try:
+                cls = registry.get_codemod(rid)
+            except ImportError as exc:  # a codemod module not written yet
+                messages.append(f"{rid}: no codemod available ({exc}); skipped")
+                continue
+            if cls.SAFETY == "unsafe" and not allow_unsafe:
+                messages.append(f"{rid}: not applied: its fix is marked unsafe; pass --unsafe to apply it too")
+                continue
+            chosen.append(rid)
+        return chosen
+    from opadvisor.rules import registry as rules_registry
+
+    if rule not in rules_registry.RULE_MODULES and not registry.has_codemod(rule):
+        raise UserError(
+            f"unknown rule {rule!r}; rules with automatic fixes: {', '.join(codemod_order(registry.CODEMODS))}, or all"
+        )
+    cls = registry.get_codemod(rule)  # UserError for a rule without a fix
+    if cls.SAFETY == "unsafe" and not allow_unsafe:
+        raise UserError(f"the {rule} fix is marked unsafe (see `opadvisor explain {rule}`); pass --unsafe to apply it")
+    return [rule]
+
+
+def load_applied(state: Path) -> dict[str, Any]:
+    path = state / APPLIED_FILE
+    if not path.is_file():
+        return {"schema": APPLIED_SCHEMA, "applied": []}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is unreadable ({exc}); move it away to continue") from None
+    if not isinstance(data, dict) or data.get("schema") != APPLIED_SCHEMA or not isinstance(data.get("applied"), list):
+        raise UserError(f"{path} is not an applied.json this opadvisor reads (schema {APPLIED_SCHEMA})")
+    return data
+
+
+def _entries_for(applied: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    return [e for e in applied["applied"] if isinstance(e, dict) and e.get("path") == str(path)]
+
+
+def apply_run(
+    rule: str,
+    run: str | None = None,
+    *,
+    allow_unsafe: bool = False,
+    force: bool = False,
+    write: bool = True,
+) -> ApplyResult:
+    """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
+    from opadvisor.profile.runs import load_run
+    from opadvisor.rules.engine import run_rules
+
+    messages: list[str] = []
+    rules = _selected_rules(rule, allow_unsafe, messages)
+    run_dir, profiles = load_run(run)
+    findings = run_rules(profiles, select=rules) if rules else []
+    sources: dict[str, str] = {}
+    for profile in profiles:
+        sources.update(profile.sources)
+    return apply_findings(
+        findings,
+        rules,
+        run_dir,
+        sources,
+        allow_unsafe=allow_unsafe,
+        force=force,
+        write=write,
+        messages=messages,
+        explicit_rule=None if rule == "all" else rule,
+    )
+
+
+def apply_findings(
+    findings: Sequence[Any],
+    rules: Sequence[str],
+    run_dir: Path,
+    sources: dict[str, str],
+    *,
+    allow_unsafe: bool = False,
+    force: bool = False,
+    write: bool = True,
+    messages: list[str] | None = None,
+    explicit_rule: str | None = None,
+) -> ApplyResult:
+    """Apply the codemods of `rules` at the given findings (`opadvisor.rules.finding.Finding`s)."""
+    messages = messages if messages is not None else []
+    root = project_root()
+    applied = load_applied(run_dir)
+    by_path: dict[Path, dict[str, list[Target]]] = {}
+    refused: list[str] = []
+    for f in findings:
+        if f.rule not in rules:
+            continue
+        if f.fix == "none":
+            advice = f" ({f.advice})" if getattr(f, "advice", "") else ""
+            messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: note: no automatic fix for this one{advice}")
+            continue
+        if f.fix == "unsafe" and not allow_unsafe:
+            messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe")
+            continue
+        alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
+        if explicit_rule is None and isinstance(alternative, dict) and not alternative.get("bigger_win", True):
+            messages.append(
+                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {alternative.get('rule')} rewrites the same "
+                "lines and is the bigger win"
+            )
+            continue
+        path = Path(f.path).resolve()
+        problem = location_problem(path, root)
+        if problem is not None:
+            refused.append(problem)
+            continue
+        by_path.setdefault(path, {}).setdefault(f.rule, []).append(Target(f.line, f.end_line, dict(f.details)))
+    if refused and not by_path:
+        raise UserError(refused[0] + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""))
+    for problem in dict.fromkeys(refused):
+        messages.append(f"not applied: {problem}")
+    jobs: list[FileJob] = []
+    for path, targets in by_path.items():
+        current = _read(path)
+        original = current
+        entries = _entries_for(applied, path)
+        recorded = sources.get(str(path))
+        if recorded is None:
+            recorded = next((h for p, h in sources.items() if Path(p).resolve() == path), None)
+        now = sha256(current)
+        if entries and entries[-1].get("sha256_after") == now:
+            backup = run_dir / entries[0]["backup"]
+            if backup.is_file():
+                original = backup.read_bytes()
+        elif not force:
+            if recorded is None:
+                raise UserError(
+                    f"{path}: the profile recorded no hash for it, so its lines cannot be trusted; "
+                    "re-profile, or pass --force"
+                )
+            if recorded != now:
+                raise UserError(
+                    f"{path} changed since it was profiled (sha256 differs), so the findings' lines may have "
+                    "moved; re-profile, or pass --force to apply anyway"
+                )
+        _check_writable(path)
+        ordered = codemod_order(targets)
+        jobs.append(FileJob(path, current, original, targets, ordered))
+    result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
+    if write and result.changed:
+        _write(result, run_dir, applied)
+        result.written = True
+    return result
+
+
+def _rel(path: str, root: Path) -> str:
+    return display_path(Path(path), root)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path} does not exist (it was moved or deleted since the profile?)") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from None
+
+
+# ---- static mode ---------------------------------------------------------------------------------------------------------
+def static_state_dir() -> Path:
+    from opadvisor.profile.runs import state_dir
+
+    return state_dir() / STATIC_DIR
+
+
+def apply_files(
+    rule: str,
+    files: Sequence[str | Path],
+    *,
+    allow_unsafe: bool = False,
+    write: bool = True,
+) -> ApplyResult:
+    """Static mode: rewrite every match of `rule` (or "all") in the named files, without a profile."""
+    messages: list[str] = []
+    rules = _selected_rules(rule, allow_unsafe, messages)
+    root = project_root()
+    jobs = []
+    seen: set[Path] = set()
+    for name in files:
+        path = Path(name).resolve()
+        if path in seen:
+            continue
+        seen.add(path)
+        if not path.exists():
+            raise UserError(f"{name}: no such file")
+        problem = location_problem(path, root)
+        if problem is not None:
+            raise UserError(problem)
+        _check_writable(path)
+        current = _read(path)
+        jobs.append(FileJob(path, current, current, None, list(rules)))
+    state = static_state_dir()
+    result = ApplyResult(_run_jobs(jobs, messages), messages, state)
+    if write and result.changed:
+        _write(result, state, load_applied(state))
+        result.written = True
+    return result
+
+
+# ---- writing ----------------------------------------------------------------------------------------------------------
+def atomic_write(path: Path, data: bytes, mode_from: Path | None = None) -> None:
+    """Replace `path` with `data` through a temporary file in the same folder (permission bits kept)."""
+    source = mode_from or path
+    st = source.stat() if source.exists() else None
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".opadvisor-tmp")
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+            try:
+                os.chown(tmp, st.st_uid, st.st_gid)
+            except (PermissionError, AttributeError):
+                pass
+        else:  # a new file: the mode a plain open() would give (mkstemp makes it 0600)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _backup_rel(path: Path) -> Path:
+    root = project_root()
+    try:
+        return Path(BACKUP_DIR) / path.relative_to(root)
+    except ValueError:  # outside the project (not reachable through apply's checks)
+        return Path(BACKUP_DIR) / "_abs" / path.relative_to(path.anchor)
+
+
+def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
+    changed = result.changed
+    new_entries = []
+    for f in changed:
+        entries = _entries_for(applied, f.path)
+        keep_first = bool(entries) and (state / entries[0]["backup"]).is_file()
+        rel = Path(entries[0]["backup"]) if keep_first else _backup_rel(f.path)
+        if not keep_first:
+            backup = state / rel
+            backup.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(backup, f.before, mode_from=f.path)
+        for r in f.rules:  # one entry per rule that changed the file, chained: one's after is the next's before
+            if r.before == r.after:
+                continue
+            new_entries.append(
+                {
+                    "rule": r.rule,
+                    "path": str(f.path),
+                    "backup": rel.as_posix(),
+                    "sha256_before": sha256(r.before),
+                    "sha256_after": sha256(r.after),
+                    "changes": [{"line": n.line, "message": n.message} for n in r.changes],
+                }
+            )
+    done: list[FileResult] = []
+    try:
+        for f in changed:
+            atomic_write(f.path, f.after)
+            done.append(f)
+        applied = {"schema": APPLIED_SCHEMA, "applied": [*applied["applied"], *new_entries]}
+        state.mkdir(parents=True, exist_ok=True)
+        atomic_write(state / APPLIED_FILE, (json.dumps(applied, indent=1) + "\n").encode())
+    except OSError as exc:
+        for f in done:  # put back what was written: all or nothing
+            try:
+                atomic_write(f.path, f.before)
+            except OSError:
+                pass
+        raise UserError(f"writing failed ({exc}); every file was restored, nothing changed") from None
+
+
+# ---- undo --------------------------------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    path: Path
+    rules: list[str]
+
+
+def undo_state(run: str | None, static: bool) -> Path:
+    """Which applied.json `--undo` works on: RUN's, the static one, or the most recently written of the
+    latest run's and the static one's."""
+    from opadvisor.profile.runs import resolve_run
+
+    if static:
+        return static_state_dir()
+    if run is not None:
+        return resolve_run(run)
+    candidates = []
+    try:
+        candidates.append(resolve_run(None))
+    except UserError:
+        pass
+    candidates.append(static_state_dir())
+    with_entries = [c for c in candidates if (c / APPLIED_FILE).is_file() and load_applied(c)["applied"]]
+    if not with_entries:
+        raise UserError("nothing to undo: no apply is recorded in the latest run or in .opadvisor/static")
+    return max(with_entries, key=lambda c: (c / APPLIED_FILE).stat().st_mtime)
+
+
+def undo(state: Path, files: Sequence[str | Path] | None = None, *, force: bool = False) -> list[Restored]:
+    """Restore the files recorded in `state`/applied.json (or only `files`) to their backups."""
+    applied = load_applied(state)
+    wanted = {Path(f).resolve() for f in files} if files else None
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for entry in applied["applied"]:
+        if not isinstance(entry, dict) or "path" not in entry:
+            continue
+        if wanted is not None and Path(entry["path"]) not in wanted:
+            continue
+        by_path.setdefault(entry["path"], []).append(entry)
+    if not by_path:
+        where = f" for {', '.join(str(f) for f in files)}" if files else ""
+        raise UserError(f"nothing to undo{where}: {state / APPLIED_FILE} records no apply")
+    plans = []
+    for name, entries in by_path.items():
+        path = Path(name)
+        backup = state / entries[0]["backup"]
+        if not backup.is_file():
+            raise UserError(f"the backup of {path} ({backup}) is missing; cannot undo")
+        if path.exists() and not force and sha256(path.read_bytes()) != entries[-1].get("sha256_after"):
+            raise UserError(f"{path} was edited after apply rewrote it; --undo would lose those edits (pass --force)")
+        if path.exists():
+            _check_writable(path)
+        plans.append((path, backup, entries))
+    restored = []
+    for path, backup, entries in plans:
+        atomic_write(path, backup.read_bytes(), mode_from=path if path.exists() else backup)
+        restored.append(Restored(path, list(dict.fromkeys(str(e.get("rule", "")) for e in entries))))
+    undone = {str(p) for p, _, _ in plans}
+    remaining = [e for e in applied["applied"] if not (isinstance(e, dict) and e.get("path") in undone)]
+    atomic_write(state / APPLIED_FILE, (json.dumps({"schema": APPLIED_SCHEMA, "applied": remaining}, indent=1) + "\n").encode())
+    for _, backup, _ in plans:
+        if not any(e.get("backup") == backup.relative_to(state).as_posix() for e in remaining):
+            backup.unlink(missing_ok=True)
+    return restored

@@ -31,7 +31,9 @@ def timed(cmd: list[str], cwd: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--script", default="examples/bert_train.py")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
@@ -47,8 +49,21 @@ def main() -> None:
         plain.append(timed([sys.executable, str(script), *args.script_args, "--steps", str(total)], work))
         profiled.append(
             timed(
-                [sys.executable, "-m", "opadvisor", "profile", str(script), "--warmup", str(args.warmup),
-                 "--steps", str(args.steps), "--", *args.script_args, "--steps", "100000"],
+                [
+                    sys.executable,
+                    "-m",
+                    "opadvisor",
+                    "profile",
+                    str(script),
+                    "--warmup",
+                    str(args.warmup),
+                    "--steps",
+                    str(args.steps),
+                    "--",
+                    *args.script_args,
+                    "--steps",
+                    "100000",
+                ],
                 work,
             )
         )
@@ -66,14 +81,29 @@ def main() -> None:
     p, q = statistics.median(plain), statistics.median(profiled)
     print(f"device: {prof['environment'].get('gpu_name') or 'CPU'}; torch {prof['environment']['torch']}")
     print(f"script: {script.name} {' '.join(args.script_args)}; window {args.warmup}+{args.steps} steps")
-    print(f"plain script, {total} steps, whole process: {p:.2f} s (runs: {', '.join(f'{x:.2f}' for x in plain)})")
-    print(f"opadvisor profile, same steps, whole process: {q:.2f} s (runs: {', '.join(f'{x:.2f}' for x in profiled)})")
+    print(
+        f"plain script, {total} steps, whole process: {p:.2f} s (runs: {', '.join(f'{x:.2f}' for x in plain)})"
+    )
+    print(
+        f"opadvisor profile, same steps, whole process: {q:.2f} s (runs: {', '.join(f'{x:.2f}' for x in profiled)})"
+    )
     print(f"ratio: {q / p:.2f}x")
-    print(f"profile.json: {profile_path.stat().st_size / 1e6:.2f} MB; trace.json.gz: "
-          f"{trace_path.stat().st_size / 1e6:.2f} MB ({trace_bytes / 1e6:.1f} MB uncompressed)")
-    print(f"ops kept: {len(ops)}; ops with kernels: {len(with_kernels)}; "
-          f"median step {statistics.median(s['wall_ms'] for s in prof['steps']):.1f} ms")
-    for name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_softmax", "aten::masked_fill_", "aten::native_dropout"):
+    print(
+        f"profile.json: {profile_path.stat().st_size / 1e6:.2f} MB; trace.json.gz: "
+        f"{trace_path.stat().st_size / 1e6:.2f} MB ({trace_bytes / 1e6:.1f} MB uncompressed)"
+    )
+    print(
+        f"ops kept: {len(ops)}; ops with kernels: {len(with_kernels)}; "
+        f"median step {statistics.median(s['wall_ms'] for s in prof['steps']):.1f} ms"
+    )
+    for name in (
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::_softmax",
+        "aten::masked_fill_",
+        "aten::native_dropout",
+    ):
         print(f"  kernels launched by {name}: {by_name.get(name, 0)}")
     if args.keep:
         args.keep.write_bytes(profile_path.read_bytes())

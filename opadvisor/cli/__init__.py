@@ -29,7 +29,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     # A callback keeps `opadvisor` a group of commands, whatever number of commands is registered.

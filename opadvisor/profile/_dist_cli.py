@@ -13,7 +13,14 @@ from opadvisor.profile.distributed import DistOutcome, LaunchSpec, describe_fail
 
 
 def profile_ranks(
-    script: Path, args: list[str], spec: LaunchSpec, *, warmup: int, steps: int, run_to_end: bool, out: Path | None
+    script: Path,
+    args: list[str],
+    spec: LaunchSpec,
+    *,
+    warmup: int,
+    steps: int,
+    run_to_end: bool,
+    out: Path | None,
 ) -> None:
     """Launch, wait, report: exit 0 with a summary, or one `opadvisor: error:` line naming the rank and exit 2."""
     world = spec.nproc_per_node * spec.nnodes

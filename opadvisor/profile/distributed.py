@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -201,36 +202,57 @@ def _last_line(text: str | None) -> str | None:
 
 # ---- the launcher side: inside `opadvisor profile --nproc-per-node N` --------------------------------
 
+# Errors a rank raises because a peer went away: consequences of another rank's failure, not causes.
+_PEER_FAILURE_WORDS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "DistNetworkError",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
+_STOPPED = ("terminated", "running", "missing")  # no failure of its own reported
+
 
 @dataclass
 class RankReport:
-    """How one rank ended, from its status file (None fields: the rank never reported)."""
+    """How one rank ended: its status file, and torchrun's exit code for it."""
 
     rank: int
-    status: str  # a runner status, "terminated", "opadvisor_error", "running" (killed), "missing"
+    status: str  # a runner status, "terminated", "opadvisor_error", "running" (died), "missing" (no report)
     local_rank: int | None = None
     host: str | None = None
     steps_seen: int = 0
-    steps_recorded: int = 0
-    exit_code: int | None = None
-    error: str | None = None
+    exit_code: int | None = None  # the script's sys.exit code
+    error: str | None = None  # last line of the traceback
     traceback: str | None = None
     ended_at: float | None = None
+    launcher_exit: int | None = None  # what torchrun saw (negative: the signal that ended it)
+    launcher_signal: str | None = None
     wrote_profile: bool = False
 
     @property
     def failed(self) -> bool:
-        return self.status in ("script_error", "script_exit", "opadvisor_error", "terminated", "running", "missing")
+        return self.status in ("script_error", "script_exit", "opadvisor_error", *_STOPPED) or bool(
+            self.launcher_exit and self.status not in ("complete", "ended_early", "no_steps")
+        )
+
+    @property
+    def peer_failure(self) -> bool:
+        """Its error says a peer went away: it follows from another rank's failure."""
+        return any(w in (self.error or "") for w in _PEER_FAILURE_WORDS)
 
     def where(self) -> str:
         host = f" on {self.host}" if self.host else ""
-        return f"rank {self.rank} (local rank {self.local_rank}{host})" if self.local_rank is not None else f"rank {self.rank}"
+        local = f" (local rank {self.local_rank}{host})" if self.local_rank is not None else ""
+        return f"rank {self.rank}{local}"
 
 
 @dataclass
 class DistOutcome:
     run_dir: Path | None  # None when no rank wrote a profile (the folder was removed)
-    launcher_code: int  # torchrun's exit code (negative: killed by that signal)
+    launcher_code: int  # torchrun's exit code (negative: it was killed by that signal)
     ranks: list[RankReport] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)  # this node's profiles, rank order
     marked_latest: bool = False
@@ -238,16 +260,24 @@ class DistOutcome:
 
     @property
     def ok(self) -> bool:
-        return self.launcher_code == 0 and not self.interrupted and all(not r.failed for r in self.ranks)
+        return self.launcher_code == 0 and not self.interrupted and not any(r.failed for r in self.ranks)
 
     def root_cause(self) -> RankReport | None:
-        """The rank that failed first: its error is the cause, the others' follow from it."""
+        """The rank whose failure caused the others'.
+
+        First a rank that failed by itself (its own exception or exit, or death by a signal torchrun did not
+        send), not one whose error only says a peer went away, nor one the launcher stopped; the earliest
+        to end among those. Failing that, the earliest failed rank.
+        """
         failed = [r for r in self.ranks if r.failed]
-        if not failed:
-            return None
-        # A rank the launcher stopped is never the cause while another failed by itself.
-        own = [r for r in failed if r.status not in ("terminated", "running", "missing")] or failed
-        return min(own, key=lambda r: (r.ended_at is None, r.ended_at or 0.0, r.rank))
+        own = [r for r in failed if r.status not in _STOPPED and not r.peer_failure]
+        died = [
+            r
+            for r in failed
+            if r.status in ("running", "missing") and r.launcher_signal not in (None, "SIGTERM")
+        ]
+        pool = own or died or failed
+        return min(pool, key=lambda r: (r.ended_at is None, r.ended_at or 0.0, r.rank)) if pool else None
 
 
 @dataclass
@@ -281,19 +311,19 @@ def check_spec(spec: LaunchSpec, out: Path | None) -> None:
     if spec.nnodes > 1 and (out is None or spec.master_addr is None):
         raise UserError(
             "--nnodes > 1 needs --master-addr (node 0's address) and --out DIR, the same folder on every "
-            "node (shared storage, or gather the rank files afterwards)"
+            "node (shared storage, or gather the rank files into one folder afterwards)"
         )
 
 
 def prepare_run_dir(spec: LaunchSpec, out: Path | None, cwd: Path) -> Path:
-    """The run folder the ranks will share: made here, before torchrun starts (UserError if it cannot be)."""
+    """The run folder the ranks will share, made before torchrun starts (UserError if it cannot be)."""
     from opadvisor.profile.runner import check_output_parent, rank_file_names
 
     if spec.nnodes > 1 and out is not None and out.is_dir():
-        # Other nodes write into the same folder: refuse only what would overwrite this node's ranks.
+        # Every node writes into the same folder: refuse only what would overwrite this node's ranks.
         taken = [r for r in spec.node_ranks() if (out / rank_file_names(r)[0]).exists()]
         if taken:
-            raise UserError(f"--out {out} already holds profiles of rank(s) {_ranges(taken)}")
+            raise UserError(f"--out {out} already holds the profiles of rank(s) {_list(taken)}")
         return out
     check_output_parent(out, cwd)
     run_dir = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
@@ -311,20 +341,21 @@ def launch(
     run_to_end: bool = False,
     out: Path | None = None,
 ) -> DistOutcome:
-    """Profile `script args` on every rank through torchrun; what each rank reported, and its profiles."""
+    """Profile `script args` on every rank through torchrun; how each rank ended, and their profiles."""
     from opadvisor.profile.runner import check_script
 
-    cwd = Path.cwd()
     check_spec(spec, out)
     check_script(script)
-    run_dir = prepare_run_dir(spec, out, cwd)
-    command = [sys.executable, "-m", "torch.distributed.run", *spec.torchrun_args(), "-m", _MODULE, str(run_dir)]
-    command += ["--warmup", str(warmup), "--steps", str(steps), *(["--run-to-end"] if run_to_end else [])]
-    command += [str(script), "--", *args]
+    run_dir = prepare_run_dir(spec, out, Path.cwd())
+    failures = run_dir / f".launch.node{spec.node_rank}.json"
+    command = [sys.executable, "-m", "opadvisor.profile._dist_launch", str(failures), *spec.torchrun_args()]
+    command += ["-m", _MODULE, str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
+    command += [*(["--run-to-end"] if run_to_end else []), str(script), "--", *args]
     code, interrupted = _run_launcher(command)
-    outcome = collect(run_dir, spec, code)
+    outcome = collect(run_dir, spec, code, _read_json(failures) or {})
+    failures.unlink(missing_ok=True)
     outcome.interrupted = interrupted
-    if not outcome.profiles and not _others_in(run_dir, spec):
+    if not outcome.profiles and not _other_nodes_in(run_dir, spec):
         _remove_run_dir(run_dir, spec)
         outcome.run_dir = None
     elif out is None and all(r.wrote_profile for r in outcome.ranks):
@@ -339,44 +370,53 @@ def _run_launcher(command: list[str]) -> tuple[int, bool]:
     interrupted = False
     while True:
         try:
-            return proc.wait(), interrupted
+            return proc.wait(timeout=_INTERRUPT_GRACE_S if interrupted else None), interrupted
         except KeyboardInterrupt:
             if interrupted:  # a second Ctrl-C: stop waiting for a clean end
                 proc.kill()
-                continue
-            interrupted = True
-            proc.send_signal(signal.SIGTERM)
-            try:
-                return proc.wait(timeout=_INTERRUPT_GRACE_S), interrupted
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            except KeyboardInterrupt:
-                proc.kill()
+            else:
+                interrupted = True
+                proc.send_signal(signal.SIGTERM)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
-def collect(run_dir: Path, spec: LaunchSpec, launcher_code: int) -> DistOutcome:
-    """What this node's ranks reported in the run folder, and the profiles they wrote."""
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def collect(run_dir: Path, spec: LaunchSpec, launcher_code: int, failures: dict) -> DistOutcome:
+    """What this node's ranks reported in the run folder, torchrun's failures, and the profiles written."""
     from opadvisor.profile.runner import rank_file_names
 
     outcome = DistOutcome(run_dir, launcher_code)
     reported = {}
     for path in run_dir.glob(f"{STATUS_PREFIX}*.json"):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("rank"), int):
+        data = _read_json(path)
+        if data and isinstance(data.get("rank"), int) and data.get("node_rank") == spec.node_rank:
             reported[data["rank"]] = data
-    node = [d for d in reported.values() if d.get("node_rank") == spec.node_rank]
-    ranks = sorted({d["rank"] for d in node} | set(spec.node_ranks() if len(node) < spec.nproc_per_node else ()))
+    # Ranks are numbered node by node: a rank that never wrote its status is still one of this node's.
+    ranks = sorted(set(reported) | {int(r) for r in failures if r.isdigit()} | set(spec.node_ranks()))
     for rank in ranks:
-        data = reported.get(rank)
-        if data is None:
-            outcome.ranks.append(RankReport(rank, "missing"))
-            continue
-        known = {k: data.get(k) for k in RankReport.__dataclass_fields__ if k in data and k != "rank"}
-        report = RankReport(rank, **{**known, "steps_seen": known.get("steps_seen") or 0,
-                                      "steps_recorded": known.get("steps_recorded") or 0})
+        data = reported.get(rank, {})
+        failure = failures.get(str(rank), {})
+        report = RankReport(
+            rank,
+            status=data.get("status", "missing"),
+            local_rank=data.get("local_rank", failure.get("local_rank")),
+            host=data.get("host"),
+            steps_seen=data.get("steps_seen") or 0,
+            exit_code=data.get("exit_code"),
+            error=data.get("error"),
+            traceback=data.get("traceback"),
+            ended_at=data.get("ended_at"),
+            launcher_exit=failure.get("exit_code"),
+            launcher_signal=failure.get("signal"),
+        )
         profile_file = run_dir / rank_file_names(rank)[0]
         if profile_file.is_file():
             try:
@@ -388,52 +428,49 @@ def collect(run_dir: Path, spec: LaunchSpec, launcher_code: int) -> DistOutcome:
     return outcome
 
 
-def _others_in(run_dir: Path, spec: LaunchSpec) -> bool:
+def _other_nodes_in(run_dir: Path, spec: LaunchSpec) -> bool:
     """Does the folder hold other nodes' profiles (a shared multi-node --out)?"""
-    mine = {f"profile.rank{r}.json" for r in spec.node_ranks()}
+    from opadvisor.profile.runner import rank_file_names
+
+    mine = {rank_file_names(r)[0] for r in spec.node_ranks()}
     return any(p.name not in mine for p in run_dir.glob("profile.rank*.json"))
 
 
 def _remove_run_dir(run_dir: Path, spec: LaunchSpec) -> None:
-    """Nothing recorded: remove this node's status files and, if then empty, the folder."""
+    """Nothing was recorded: remove this node's status files and then the folder, if nothing else is in it."""
     for rank in spec.node_ranks():
         status_path(run_dir, rank).unlink(missing_ok=True)
     for leftover in run_dir.glob(".rank*.partial-*"):
-        import shutil
-
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         run_dir.rmdir()
     except OSError:
-        pass  # not empty (someone else's files) or already gone
+        pass  # other nodes' files, or a user's own
 
 
-def _ranges(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+def _list(values) -> str:
+    return ", ".join(str(v) for v in values)
 
 
-# ---- messages for the CLI -----------------------------------------------------------------------------
+# ---- words for the CLI --------------------------------------------------------------------------------
 
 
 def describe_failure(outcome: DistOutcome, script: Path) -> tuple[str | None, str]:
-    """(traceback to print or None, one-line error) for a failed multi-rank run."""
-    cause = outcome.root_cause()
+    """(the root-cause rank's traceback or None, one line naming the rank) for a failed multi-rank run."""
     kept = (
-        f"; the recorded steps of rank(s) {_ranges([p.rank for p in outcome.profiles])} were kept in {outcome.run_dir}"
+        f"; the steps recorded by rank(s) {_list(p.rank for p in outcome.profiles)} were kept in {outcome.run_dir}"
         if outcome.profiles
         else "; nothing was recorded"
     )
     launcher = f" (torchrun exited with {_code_words(outcome.launcher_code)})"
     if outcome.interrupted:
-        return None, f"interrupted; the launcher stopped every rank{kept}{launcher}"
+        return None, f"interrupted: the launcher stopped every rank{kept}{launcher}"
+    cause = outcome.root_cause()
     if cause is None:
-        return None, f"torchrun failed before the ranks reported{kept}{launcher}"
-    what = _rank_words(cause, script)
+        return None, f"torchrun failed (see its output above){kept}{launcher}"
     others = [r for r in outcome.ranks if r.failed and r is not cause]
-    tail = ""
-    if others:
-        tail = "; then " + ", ".join(f"rank {r.rank} {_short_words(r)}" for r in others)
-    return cause.traceback, f"{what}{tail}{kept}{launcher}"
+    then = f"; then {'; '.join(f'rank {r.rank} {_short_words(r)}' for r in others)}" if others else ""
+    return cause.traceback, f"{_rank_words(cause, script)}{then}{kept}{launcher}"
 
 
 def _rank_words(r: RankReport, script: Path) -> str:
@@ -443,22 +480,32 @@ def _rank_words(r: RankReport, script: Path) -> str:
     if r.status == "script_exit":
         return f"{r.where()}: {script} called sys.exit({r.exit_code}){after}"
     if r.status == "opadvisor_error":
-        return f"{r.where()}: opadvisor failed: {r.error}"
+        return f"{r.where()}: opadvisor failed on this rank: {r.error}"
     if r.status == "terminated":
         return f"{r.where()} was stopped by the launcher{after}"
+    how = f"killed by {r.launcher_signal}" if r.launcher_signal else f"exit code {r.launcher_exit}"
     if r.status == "running":
-        return f"{r.where()} died{after if r.steps_seen else ''} without reporting (killed by a signal or os._exit?)"
+        return f"{r.where()} died ({how}){after if r.steps_seen else ''} without reporting"
+    if r.launcher_exit is not None:
+        return f"{r.where()} ended ({how}) before it could start the script"
     return f"{r.where()} never started (see torchrun's output above)"
 
 
 def _short_words(r: RankReport) -> str:
-    return {
-        "script_error": f"raised {r.error or 'an exception'}",
-        "script_exit": f"exited with sys.exit({r.exit_code})",
-        "terminated": "was stopped by the launcher",
-        "running": "died without reporting",
-        "missing": "never started",
-    }.get(r.status, r.error or r.status)
+    if r.status == "script_error":
+        error = r.error or "an exception"
+        if r.peer_failure:
+            return f"failed because a peer went away ({error.split(':', 1)[0]})"
+        return f"raised {error if len(error) <= 120 else error[:117] + '...'}"
+    if r.status == "script_exit":
+        return f"called sys.exit({r.exit_code})"
+    if r.status == "terminated":
+        return "was stopped by the launcher"
+    if r.status == "running":
+        return f"died ({'killed by ' + r.launcher_signal if r.launcher_signal else 'no report'})"
+    if r.status == "missing":
+        return "never reported"
+    return r.error or r.status
 
 
 def _code_words(code: int) -> str:

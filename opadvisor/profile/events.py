@@ -41,7 +41,13 @@ GEMM_OPS = frozenset(
     for n in "mm addmm bmm baddbmm matmul linear _scaled_mm addbmm mv dot einsum conv2d convolution".split()
 )
 _SYNC_CALLS = frozenset(
-    ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cuStreamSynchronize")
+    (
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cuStreamSynchronize",
+    )
 )
 _ANNOTATION_PREFIX = "ProfilerStep#"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
@@ -167,7 +173,9 @@ class TreeReader:
                 module = (self.module_paths.get(info.self_ptr), info.cls_name)
             callsite_file = resolve_user_file(fields.callsite.file_name)
             if callsite_file is not None:
-                child_frame = _Frame(callsite_file, fields.callsite.function_name, fields.callsite.line_number)
+                child_frame = _Frame(
+                    callsite_file, fields.callsite.function_name, fields.callsite.line_number
+                )
             elif info is None:
                 child_frame = None  # inside library code: ops below take the loc of the call into it
         for child in event.children:

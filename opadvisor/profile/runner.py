@@ -107,7 +107,9 @@ def _sha256(path: str) -> str | None:
         return None
 
 
-def build_profile(recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool) -> Profile:
+def build_profile(
+    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool
+) -> Profile:
     """The Profile of a stopped recording (its profiler has exported nothing yet)."""
     results = recording.profiler.profiler.kineto_results
     roots = results.experimental_event_tree()
@@ -115,7 +117,9 @@ def build_profile(recording: Recording, session: Session, script: Path, argv: li
     origin_ns = _profiler_origin(roots, marks_ns)
     reader = TreeReader(origin_ns, session.module_paths, cuda)
     extracted = reader.read(roots)
-    marks_us = [((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)]
+    marks_us = [
+        ((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)
+    ]
     assign_steps(extracted, marks_us, cuda)
     files = set(extracted.user_files) | {str(script.resolve())}
     files |= {c.file for c in session.constructions if c.file}
@@ -175,7 +179,13 @@ def _export_trace(recording: Recording, dest: Path) -> None:
 
 
 def write_run(
-    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None, cwd: Path,
+    recording: Recording,
+    session: Session,
+    script: Path,
+    argv: list[str],
+    cuda: bool,
+    out: Path | None,
+    cwd: Path,
     rank: tuple[int, int] | None = None,  # issue 9
 ) -> tuple[Path, Profile]:
     """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole."""
@@ -207,7 +217,12 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 
 
 def _write_rank_files(
-    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool, out: Path | None,
+    recording: Recording,
+    session: Session,
+    script: Path,
+    argv: list[str],
+    cuda: bool,
+    out: Path | None,
     rank: tuple[int, int],
 ) -> tuple[Path, Profile]:
     """(issue 9, opadvisor/profile/distributed.py) `rank` = (rank, world_size): `out` is the run folder the

@@ -229,7 +229,9 @@ class Session:
         if key not in self.module_paths:
             self._register_paths(module)
         if self._nvtx is not None:
-            self._nvtx.push_range(message=self.module_paths.get(key) or type(module).__name__, domain="opadvisor")
+            self._nvtx.push_range(
+                message=self.module_paths.get(key) or type(module).__name__, domain="opadvisor"
+            )
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:

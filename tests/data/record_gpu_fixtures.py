@@ -44,8 +44,21 @@ def relocate(data: dict) -> dict:
 def record(script: Path, out_dir: Path, args: list[str], keep_trace: bool = False) -> None:
     work = Path(tempfile.mkdtemp())
     run = work / "run"
-    cmd = [sys.executable, "-m", "opadvisor", "profile", str(script), "--warmup", "2", "--steps", "3",
-           "--out", str(run), "--", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opadvisor",
+        "profile",
+        str(script),
+        "--warmup",
+        "2",
+        "--steps",
+        "3",
+        "--out",
+        str(run),
+        "--",
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         print(f"FAILED {script}: {proc.stderr[-2000:]}")

@@ -39,8 +39,20 @@ def only_run(tmp_path: Path) -> Path:
 def bert_run(tmp_path_factory) -> Path:
     """The BERT-like example profiled for 3 steps on CPU, as a user would run it (a subprocess)."""
     cwd = tmp_path_factory.mktemp("bert")
-    cmd = [sys.executable, "-m", "opadvisor", "profile", str(ROOT / "examples" / "bert_train.py"),
-           "--steps", "3", "--warmup", "1", "--", "--steps", "50"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opadvisor",
+        "profile",
+        str(ROOT / "examples" / "bert_train.py"),
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--",
+        "--steps",
+        "50",
+    ]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return only_run(cwd)
@@ -55,8 +67,12 @@ def test_example_profile_names_exact_lines_and_shapes(bert_run: Path) -> None:
     example = str((ROOT / "examples" / "bert_train.py").resolve())
     fill_line = _line_of(ROOT / "examples" / "bert_train.py", "scores = scores.masked_fill(~mask")
     softmax_line = _line_of(ROOT / "examples" / "bert_train.py", "probs = F.softmax(scores")
-    fills = [o for o in prof.ops if o.name == "aten::masked_fill" and o.file == example and o.line == fill_line]
-    softmaxes = [o for o in prof.ops if o.name == "aten::softmax" and o.file == example and o.line == softmax_line]
+    fills = [
+        o for o in prof.ops if o.name == "aten::masked_fill" and o.file == example and o.line == fill_line
+    ]
+    softmaxes = [
+        o for o in prof.ops if o.name == "aten::softmax" and o.file == example and o.line == softmax_line
+    ]
     assert fills and softmaxes
     assert all(o.line_exact for o in fills + softmaxes)
     scores_shape = fills[0].input_shapes[0]
@@ -184,7 +200,9 @@ def test_script_calling_sys_exit(tmp_path: Path) -> None:
 def test_no_steps_detected(tmp_path: Path) -> None:
     result = profile_cli(tmp_path, str(SCRIPTS / "no_steps.py"))
     assert_user_error(result, "no steps detected")
-    assert not (tmp_path / ".opadvisor" / "runs").exists() or not any((tmp_path / ".opadvisor" / "runs").iterdir())
+    assert not (tmp_path / ".opadvisor" / "runs").exists() or not any(
+        (tmp_path / ".opadvisor" / "runs").iterdir()
+    )
 
 
 def test_output_folder_not_writable(tmp_path: Path) -> None:
@@ -218,5 +236,7 @@ def test_steps_zero_is_refused(tmp_path: Path) -> None:
 def test_help_does_not_import_torch() -> None:
     code = "import sys; from opadvisor.cli import app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    proc = subprocess.run([sys.executable, "-m", "opadvisor", "--help"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "opadvisor", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and "profile" in proc.stdout

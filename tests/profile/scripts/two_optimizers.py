@@ -6,7 +6,7 @@ g = torch.nn.Linear(4, 4)
 d = torch.nn.Linear(4, 1)
 opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
 opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
-for i in range(8):
+for _ in range(8):
     d(g(torch.randn(2, 4))).mean().backward()
     opt_d.step()
     opt_g.step()

@@ -1,1 +1,28 @@
-"""Fused kernels bundled with opadvisor, imported by rewritten scripts as ``opadvisor.kernels``."""
+"""Fused kernels bundled with opadvisor, imported by rewritten scripts as ``opadvisor.kernels``.
+
+- ``masked_softmax(x, mask=None, *, dim=-1, scale=None, fill_value=-inf, zero_masked=False,
+  dropout_p=0.0, training=True)``: scale -> mask -> softmax -> zero masked -> dropout, one kernel.
+- ``bias_dropout_add(x, bias, residual, p, training=True)``: ``residual + dropout(x + bias)``.
+- ``PaddedLinear`` / ``padded_linear``: ``nn.Linear`` whose GEMM runs on sizes padded to a multiple of 8.
+
+Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
+PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions. Importing this
+package does not import Triton.
+"""
+
+from ._backend import backend
+from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
+from .linear import PaddedLinear, padded_linear
+from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
+
+__all__ = [
+    "PaddedLinear",
+    "backend",
+    "bias_dropout_add",
+    "bias_dropout_add_backend",
+    "masked_softmax",
+    "masked_softmax_backend",
+    "padded_linear",
+    "reference_bias_dropout_add",
+    "reference_masked_softmax",
+]

@@ -33,6 +33,14 @@ def profile(
         float, typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0)
     ] = 5.0,
     window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
+    # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, _dist_cli.py)
+    nproc_per_node: Annotated[
+        int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="Nodes of a multi-node run (start opadvisor on each).", min=1)] = 1,
+    node_rank: Annotated[int, typer.Option(help="This node's index, 0 to --nnodes - 1.", min=0)] = 0,
+    master_addr: Annotated[str | None, typer.Option(help="Multi-node: address of node 0.")] = None,
+    master_port: Annotated[int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")] = None,
 ) -> None:
     """Run SCRIPT under torch.profiler for a few steps, write the run, and stop the script.
 
@@ -43,6 +51,13 @@ def profile(
 
     Example:  opadvisor profile train.py --steps 5 -- --batch-size 32
     """
+    if nproc_per_node is not None or nnodes > 1:  # issue 9: every rank of a torchrun launch
+        from opadvisor.profile._dist_cli import profile_ranks
+        from opadvisor.profile.distributed import LaunchSpec
+
+        spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
+        profile_ranks(script, list(ctx.args), spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out)
+        return
     from opadvisor.profile.runner import run_script
     from opadvisor.profile.session import SessionConfig
 

@@ -268,6 +268,7 @@ class FileJob:
     original: bytes  # what the findings' lines refer to (the profiled file)
     targets: dict[str, list[Target]] | None  # rule -> targets; None: static mode
     rules: list[str] = field(default_factory=list)
+    earlier: str = ""  # who made `current` differ from `original` ("an earlier apply (fused_softmax)")
 
 
 def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
@@ -277,7 +278,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         text = job.current
         maps: list[tuple[str, LineMap]] = []
         if job.original != job.current:
-            maps.append(("an earlier apply", LineMap(job.original, job.current)))
+            maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
         file_result = FileResult(job.path, job.current, job.current)
         for rule in job.rules:
             targets: list[Target] | None = None
@@ -286,7 +287,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 targets = []
                 for target in job.targets.get(rule, []):
                     mapped, touched_by = _map_target(target, maps)
-                    if touched_by is not None and touched_by != "an earlier apply":
+                    if touched_by is not None:
                         covered.append((target, touched_by))
                     else:
                         targets.append(mapped)
@@ -294,16 +295,16 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                     for target, by in covered:
                         messages.append(
                             f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
-                            f"those lines were just rewritten by {by}"
+                            f"those lines were already rewritten by {by}"
                         )
                     continue
             new_text, rule_result = rewrite_source(text, rule, targets, job.path)
             if targets:
-                _unmatched(job.path, rule, targets, rule_result, messages, root)
+                _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
             for target, by in covered:
                 messages.append(
                     f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
-                    f"those lines were just rewritten by {by}"
+                    f"those lines were already rewritten by {by}"
                 )
             file_result.rules.append(rule_result)
             if new_text != text:
@@ -315,11 +316,19 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
 
 
 def _unmatched(
-    path: Path, rule: str, targets: Sequence[Target], result: RuleResult, messages: list[str], root: Path
+    path: Path,
+    rule: str,
+    targets: Sequence[Target],
+    result: RuleResult,
+    line_map: LineMap,
+    messages: list[str],
+    root: Path,
 ) -> None:
     """Say which findings the codemod found nothing to do at (so no finding is silently dropped)."""
     lines = [n.line for n in (*result.changes, *result.skipped)]
     for target in targets:
+        if line_map.map(target.line, target.end_line)[2]:
+            continue  # the rewrite changed those lines
         if not any(target.line <= line <= target.end_line for line in lines):
             messages.append(
                 f"{display_path(path, root)}:{target.line}: {rule}: not applied: the {rule} rewrite found no "
@@ -422,6 +431,7 @@ def apply_findings(
     applied = load_applied(run_dir)
     by_path: dict[Path, dict[str, list[Target]]] = {}
     refused: list[str] = []
+    applicable = []
     for f in findings:
         if f.rule not in rules:
             continue
@@ -432,13 +442,20 @@ def apply_findings(
         if f.fix == "unsafe" and not allow_unsafe:
             messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe")
             continue
+        applicable.append(f)
+    for f in applicable:
         alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
         if explicit_rule is None and isinstance(alternative, dict) and not alternative.get("bigger_win", True):
-            messages.append(
-                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {alternative.get('rule')} rewrites the same "
-                "lines and is the bigger win"
+            winner_applies = any(
+                g.rule == alternative.get("rule") and g.path == f.path and g.line == alternative.get("line")
+                for g in applicable
             )
-            continue
+            if winner_applies:
+                messages.append(
+                    f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {alternative.get('rule')} rewrites the "
+                    "same lines and is the bigger win"
+                )
+                continue
         path = Path(f.path).resolve()
         problem = location_problem(path, root)
         if problem is not None:
@@ -475,7 +492,8 @@ def apply_findings(
                 )
         _check_writable(path)
         ordered = codemod_order(targets)
-        jobs.append(FileJob(path, current, original, targets, ordered))
+        earlier = ", ".join(dict.fromkeys(str(e.get("rule")) for e in entries))
+        jobs.append(FileJob(path, current, original, targets, ordered, f"an earlier apply ({earlier})"))
     result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
     if write and result.changed:
         _write(result, run_dir, applied)

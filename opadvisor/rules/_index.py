@@ -18,7 +18,9 @@ Vocabulary used across the helpers:
 
 - *root op*: an op with `parent is None`, i.e. called directly from Python (forward) or by the autograd
   engine (backward). Only root ops are matched and costed, so nested ops (aten::linear -> aten::addmm)
-  are never counted twice; their kernels and time are inside the root's inclusive numbers.
+  are never counted twice; their kernels and time are inside the root's inclusive numbers. A root op
+  that is not an aten op but a wrapper (a user `torch.autograd.Function` such as DeBERTa's XSoftmax, a
+  named range) is replaced by the ops it holds: those are what the user's code called.
 - *frame*: the forward root ops, in the order they ran, that one user function (`op.file`, `op.function`)
   ran in one step on one thread, cut where the module of the calling code (`owner_module`) changes to a
   non-nested one (layer 0's `forward` and layer 1's `forward` are separate frames even when no other op
@@ -148,8 +150,14 @@ class ProfileIndex:
         open_frames: dict[tuple, Frame] = {}
         self.forward_root_ops: list[Op] = []
         self.sequences: dict[tuple[int | None, int], list[Op]] = defaultdict(list)  # (step, thread) -> roots
+        wrappers: set[int] = set()
         for op in ops:
-            if op.parent is not None or op.is_backward or not in_window(op):
+            if op.is_backward or not in_window(op):
+                continue
+            if op.parent is not None and op.parent not in wrappers:
+                continue
+            if "::" not in op.name and self.children[op.id]:
+                wrappers.add(op.id)  # an autograd.Function / named range: its ops are the calls
                 continue
             self.forward_root_ops.append(op)
             self.sequences[(op.step, op.thread)].append(op)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from pathlib import Path
 
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._chains import GEMM_OPS, in_dtype, is_16bit, matmul_mnk, names
@@ -86,7 +87,7 @@ def _constructions(
 
 
 def _where(c: Construction) -> str:
-    return f"{c.file}:{c.line}" if c.file else "its construction"
+    return f"{Path(c.file).name}:{c.line}" if c.file else "its construction"
 
 
 def detect(profile: Profile) -> list[Finding]:

@@ -4,6 +4,6 @@ import torch
 
 model = torch.nn.Linear(4, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-for i in range(3):
+for _ in range(3):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()

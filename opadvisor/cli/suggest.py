@@ -137,6 +137,7 @@ def _round(v: float | None, digits: int = 3) -> float | None:
 def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
     """The `suggest --format json` object (schema: opadvisor/rules/suggest_schema.py)."""
     from opadvisor.rules._breakdown import breakdown
+    from opadvisor.rules._index import median_step_ms
 
     first = profiles[0]
     env = first.environment
@@ -144,7 +145,7 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "schema": 1,
         "run": display_path(str(run_dir)),
         "device": env.gpu_name if env.device == "cuda" and env.gpu_name else env.device,
-        "step_ms": _round(first.median_step_ms()),
+        "step_ms": _round(median_step_ms(first)),
         "findings": [finding_entry(f) for f in report.findings],
         "notes": [{"rule": n.rule, "message": n.message, "ranks": n.ranks} for n in report.notes],
         "breakdown": breakdown(first),
@@ -263,11 +264,11 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     env = first.environment
     device = env.gpu_name if env.device == "cuda" and env.gpu_name else "CPU (no GPU times)"
     ranks = f", {len(profiles)} ranks" if len(profiles) > 1 else ""
+    bd = breakdown(first)
     console.print(
         f"[bold]{display_path(str(run_dir))}[/bold]  {display_path(first.script)}  on {device}{ranks}: "
-        f"{len(first.steps)} steps, median {fmt_ms(first.median_step_ms())}/step"
+        f"{len(first.steps)} steps, median {fmt_ms(bd['step_ms'])}/step"
     )
-    bd = breakdown(first)
     basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
     parts = "  ".join(
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
@@ -286,12 +287,18 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         for i, f in enumerate(report.findings, 1):
             where = f"{display_path(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
             if f.source_status != "ok":
-                where += f"\n({'file changed since profiling' if f.source_status == 'changed' else 'file gone'})"
+                where += (
+                    f"\n({'file changed since profiling' if f.source_status == 'changed' else 'file gone'})"
+                )
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")
             table.add_row(
-                str(i), time, fmt_ms(f.est_saving_ms_per_step), f"{where}\n{f.rule}", f"{f.message}\nfix: {fix}"
+                str(i),
+                time,
+                fmt_ms(f.est_saving_ms_per_step),
+                f"{where}\n{f.rule}",
+                f"{f.message}\nfix: {fix}",
             )
         console.print(table)
     for n in report.notes:

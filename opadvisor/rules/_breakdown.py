@@ -10,7 +10,8 @@ On a GPU profile the parts are the GPU's view of the median step: busy time spli
 time split into data loading (gaps while the DataLoader was fetching), launch-bound stretches (gaps under
 LAUNCH_GAP_US between kernels, and the idle below the profile's gap threshold) and other GPU idle (longer
 gaps: host work, synchronisations). On a CPU profile the parts are CPU times: matrix products, other ops,
-data loading, and the rest of the step (Python and framework overhead). Shares are of the median step.
+data loading, and the rest of the step (Python and framework overhead). Shares are of the median step
+(CPU) or of the parts' sum (GPU: the mean GPU span of a step).
 """
 
 from __future__ import annotations
@@ -88,11 +89,13 @@ def breakdown(profile: Profile) -> dict[str, Any]:
         parts = [("matrix products", matrix), ("other ops", others), ("data loading", loader_ms)]
         if step_ms:
             parts.append(("Python and framework", max(0.0, step_ms - matrix - others - loader_ms)))
+    # shares of the parts' sum: on a GPU that is the mean GPU span of a step, which they add up to
+    total = sum(ms for _, ms in parts) if ix.gpu else step_ms
     return {
         "basis": ix.basis,
         "step_ms": step_ms,
         "parts": [
-            {"name": name, "ms": round(ms, 4), "share": round(ms / step_ms, 4) if step_ms else None}
+            {"name": name, "ms": round(ms, 4), "share": round(ms / total, 4) if total else None}
             for name, ms in parts
         ],
     }

@@ -118,8 +118,7 @@ def build_finding(
     parts = [head + ":"]
     if fused_kernels is not None and fwd_kernels > fused_kernels:
         parts.append(f"{what} where {'one' if fused_kernels == 1 else fused_kernels} would do,")
-    elif ix.gpu:
-        parts.append(f"{what},")
+
     if per_step > 1:
         parts.append(f"{per_step}x per step,")
     parts.append(cost_words(ix, ms, share))

@@ -12,7 +12,8 @@ built once per profile in O(number of ops) and cached on the profile object:
     ix.cost_us(op)                       # this op's own time, GPU when the profile has it, else CPU
     ix.site_cost_us([op, ...])           # forward ops + the backward ops autograd ran for them
     ix.kernel_count(op)                  # kernels launched by op and everything under it (0 on a CPU profile)
-    ix.step_ms                           # median step wall time (None when the profile recorded no step)
+    ix.step_ms                           # median step time (None when the profile recorded no step):
+                                         # per step the longer of CPU wall time and GPU span
 
 Vocabulary used across the helpers:
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
 
-__all__ = ["Frame", "ProfileIndex", "index_of", "module_related", "owner_module"]
+__all__ = ["Frame", "ProfileIndex", "index_of", "median_step_ms", "module_related", "owner_module"]
 
 
 @dataclass
@@ -125,7 +126,7 @@ class ProfileIndex:
                 self._kernels[op.parent] += self._kernels[op.id]
 
         self.steps_recorded: int = profile.step_count
-        self.step_ms: float | None = profile.median_step_ms()
+        self.step_ms: float | None = median_step_ms(profile)
         in_window = (lambda o: o.step is not None) if profile.steps else (lambda o: True)
         self._in_window = in_window
 
@@ -240,6 +241,19 @@ class ProfileIndex:
         """Forward root ops in the window, optionally only those with one of `names`, in start order."""
         wanted = set(names) if names else None
         return [op for op in self.forward_root_ops if wanted is None or op.name in wanted]
+
+
+def median_step_ms(profile: Profile) -> float | None:
+    """Median step time: per step the longer of the CPU wall time and the GPU's span for that step.
+
+    On a GPU the CPU runs ahead of the device (kernels of step N may run during step N+1), so a step's
+    CPU wall time can be far shorter than the GPU work it queued; the GPU span is the honest length then.
+    """
+    times = sorted(max(s.wall_ms, s.gpu_span_ms or 0.0) for s in profile.steps)
+    if not times:
+        return None
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
 
 
 def index_of(profile: Profile) -> ProfileIndex:

@@ -70,6 +70,8 @@ def detect(profile: Profile) -> list[Finding]:
         first = sites[0].match
         labels = [x for x in ATTENTION_LABELS if x in first.ops]
         occurrences = [[s.match.ops[x] for x in labels] for s in sites]
+        if ix.gpu and sum(ix.kernel_count(op) for op in occurrences[0]) < 2:
+            continue  # ran on the CPU in a GPU profile, or already fused: nothing to measure or fuse
         elementwise = [[op for op in occ if op.name not in GEMM_OPS] for occ in occurrences]
         saving = None
         if ix.gpu:

@@ -123,7 +123,7 @@ def detect(profile: Profile) -> list[Finding]:
 
     # tiny kernels: shorter than the CPU time their op spent per kernel launched (its launch cost)
     tiny_total = 0
-    for start, dur, op in kernels:
+    for _start, dur, op in kernels:
         site = _site_of(sites, ix, op)
         if site is None:
             continue
@@ -200,7 +200,7 @@ def _site_of(sites: dict[tuple, _Site], ix: ProfileIndex, op: Op) -> _Site | Non
     root = ix.root(op)
     if root.file is None:
         return None
-    key = (root.file, root.function)
+    key = (root.file, root.function, _def_line(ix, root.file, root.line))
     site = sites.get(key)
     if site is None:
         site = sites[key] = _Site(root.file, root.function)
@@ -209,6 +209,17 @@ def _site_of(sites: dict[tuple, _Site], ix: ProfileIndex, op: Op) -> _Site | Non
     if root.module:
         site.modules.add(root.module)
     return site
+
+
+def _def_line(ix: ProfileIndex, path: str, line: int | None) -> int | None:
+    """The `def` line of the function holding `line` (tells apart methods that share a name)."""
+    cache = ix.__dict__.setdefault("_sparse_def_lines", {})
+    key = (path, line)
+    if key not in cache:
+        src = load_profiled_source(ix.profile, path) if line else None
+        fn = src.enclosing_function(line) if src is not None and line else None
+        cache[key] = fn.line if fn else None
+    return cache[key]
 
 
 def _lines(profile: Profile, site: _Site) -> tuple[int, int]:

@@ -1,0 +1,130 @@
+"""JSON schema (draft 2020-12) of `opadvisor suggest --format json`, schema version 1.
+
+The first keys of the document and of each finding are the contract in DESIGN.md, with the types it
+gives (times are null where the profile cannot give them); the keys after them add what the table shows
+(evidence, notes for rules that did not apply, the step breakdown). Scripts may rely on every key here;
+a change that removes or retypes one bumps `schema`. Kept as a Python dict so it ships with the package.
+
+    import jsonschema
+    from opadvisor.rules.suggest_schema import SUGGEST_SCHEMA
+    jsonschema.validate(document, SUGGEST_SCHEMA)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NUM_OR_NULL: dict[str, Any] = {"type": ["number", "null"]}
+_LINE: dict[str, Any] = {"type": "integer", "minimum": 1}
+
+FINDING_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "rule",
+        "path",
+        "line",
+        "end_line",
+        "message",
+        "time_ms_per_step",
+        "est_saving_ms_per_step",
+        "fix",
+        "time_basis",
+        "share_of_step",
+        "function",
+        "module",
+        "source_status",
+        "ranks",
+        "apply",
+        "advice",
+        "evidence",
+        "details",
+    ],
+    "additionalProperties": False,
+    "properties": {
+        # ---- DESIGN.md's contract
+        "rule": {"type": "string", "pattern": "^[a-z][a-z0-9_]*$"},
+        "path": {"type": "string", "minLength": 1},  # relative to the cwd when under it, else absolute
+        "line": _LINE,
+        "end_line": _LINE,
+        "message": {"type": "string", "minLength": 1},
+        "time_ms_per_step": _NUM_OR_NULL,
+        "est_saving_ms_per_step": _NUM_OR_NULL,
+        "fix": {"enum": ["safe", "unsafe", "none"]},
+        # ---- additions
+        "time_basis": {"enum": ["gpu", "cpu", "none"]},  # what time_ms_per_step measures
+        "share_of_step": _NUM_OR_NULL,  # 0..1 of the median step
+        "function": {"type": ["string", "null"]},
+        "module": {"type": ["string", "null"]},
+        "source_status": {"enum": ["ok", "changed", "missing"]},  # the file now vs. at profile time
+        "ranks": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
+        "apply": {"type": ["string", "null"]},  # the command that applies the fix, null when display-only
+        "advice": {"type": "string"},
+        "evidence": {
+            "type": "object",
+            "required": ["ops", "kernel_count", "shapes", "dtypes", "occurrences", "notes"],
+            "additionalProperties": False,
+            "properties": {
+                "ops": {"type": "array", "items": {"type": "string"}},
+                "kernel_count": {"type": ["integer", "null"], "minimum": 0},
+                "shapes": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+                "dtypes": {"type": "array", "items": {"type": "string"}},
+                "occurrences": {"type": "integer", "minimum": 1},
+                "notes": {"type": "array", "items": {"type": "string"}},
+            },
+        },
+        "details": {"type": "object"},  # rule-specific facts (what `apply` uses)
+    },
+}
+
+SUGGEST_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "opadvisor suggest --format json",
+    "type": "object",
+    "required": ["schema", "run", "device", "step_ms", "findings", "notes", "breakdown", "rules_run"],
+    "additionalProperties": False,
+    "properties": {
+        # ---- DESIGN.md's contract
+        "schema": {"const": 1},
+        "run": {"type": "string"},
+        "device": {"type": "string"},  # the GPU's name, or "cpu"
+        "step_ms": _NUM_OR_NULL,  # median step wall time
+        "findings": {"type": "array", "items": FINDING_SCHEMA},
+        # ---- additions
+        "notes": {  # rules that did not apply to this profile (or failed), never findings
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["rule", "message", "ranks"],
+                "additionalProperties": False,
+                "properties": {
+                    "rule": {"type": "string"},
+                    "message": {"type": "string"},
+                    "ranks": {"type": ["array", "null"], "items": {"type": "integer"}},
+                },
+            },
+        },
+        "breakdown": {
+            "type": "object",
+            "required": ["basis", "step_ms", "parts"],
+            "additionalProperties": False,
+            "properties": {
+                "basis": {"enum": ["gpu", "cpu"]},
+                "step_ms": _NUM_OR_NULL,
+                "parts": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "ms", "share"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string"},
+                            "ms": {"type": "number"},
+                            "share": _NUM_OR_NULL,
+                        },
+                    },
+                },
+            },
+        },
+        "rules_run": {"type": "array", "items": {"type": "string"}},
+    },
+}

@@ -16,6 +16,7 @@ and the session raises `WindowComplete` from the step boundary so a script meant
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,9 @@ class Session:
         except ImportError:  # nvtx is a dependency; without it the run still works, just without ranges
             self._nvtx = None
 
+        # Our global forward hooks are ours, not the user's: torch's warning about them under
+        # torch.compile(module) would only confuse (they do nothing while compiling).
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
         h1 = register_optimizer_step_post_hook(self._optimizer_hook)
         h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
         h3 = module_mod.register_module_forward_hook(self._forward_post_hook, always_call=True)
@@ -225,6 +229,8 @@ class Session:
 
     # ---- module hooks ----------------------------------------------------------------------------
     def _forward_pre_hook(self, module: Any, args: Any) -> None:
+        if _compiling():
+            return  # inside torch.compile tracing: add nothing to the graph (no breaks, no side effects)
         key = id(module)
         if key not in self.module_paths:
             self._register_paths(module)
@@ -235,12 +241,16 @@ class Session:
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         if self._nvtx is not None:
             self._nvtx.pop_range(domain="opadvisor")
 
     def _register_paths(self, root: Any) -> None:
         """Name every submodule of the first unknown module called: it is the outermost one."""
         for name, sub in root.named_modules():
+            # torch.compile(model) wraps the model: name its modules as the user's model names them
+            name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             self.module_paths.setdefault(id(sub), name)
 
     def _check_time_window(self) -> None:
@@ -353,6 +363,12 @@ class Session:
         )
         self.constructions.append(construction)
         self._modules_by_construction[id(module)] = construction
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _public_name(cls: type, package: str) -> str:

@@ -155,11 +155,13 @@ class ChainFinder:
 
     # ---- single ops --------------------------------------------------------------------------------
     def _method(self, node: cst.BaseExpression, name: str) -> bool:
+        """`<tensor>.name(...)`: not a torch function, and not `self.name(...)` (a submodule)."""
         return (
             isinstance(node, cst.Call)
             and isinstance(node.func, cst.Attribute)
             and node.func.attr.value == name
             and not mt.is_torch_namespace(self.cm, node.func.value)
+            and not m.matches(node.func.value, m.Name("self"))
         )
 
     def _masked_fill(self, node: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression] | None:

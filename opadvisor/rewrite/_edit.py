@@ -114,6 +114,7 @@ def build_call(
 ) -> cst.Call:
     """`func(a, b, k=v)`; exploded: one argument per line, trailing comma, closing parenthesis on its own."""
     values: list[tuple[str | None, cst.BaseExpression]] = [(None, v) for v in positional] + list(keywords)
+    values = [(k, _bare(v)) for k, v in values]
     args: list[cst.Arg] = []
     for i, (keyword, value) in enumerate(values):
         last = i == len(values) - 1
@@ -148,6 +149,17 @@ def build_call(
             last_line=cst.SimpleWhitespace(indent_unit),
         )
     return cst.Call(func=func, args=args, whitespace_before_args=whitespace_before_args)
+
+
+def _bare(value: cst.BaseExpression) -> cst.BaseExpression:
+    """An argument without outer parentheses it does not need (`scale=(1.0 / d)` -> `scale=1.0 / d`)."""
+    if (
+        getattr(value, "lpar", None)
+        and not isinstance(value, cst.Tuple | cst.GeneratorExp | cst.Yield)
+        and "\n" not in code(value.with_changes(lpar=[], rpar=[]))
+    ):
+        return value.with_changes(lpar=[], rpar=[])
+    return value
 
 
 def fits(statement_text: str, indent: str) -> bool:

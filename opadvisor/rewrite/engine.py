@@ -432,6 +432,7 @@ def apply_findings(
     by_path: dict[Path, dict[str, list[Target]]] = {}
     refused: list[str] = []
     applicable = []
+    withheld = []
     for f in findings:
         if f.rule not in rules:
             continue
@@ -440,9 +441,17 @@ def apply_findings(
             messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: note: no automatic fix for this one{advice}")
             continue
         if f.fix == "unsafe" and not allow_unsafe:
+            withheld.append(f)
             messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe")
             continue
         applicable.append(f)
+    if explicit_rule is not None and withheld and not applicable:
+        f = withheld[0]
+        more = f" (and {len(withheld) - 1} more)" if len(withheld) > 1 else ""
+        raise UserError(
+            f"the {f.rule} fix at {_rel(f.path, root)}:{f.line}{more} is unsafe "
+            f"(see `opadvisor explain {f.rule}`); pass --unsafe to apply it"
+        )
     for f in applicable:
         alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
         if explicit_rule is None and isinstance(alternative, dict) and not alternative.get("bigger_win", True):

@@ -93,7 +93,7 @@ class FusedSoftmaxCodemod(BlockRewriter):
             if problem is None:
                 edit, read = self._build(finder, stmts, cand, indent)
                 if read is None:
-                    self._record(anchor, chain, cand, first_problem)
+                    self._record(_small(stmts[cand.first]) or stmts[cand.first], chain, cand, first_problem)
                     return edit
                 problem = read
             if first_problem is None:

@@ -179,6 +179,8 @@ def detect(profile: Profile) -> list[Finding]:
                         f"median step {fmt_ms(step_ms)}, GPU idle {fmt_share(median_share)} of it "
                         "(gaps explained by data loading or host syncs excluded)",
                         f"{tiny_total // ix.steps_recorded} kernels/step in the whole run are shorter than their launch",
+                        "CPU times include the profiler's own overhead (shapes, stacks): without it the gaps "
+                        "are shorter, so read the time as an upper bound",
                     ],
                 ),
                 time_ms_per_step=ms,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import SCRIPTS, expected_lines
+from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.runs import load_run
 from opadvisor.rules.engine import analyse

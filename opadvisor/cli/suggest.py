@@ -253,13 +253,16 @@ def sarif_document(report) -> dict[str, Any]:
 
 
 def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
     from opadvisor.rules._breakdown import breakdown
     from opadvisor.rules._findings import fmt_ms, fmt_share
 
-    console = Console(highlight=False, soft_wrap=False)
+    # a terminal gets its own width; a pipe or a CI log gets 120 columns, so commands are not folded
+    console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
     first = profiles[0]
     env = first.environment
     device = env.gpu_name if env.device == "cuda" and env.gpu_name else "CPU (no GPU times)"
@@ -287,9 +290,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         for i, f in enumerate(report.findings, 1):
             where = f"{display_path(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
             if f.source_status != "ok":
-                where += (
-                    f"\n({'file changed since profiling' if f.source_status == 'changed' else 'file gone'})"
-                )
+                where += f"\n({'file changed' if f.source_status == 'changed' else 'file gone'})"
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")

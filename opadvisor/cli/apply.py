@@ -51,7 +51,8 @@ def apply(
     ] = None,
     diff: Annotated[bool, typer.Option("--diff", help="Print the unified diff and write nothing.")] = False,
     check: Annotated[
-        bool, typer.Option("--check", help="Write nothing; exit 1 if the rewrite would change a file (for CI).")
+        bool,
+        typer.Option("--check", help="Write nothing; exit 1 if the rewrite would change a file (for CI)."),
     ] = False,
     unsafe: Annotated[
         bool, typer.Option("--unsafe", help="Also apply fixes that change numerics (e.g. fp32_gemm).")

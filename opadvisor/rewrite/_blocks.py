@@ -67,7 +67,9 @@ class BlockRewriter(RuleCodemod):
         text = self._module.code_for_node(probe)
         if ed.fits(text, indent):
             return flat
-        return ed.build_call(func, positional, keywords, exploded=True, indent_unit=self._module.default_indent)
+        return ed.build_call(
+            func, positional, keywords, exploded=True, indent_unit=self._module.default_indent
+        )
 
     def stmt_lines(self, stmts: Sequence[cst.CSTNode], first: int, last: int) -> tuple[int, int]:
         start = self.get_metadata(PositionProvider, _inner(stmts[first])).start.line
@@ -84,7 +86,9 @@ class BlockRewriter(RuleCodemod):
         self._indents.append(node.indent if node.indent is not None else self._module.default_indent)
         return True
 
-    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> cst.IndentedBlock:
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
         indent = "".join(self._indents)
         self._indents.pop()
         body = self._apply(original_node.body, updated_node.body, indent)
@@ -117,7 +121,9 @@ class BlockRewriter(RuleCodemod):
                 if edit.kept_first is not None:
                     body.append(edit.kept_first)
                     if edit.kept_first_dropped is not None:
-                        moved.extend(ed.comment_lines(ed.orphaned_comments([edit.kept_first_dropped], edit.carried)))
+                        moved.extend(
+                            ed.comment_lines(ed.orphaned_comments([edit.kept_first_dropped], edit.carried))
+                        )
                 else:
                     moved.extend(_moved_lines(stmt, edit.carried))
                 continue

@@ -164,7 +164,9 @@ class ChainFinder:
             and not m.matches(node.func.value, m.Name("self"))
         )
 
-    def _masked_fill(self, node: cst.BaseExpression) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression] | None:
+    def _masked_fill(
+        self, node: cst.BaseExpression
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression, cst.BaseExpression] | None:
         """(input, mask, value) of `x.masked_fill(m, v)` / `torch.masked_fill(x, m, v)`."""
         if self._method(node, "masked_fill"):
             args = mt.bind_args(node, ("mask", "value"), required=2)  # type: ignore[arg-type]
@@ -180,7 +182,9 @@ class ChainFinder:
         if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.MatrixMultiply):
             return node.left, node.right
         if isinstance(node, cst.Call) and mt.resolves_to(self.cm, node.func, mt.MATMUL_FUNCS):
-            args = mt.bind_args(node, ("input", "other"), required=2) or mt.bind_args(node, ("input", "mat2"), required=2)
+            args = mt.bind_args(node, ("input", "other"), required=2) or mt.bind_args(
+                node, ("input", "mat2"), required=2
+            )
             if args:
                 return args["input"].value, (args.get("other") or args["mat2"]).value
         return None
@@ -224,7 +228,9 @@ class ChainFinder:
                     self._is_op(node.right) and not self._is_op(node.left)
                 ):
                     flow, other = node.right, node.left
-                if (isinstance(other, cst.Name) and other.value in prefer) or mt.number_value(other) is not None:
+                if (isinstance(other, cst.Name) and other.value in prefer) or mt.number_value(
+                    other
+                ) is not None:
                     return None
                 return Step("mask", node, flow, {"mask": other, "fill": None})
             return None
@@ -311,7 +317,12 @@ class ChainFinder:
                 args = mt.bind_args(node, ("input", "p", "train"), required=3)
                 if args is None:
                     return None
-                return Step("dropout", node, args["input"].value, {"p": args["p"].value, "training": args["train"].value})
+                return Step(
+                    "dropout",
+                    node,
+                    args["input"].value,
+                    {"p": args["p"].value, "training": args["train"].value},
+                )
             kind_, _ctor = self.module_kind(node.func)
             if kind_ == "dropout":
                 args = mt.bind_args(node, ("input",))
@@ -402,7 +413,10 @@ class ChainFinder:
         roots: list[cst.CSTNode]
         if isinstance(small, cst.Assign):
             roots = [small.value]
-        elif isinstance(small, cst.AugAssign | cst.Expr | cst.Return) and getattr(small, "value", None) is not None:
+        elif (
+            isinstance(small, cst.AugAssign | cst.Expr | cst.Return)
+            and getattr(small, "value", None) is not None
+        ):
             roots = [small.value]  # type: ignore[list-item]
         else:
             return []
@@ -436,22 +450,40 @@ class ChainFinder:
         pre, entry, pos = self._peel_down(softmax.input, 0, prefer)
         used: set[str] = set()
         post, top = self._extend_up(softmax.node, used)
-        segments = [Segment(index, [*reversed(pre), softmax, *post], entry, top, self._target_of_top(top, stmt))]
+        segments = [
+            Segment(index, [*reversed(pre), softmax, *post], entry, top, self._target_of_top(top, stmt))
+        ]
         # backwards: statements that compute what flows in
         i = index
-        while link and isinstance(entry, cst.Name) and i - 1 >= lower and pos < len(self.pre_kinds) and (
-            segments[0].steps[0].kind != "qk"
+        while (
+            link
+            and isinstance(entry, cst.Name)
+            and i - 1 >= lower
+            and pos < len(self.pre_kinds)
+            and (segments[0].steps[0].kind != "qk")
         ):
             prev = self.stmts[i - 1]
             small = _small(prev)
-            if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name) and small.target.value == entry.value:
-                kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(type(small.operator))
+            if (
+                isinstance(small, cst.AugAssign)
+                and isinstance(small.target, cst.Name)
+                and small.target.value == entry.value
+            ):
+                kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(
+                    type(small.operator)
+                )
                 if kind is None or kind not in self.pre_kinds[pos:]:
                     break
                 if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
                     break
                 params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
-                step = Step(kind, small.value, small.target, params, divide=isinstance(small.operator, cst.DivideAssign))
+                step = Step(
+                    kind,
+                    small.value,
+                    small.target,
+                    params,
+                    divide=isinstance(small.operator, cst.DivideAssign),
+                )
                 pos = self.pre_kinds.index(kind) + 1
                 segments.insert(0, Segment(i - 1, [step], small.target, small.value, entry.value, aug=True))
                 entry = small.target
@@ -492,7 +524,11 @@ class ChainFinder:
         for k in (index, index - 1):
             if 0 <= k < len(self.stmts):
                 small = _small(self.stmts[k])
-                if isinstance(small, cst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, cst.Name):
+                if (
+                    isinstance(small, cst.Assign)
+                    and len(small.targets) == 1
+                    and isinstance(small.targets[0].target, cst.Name)
+                ):
                     names.add(small.targets[0].target.value)
                 if isinstance(small, cst.AugAssign) and isinstance(small.target, cst.Name):
                     names.add(small.target.value)
@@ -526,7 +562,11 @@ class ChainFinder:
         )
 
     def temps_problem(
-        self, chain: Chain, carried: Sequence[cst.CSTNode], meta_name: str | None = None, keep_first: bool = False
+        self,
+        chain: Chain,
+        carried: Sequence[cst.CSTNode],
+        meta_name: str | None = None,
+        keep_first: bool = False,
     ) -> tuple[str, int, bool] | None:
         """A read that folding would break: (name, line, it is in a return), else None.
 
@@ -564,7 +604,11 @@ class ChainFinder:
                     continue
                 (line, col), _ = self.pos(node)
                 in_chain = any(mt.contains(s, node) for s in chain_stmts)
-                if in_chain and mt.contains(first_stmt, node) and (not keep_first or mt.contains(segments[0].entry, node)):
+                if (
+                    in_chain
+                    and mt.contains(first_stmt, node)
+                    and (not keep_first or mt.contains(segments[0].entry, node))
+                ):
                     continue  # the first statement reads what was bound before the chain, and still is
                 if in_chain:
                     carrier = next((c for c in carried if mt.contains(c, node)), None)

@@ -57,7 +57,9 @@ def reciprocal(node: cst.BaseExpression) -> cst.BaseExpression:
     """`1 / node` (for a scale given as a divisor)."""
     return cst.BinaryOperation(
         left=cst.Integer("1"),
-        operator=cst.Divide(whitespace_before=cst.SimpleWhitespace(" "), whitespace_after=cst.SimpleWhitespace(" ")),
+        operator=cst.Divide(
+            whitespace_before=cst.SimpleWhitespace(" "), whitespace_after=cst.SimpleWhitespace(" ")
+        ),
         right=operand(node),
     )
 
@@ -97,7 +99,11 @@ def template(text: str, **nodes: cst.BaseExpression) -> cst.BaseExpression:
 
     class _Fill(cst.CSTTransformer):
         def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
-            if updated.value.startswith("__") and updated.value.endswith("__") and updated.value[2:-2] in nodes:
+            if (
+                updated.value.startswith("__")
+                and updated.value.endswith("__")
+                and updated.value[2:-2] in nodes
+            ):
                 return nodes[updated.value[2:-2]]
             return updated
 
@@ -127,7 +133,9 @@ def build_call(
             )
             comma: cst.Comma | cst.MaybeSentinel = cst.Comma(whitespace_after=after)
         else:
-            comma = cst.MaybeSentinel.DEFAULT if last else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            comma = (
+                cst.MaybeSentinel.DEFAULT if last else cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            )
         args.append(
             cst.Arg(
                 value=value,

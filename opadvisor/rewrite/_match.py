@@ -123,7 +123,9 @@ def number_value(node: cst.BaseExpression | None) -> float | None:
             return float(text)
         except ValueError:
             return None
-    if m.matches(node, m.Attribute(value=m.Name("math") | m.Name("torch") | m.Name("np"), attr=m.Name("inf"))):
+    if m.matches(
+        node, m.Attribute(value=m.Name("math") | m.Name("torch") | m.Name("np"), attr=m.Name("inf"))
+    ):
         return float("inf")
     return None
 
@@ -138,9 +140,12 @@ def is_finfo_min(node: cst.BaseExpression) -> bool:
     node = unparen(node)
     if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Minus):
         return m.matches(
-            unparen(node.expression), m.Attribute(value=m.Call(func=m.Attribute(attr=m.Name("finfo"))), attr=m.Name("max"))
+            unparen(node.expression),
+            m.Attribute(value=m.Call(func=m.Attribute(attr=m.Name("finfo"))), attr=m.Name("max")),
         )
-    return m.matches(node, m.Attribute(value=m.Call(func=m.Attribute(attr=m.Name("finfo"))), attr=m.Name("min")))
+    return m.matches(
+        node, m.Attribute(value=m.Call(func=m.Attribute(attr=m.Name("finfo"))), attr=m.Name("min"))
+    )
 
 
 def is_zero(node: cst.BaseExpression) -> bool:
@@ -173,7 +178,9 @@ def is_scalarish(node: cst.BaseExpression, tensor_names: frozenset[str] = frozen
     ):
         return is_scalarish(node.left, tensor_names) and is_scalarish(node.right, tensor_names)
     if isinstance(node, cst.Subscript):  # x.shape[-1], x.size()[-1]
-        return m.matches(node.value, m.Attribute(attr=m.Name("shape")) | m.Call(func=m.Attribute(attr=m.Name("size"))))
+        return m.matches(
+            node.value, m.Attribute(attr=m.Name("shape")) | m.Call(func=m.Attribute(attr=m.Name("size")))
+        )
     if isinstance(node, cst.Call):
         func = node.func
         if m.matches(func, m.Name("float") | m.Name("int")):
@@ -236,7 +243,9 @@ def self_attr(node: cst.BaseExpression) -> str | None:
 class ClassInfo:
     """What a class's `__init__` assigns to `self.<attr>` (calls and buffers), read from the source."""
 
-    values: dict[str, cst.BaseExpression | None] = field(default_factory=dict)  # None: assigned more than once
+    values: dict[str, cst.BaseExpression | None] = field(
+        default_factory=dict
+    )  # None: assigned more than once
 
     def value(self, attr: str) -> cst.BaseExpression | None:
         return self.values.get(attr)
@@ -245,18 +254,16 @@ class ClassInfo:
 def class_info(classdef: cst.ClassDef) -> ClassInfo:
     info = ClassInfo()
     init = next(
-        (
-            s
-            for s in classdef.body.body
-            if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"
-        ),
+        (s for s in classdef.body.body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"),
         None,
     )
     if init is None:
         return info
 
     def record(attr: str, value: cst.BaseExpression) -> None:
-        if attr in info.values and not (info.values[attr] is not None and info.values[attr].deep_equals(value)):
+        if attr in info.values and not (
+            info.values[attr] is not None and info.values[attr].deep_equals(value)
+        ):
             info.values[attr] = None
         else:
             info.values[attr] = value
@@ -291,7 +298,9 @@ def enclosing_class(visitor: cst.MetadataDependent, node: cst.CSTNode) -> cst.Cl
     return None
 
 
-def inside(visitor: cst.MetadataDependent, node: cst.CSTNode, kinds: tuple[type, ...], stop: cst.CSTNode) -> bool:
+def inside(
+    visitor: cst.MetadataDependent, node: cst.CSTNode, kinds: tuple[type, ...], stop: cst.CSTNode
+) -> bool:
     """Whether an ancestor of node, below `stop`, is one of `kinds`."""
     current = parent(visitor, node)
     while current is not None and current is not stop:

@@ -62,7 +62,11 @@ def reference(context: CodemodContext, module: cst.Module, qualified_name: str) 
                 elif imported.split(".")[0] == module_path.split(".")[0]:
                     # `import torch` (or `import torch.nn`) binds `torch`; the submodule must be imported
                     # for the dotted name to work: torch imports torch.nn.functional itself, others may not.
-                    if imported == module_path or module_path.startswith(imported + ".") and imported == "torch":
+                    if (
+                        imported == module_path
+                        or module_path.startswith(imported + ".")
+                        and imported == "torch"
+                    ):
                         bound_root = True
     if module_alias is not None:
         return cst.Attribute(value=cst.Name(module_alias), attr=cst.Name(obj))

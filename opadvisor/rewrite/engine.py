@@ -86,7 +86,9 @@ class FileResult:
         old = self.before.decode("utf-8", errors="surrogateescape").splitlines(keepends=True)
         new = self.after.decode("utf-8", errors="surrogateescape").splitlines(keepends=True)
         lines = list(difflib.unified_diff(old, new, f"a/{name}", f"b/{name}"))
-        return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
+        return "".join(
+            line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+        )
 
 
 @dataclass
@@ -131,7 +133,9 @@ def location_problem(path: Path, root: Path) -> str | None:
     try:
         path.relative_to(root)
     except ValueError:
-        return f"{path} lies outside the project directory {root}; run opadvisor from the project that holds it"
+        return (
+            f"{path} lies outside the project directory {root}; run opadvisor from the project that holds it"
+        )
     return None
 
 
@@ -146,7 +150,9 @@ def _check_writable(path: Path) -> None:
     if not st.st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(path, os.W_OK):
         raise UserError(f"{path} is read-only; not rewriting it (make it writable first)")
     if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise UserError(f"cannot write in {path.parent} (the rewrite replaces the file through a temporary one)")
+        raise UserError(
+            f"cannot write in {path.parent} (the rewrite replaces the file through a temporary one)"
+        )
 
 
 # ---- running one codemod on one source ---------------------------------------------------------------------
@@ -188,7 +194,9 @@ def rewrite_source(
     codemod_cls = registry.get_codemod(rule)
     module = _parse(source, path)
     new_module, codemod = _run_once(codemod_cls, module, targets, path)
-    result = RuleResult(rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", [])))
+    result = RuleResult(
+        rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", []))
+    )
     new_source = new_module.bytes
     result.before, result.after = source, new_source
     if new_source == source:
@@ -348,7 +356,9 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> list[
                 messages.append(f"{rid}: no codemod available ({exc}); skipped")
                 continue
             if cls.SAFETY == "unsafe" and not allow_unsafe:
-                messages.append(f"{rid}: not applied: its fix is marked unsafe; pass --unsafe to apply it too")
+                messages.append(
+                    f"{rid}: not applied: its fix is marked unsafe; pass --unsafe to apply it too"
+                )
                 continue
             chosen.append(rid)
         return chosen
@@ -360,7 +370,9 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> list[
         )
     cls = registry.get_codemod(rule)  # UserError for a rule without a fix
     if cls.SAFETY == "unsafe" and not allow_unsafe:
-        raise UserError(f"the {rule} fix is marked unsafe (see `opadvisor explain {rule}`); pass --unsafe to apply it")
+        raise UserError(
+            f"the {rule} fix is marked unsafe (see `opadvisor explain {rule}`); pass --unsafe to apply it"
+        )
     return [rule]
 
 
@@ -372,7 +384,11 @@ def load_applied(state: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{path} is unreadable ({exc}); move it away to continue") from None
-    if not isinstance(data, dict) or data.get("schema") != APPLIED_SCHEMA or not isinstance(data.get("applied"), list):
+    if (
+        not isinstance(data, dict)
+        or data.get("schema") != APPLIED_SCHEMA
+        or not isinstance(data.get("applied"), list)
+    ):
         raise UserError(f"{path} is not an applied.json this opadvisor reads (schema {APPLIED_SCHEMA})")
     return data
 
@@ -438,11 +454,15 @@ def apply_findings(
             continue
         if f.fix == "none":
             advice = f" ({f.advice})" if getattr(f, "advice", "") else ""
-            messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: note: no automatic fix for this one{advice}")
+            messages.append(
+                f"{_rel(f.path, root)}:{f.line}: {f.rule}: note: no automatic fix for this one{advice}"
+            )
             continue
         if f.fix == "unsafe" and not allow_unsafe:
             withheld.append(f)
-            messages.append(f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe")
+            messages.append(
+                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe"
+            )
             continue
         applicable.append(f)
     if explicit_rule is not None and withheld and not applicable:
@@ -454,7 +474,11 @@ def apply_findings(
         )
     for f in applicable:
         alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
-        if explicit_rule is None and isinstance(alternative, dict) and not alternative.get("bigger_win", True):
+        if (
+            explicit_rule is None
+            and isinstance(alternative, dict)
+            and not alternative.get("bigger_win", True)
+        ):
             winner_applies = any(
                 g.rule == alternative.get("rule") and g.path == f.path and g.line == alternative.get("line")
                 for g in applicable
@@ -470,7 +494,9 @@ def apply_findings(
         if problem is not None:
             refused.append(problem)
             continue
-        by_path.setdefault(path, {}).setdefault(f.rule, []).append(Target(f.line, f.end_line, dict(f.details)))
+        by_path.setdefault(path, {}).setdefault(f.rule, []).append(
+            Target(f.line, f.end_line, dict(f.details))
+        )
     if refused and not by_path:
         raise UserError(refused[0] + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""))
     for problem in dict.fromkeys(refused):
@@ -611,7 +637,9 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
             backup = state / rel
             backup.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(backup, f.before, mode_from=f.path)
-        for r in f.rules:  # one entry per rule that changed the file, chained: one's after is the next's before
+        for (
+            r
+        ) in f.rules:  # one entry per rule that changed the file, chained: one's after is the next's before
             if r.before == r.after:
                 continue
             new_entries.append(
@@ -690,7 +718,9 @@ def undo(state: Path, files: Sequence[str | Path] | None = None, *, force: bool 
         if not backup.is_file():
             raise UserError(f"the backup of {path} ({backup}) is missing; cannot undo")
         if path.exists() and not force and sha256(path.read_bytes()) != entries[-1].get("sha256_after"):
-            raise UserError(f"{path} was edited after apply rewrote it; --undo would lose those edits (pass --force)")
+            raise UserError(
+                f"{path} was edited after apply rewrote it; --undo would lose those edits (pass --force)"
+            )
         if path.exists():
             _check_writable(path)
         plans.append((path, backup, entries))
@@ -700,7 +730,10 @@ def undo(state: Path, files: Sequence[str | Path] | None = None, *, force: bool 
         restored.append(Restored(path, list(dict.fromkeys(str(e.get("rule", "")) for e in entries))))
     undone = {str(p) for p, _, _ in plans}
     remaining = [e for e in applied["applied"] if not (isinstance(e, dict) and e.get("path") in undone)]
-    atomic_write(state / APPLIED_FILE, (json.dumps({"schema": APPLIED_SCHEMA, "applied": remaining}, indent=1) + "\n").encode())
+    atomic_write(
+        state / APPLIED_FILE,
+        (json.dumps({"schema": APPLIED_SCHEMA, "applied": remaining}, indent=1) + "\n").encode(),
+    )
     for _, backup, _ in plans:
         if not any(e.get("backup") == backup.relative_to(state).as_posix() for e in remaining):
             backup.unlink(missing_ok=True)

@@ -68,13 +68,21 @@ class FusedDropoutAddCodemod(BlockRewriter):
         return edits
 
     def _edit_for(
-        self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], index: int, drop: Step, indent: str, link: bool
+        self,
+        finder: ChainFinder,
+        stmts: Sequence[cst.BaseStatement],
+        index: int,
+        drop: Step,
+        indent: str,
+        link: bool,
     ) -> BlockEdit | None:
         stmt = stmts[index]
         small = _small(stmt)
         assert small is not None and drop.input is not None
         first = index
-        read: cst.BaseExpression = drop.node  # what the add reads: the dropout call, or the temporary holding it
+        read: cst.BaseExpression = (
+            drop.node
+        )  # what the add reads: the dropout call, or the temporary holding it
         add_stmt = stmt
         assign = _assign_name(stmt)
         if link and assign is not None and assign[1] is drop.node and index + 1 < len(stmts):
@@ -101,7 +109,10 @@ class FusedDropoutAddCodemod(BlockRewriter):
         if module is not None:
             from opadvisor.rewrite._edit import template
 
-            keywords = [("p", template("__m__.p", m=module)), ("training", template("__m__.training", m=module))]
+            keywords = [
+                ("p", template("__m__.p", m=module)),
+                ("training", template("__m__.training", m=module)),
+            ]
             carried.append(module)
         else:
             p, training = drop.params["p"], drop.params.get("training")
@@ -117,14 +128,18 @@ class FusedDropoutAddCodemod(BlockRewriter):
             chain = Chain(
                 [
                     Segment(first, [drop], drop.input, drop.node, assign[0] if assign else None),
-                    Segment(last, [], read, top, _assign_name(add_stmt)[0] if _assign_name(add_stmt) else None),
+                    Segment(
+                        last, [], read, top, _assign_name(add_stmt)[0] if _assign_name(add_stmt) else None
+                    ),
                 ],
                 0,
             )
             problem = finder.temps_problem(chain, carried)
             if problem is not None:
                 name, line, _ = problem
-                self.skip(anchor, f"not fused: `{name}` is read again at line {line}, so it cannot be folded away")
+                self.skip(
+                    anchor, f"not fused: `{name}` is read again at line {line}, so it cannot be folded away"
+                )
                 return None
         last_stmt = stmts[last]
         assert isinstance(last_stmt, cst.SimpleStatementLine)
@@ -144,7 +159,11 @@ class FusedDropoutAddCodemod(BlockRewriter):
     ) -> tuple[cst.BaseExpression | None, cst.CSTNode]:
         """The residual added to `read`, and the node to replace (the addition, or a `+=` statement)."""
         small = _small(stmt)
-        if isinstance(small, cst.AugAssign) and isinstance(small.operator, cst.AddAssign) and small.value is read:
+        if (
+            isinstance(small, cst.AugAssign)
+            and isinstance(small.operator, cst.AddAssign)
+            and small.value is read
+        ):
             if isinstance(small.target, cst.Name):
                 return cst.Name(small.target.value), small
             return None, stmt

@@ -41,7 +41,13 @@ from opadvisor.rewrite._chain import Chain, ChainFinder, _small
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
-_LABELS = {"scale": "scale", "mask": "masked_fill", "softmax": "softmax", "zero": "masked_fill(0)", "dropout": "dropout"}
+_LABELS = {
+    "scale": "scale",
+    "mask": "masked_fill",
+    "softmax": "softmax",
+    "zero": "masked_fill(0)",
+    "dropout": "dropout",
+}
 
 
 def describe(chain: Chain) -> str:
@@ -75,7 +81,9 @@ class FusedSoftmaxCodemod(BlockRewriter):
                     lower = edit.last + 1
         return edits
 
-    def _edit_for(self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str) -> BlockEdit | None:
+    def _edit_for(
+        self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str
+    ) -> BlockEdit | None:
         if not any(step.kind != "softmax" for step in chain.steps):
             return None  # a plain softmax: nothing to fuse
         start, end = self.stmt_lines(stmts, chain.first, chain.last)
@@ -176,7 +184,10 @@ class FusedSoftmaxCodemod(BlockRewriter):
         read = finder.temps_problem(cand, carried, x.value if isinstance(x, cst.Name) else None, keep_first)
         if read is not None:
             name, line, _in_return = read
-            return None, f"`{name}` is read again at line {line}, so the intermediate value cannot be folded away"
+            return (
+                None,
+                f"`{name}` is read again at line {line}, so the intermediate value cannot be folded away",
+            )
         last_stmt = stmts[cand.last]
         assert isinstance(last_stmt, cst.SimpleStatementLine)
         call = self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, cand.top, _indent_of(indent))

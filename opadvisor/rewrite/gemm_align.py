@@ -53,7 +53,9 @@ class GemmAlignCodemod(RuleCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if mt.resolves_to(self, original_node.func, mt.LINEAR_CLASSES):
             return self._linear(original_node, updated_node)
-        if mt.resolves_to(self, original_node.func, mt.EMBEDDING_CLASSES) and self._notes_wanted(original_node):
+        if mt.resolves_to(self, original_node.func, mt.EMBEDDING_CLASSES) and self._notes_wanted(
+            original_node
+        ):
             args = mt.bind_args(original_node, ("num_embeddings", "embedding_dim"), required=0)
             size = mt.int_value(args["num_embeddings"].value) if args and "num_embeddings" in args else None
             if size is not None and size % ALIGN and size >= 64:
@@ -79,7 +81,10 @@ class GemmAlignCodemod(RuleCodemod):
         args = mt.bind_args(original, ("in_features", "out_features", "bias", "device", "dtype"), required=2)
         if args is None:
             if self.targets is not None:
-                self.skip(original, "not rewritten: the nn.Linear arguments could not be read (*args or unknown keywords)")
+                self.skip(
+                    original,
+                    "not rewritten: the nn.Linear arguments could not be read (*args or unknown keywords)",
+                )
             return updated
         sizes = {k: mt.int_value(args[k].value) for k in ("in_features", "out_features")}
         for key in ("in_features", "out_features"):
@@ -91,7 +96,10 @@ class GemmAlignCodemod(RuleCodemod):
             if not any(v % ALIGN for v in known):
                 return updated  # static mode: aligned, or sizes only a profile can tell
         elif len(known) == 2 and not any(v % pad_to for v in known):
-            self.skip(original, f"not rewritten: {sizes['in_features']} x {sizes['out_features']} is already aligned")
+            self.skip(
+                original,
+                f"not rewritten: {sizes['in_features']} x {sizes['out_features']} is already aligned",
+            )
             return updated
         out = sizes["out_features"]
         if out is not None and out % pad_to:
@@ -99,7 +107,9 @@ class GemmAlignCodemod(RuleCodemod):
         assert self._module is not None
         padded = reference(self.context, self._module, KERNEL)
         shown = " x ".join(str(v) if v is not None else "?" for v in sizes.values())
-        self.record_change(original, f"nn.Linear({shown}) -> opadvisor.kernels.PaddedLinear (same state_dict)")
+        self.record_change(
+            original, f"nn.Linear({shown}) -> opadvisor.kernels.PaddedLinear (same state_dict)"
+        )
         return updated.with_changes(func=padded)
 
     # ---- display-only notes ----------------------------------------------------------------------------------

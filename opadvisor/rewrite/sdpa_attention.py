@@ -50,7 +50,18 @@ from opadvisor.rewrite._chain import Chain, ChainFinder, _assign_name, _small
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
 
-_PEELABLE_METHODS = {"view", "reshape", "bool", "to", "unsqueeze", "type", "byte", "float", "contiguous", "expand"}
+_PEELABLE_METHODS = {
+    "view",
+    "reshape",
+    "bool",
+    "to",
+    "unsqueeze",
+    "type",
+    "byte",
+    "float",
+    "contiguous",
+    "expand",
+}
 
 
 class SdpaAttentionCodemod(BlockRewriter):
@@ -74,7 +85,9 @@ class SdpaAttentionCodemod(BlockRewriter):
         return edits
 
     # ---- one chain --------------------------------------------------------------------------------------
-    def _edit_for(self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str) -> BlockEdit | None:
+    def _edit_for(
+        self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str
+    ) -> BlockEdit | None:
         kinds = chain.kinds()
         start, end = self.stmt_lines(stmts, chain.first, chain.last)
         if self.target_for_lines(start, end) is None:
@@ -153,8 +166,10 @@ class SdpaAttentionCodemod(BlockRewriter):
                 if zero is not None:
                     return "the zeroing after the softmax has no matching masked_fill", keywords, carried
             else:
-                very_negative = mt.is_neg_inf(fill) or mt.is_finfo_min(fill) or (
-                    (mt.number_value(fill) or 0.0) <= VERY_NEGATIVE and mt.number_value(fill) is not None
+                very_negative = (
+                    mt.is_neg_inf(fill)
+                    or mt.is_finfo_min(fill)
+                    or ((mt.number_value(fill) or 0.0) <= VERY_NEGATIVE and mt.number_value(fill) is not None)
                 )
                 if not very_negative:
                     return (
@@ -163,7 +178,11 @@ class SdpaAttentionCodemod(BlockRewriter):
                         carried,
                     )
                 if zero is not None and not zero.params["mask"].deep_equals(mask_node):  # type: ignore[union-attr]
-                    return "the zeroing after the softmax uses a different mask than the masked_fill", keywords, carried
+                    return (
+                        "the zeroing after the softmax uses a different mask than the masked_fill",
+                        keywords,
+                        carried,
+                    )
                 causal = self._is_causal(finder, mask_node)
                 if not causal:
                     if not mt.is_neg_inf(fill) and zero is None:
@@ -190,7 +209,12 @@ class SdpaAttentionCodemod(BlockRewriter):
                 if training is None or m.matches(training, m.Name("True")):
                     keywords.append(("dropout_p", p))
                 else:
-                    keywords.append(("dropout_p", ed.template("__p__ if __t__ else 0.0", p=ed.atomic(p), t=ed.atomic(training))))
+                    keywords.append(
+                        (
+                            "dropout_p",
+                            ed.template("__p__ if __t__ else 0.0", p=ed.atomic(p), t=ed.atomic(training)),
+                        )
+                    )
                     carried.append(training)
         if causal:
             keywords.append(("is_causal", cst.Name("True")))
@@ -233,7 +257,7 @@ class SdpaAttentionCodemod(BlockRewriter):
         return False
 
     def _causal_source(self, finder: ChainFinder, node: cst.BaseExpression) -> str | None:
-        """"tril" / "triu1" when node is a full causal (lower / strictly upper) triangle of the attention."""
+        """Whether node is a full causal mask: "tril" (lower triangle) or "triu1" (strictly upper); see _is_causal."""
         node = _peel_casts(mt.unparen(node))
         sliced = False
         if isinstance(node, cst.Subscript):
@@ -257,11 +281,19 @@ class SdpaAttentionCodemod(BlockRewriter):
             return None
         if mt.resolves_to(self, node.func, mt.TRIL_FUNCS):
             args = mt.bind_args(node, ("input", "diagonal"))
-            if args and _square_ones(self, args["input"].value) and mt.int_value(_arg(args, "diagonal", 0)) == 0:
+            if (
+                args
+                and _square_ones(self, args["input"].value)
+                and mt.int_value(_arg(args, "diagonal", 0)) == 0
+            ):
                 return "tril"
         if mt.resolves_to(self, node.func, mt.TRIU_FUNCS):
             args = mt.bind_args(node, ("input", "diagonal"))
-            if args and _square_ones(self, args["input"].value) and mt.int_value(_arg(args, "diagonal", 0)) == 1:
+            if (
+                args
+                and _square_ones(self, args["input"].value)
+                and mt.int_value(_arg(args, "diagonal", 0)) == 1
+            ):
                 return "triu1"
         if isinstance(node.func, cst.Attribute) and node.func.attr.value in {"tril", "triu"}:
             args = mt.bind_args(node, ("diagonal",), required=0)
@@ -283,7 +315,11 @@ def _peel_casts(node: cst.BaseExpression) -> cst.BaseExpression:
     """Strip `.view(...)`, `.bool()`, `.to(...)`, `[None, None]` ... that keep a mask's pattern."""
     while True:
         node = mt.unparen(node)
-        if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value in _PEELABLE_METHODS:
+        if (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value in _PEELABLE_METHODS
+        ):
             node = node.func.value
             continue
         if isinstance(node, cst.Subscript) and all(

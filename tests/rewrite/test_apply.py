@@ -19,7 +19,7 @@ from opadvisor.profile.runs import mark_latest
 from opadvisor.rewrite import engine
 from opadvisor.rules.finding import Finding
 
-MODEL = b'''import math
+MODEL = b"""import math
 
 import torch
 import torch.nn as nn
@@ -42,7 +42,7 @@ class Attention(nn.Module):
         ctx = probs @ v
         x = x + self.out_dropout(self.proj(ctx))
         return self.head(x)
-'''
+"""
 SOFTMAX_LINES = (17, 20)
 DROPOUT_ADD_LINE = 22
 LINEAR_LINE = 14
@@ -201,9 +201,13 @@ def test_unmatched_finding_is_reported(project):
 
 def test_skipped_site_says_why(project):
     model: Path = project["model"]
-    model.write_bytes(MODEL.replace(b"        return self.head(x)\n", b"        return self.head(x), scores\n"))
+    model.write_bytes(
+        MODEL.replace(b"        return self.head(x)\n", b"        return self.head(x), scores\n")
+    )
     project["run"].joinpath("profile.json").unlink()
-    save_profile(Profile(run_id="r1", sources={str(model): sha(model.read_bytes())}), project["run"] / "profile.json")
+    save_profile(
+        Profile(run_id="r1", sources={str(model): sha(model.read_bytes())}), project["run"] / "profile.json"
+    )
     result = cli("--rule", "fused_softmax")
     assert result.exit_code == 0
     # the longest part that is safe is fused, and the message says why the rest is not
@@ -212,10 +216,14 @@ def test_skipped_site_says_why(project):
         "(the rest stays separate: `scores` is read again at line 23" in result.stderr
     )
     # with nothing safe left, the site is skipped with the reason
-    source = MODEL.replace(b"self.head(x)\n", b"self.head(x), scores\n").replace(b"        probs = self.drop(probs)\n", b"")
+    source = MODEL.replace(b"self.head(x)\n", b"self.head(x), scores\n").replace(
+        b"        probs = self.drop(probs)\n", b""
+    )
     project["model"].write_bytes(source)
     result = cli("--rule", "fused_softmax", "model.py")
-    assert "model.py:17: fused_softmax: skipped: not fused: `scores` is read again at line 22" in result.stderr
+    assert (
+        "model.py:17: fused_softmax: skipped: not fused: `scores` is read again at line 22" in result.stderr
+    )
     assert "nothing to rewrite" in result.stderr
     assert project["model"].read_bytes() == source
 

@@ -71,7 +71,9 @@ def _run(source: bytes, name: str):
     return [o.detach() for o in outs], grads, params
 
 
-RUNNABLE = [p for p in CASES if b"def make_inputs" in p.read_bytes() and p.read_bytes() != _out(p).read_bytes()]
+RUNNABLE = [
+    p for p in CASES if b"def make_inputs" in p.read_bytes() and p.read_bytes() != _out(p).read_bytes()
+]
 
 
 @pytest.mark.parametrize("case", RUNNABLE, ids=_id)
@@ -83,7 +85,9 @@ def test_numerically_equivalent(case: Path):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg="outputs differ")
     for a, b in zip(before[1], after[1], strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg="input gradients differ")
-    assert [n for n, _ in before[2]] == [n for n, _ in after[2]], "the parameters differ (state_dict changed?)"
+    assert [n for n, _ in before[2]] == [n for n, _ in after[2]], (
+        "the parameters differ (state_dict changed?)"
+    )
     for (name, a), (_, b) in zip(before[2], after[2], strict=True):
         if a is None:
             assert b is None

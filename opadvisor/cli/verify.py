@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,10 @@ class Format(str, Enum):
 
 def _fmt(x: float | None, spec: str = ".6f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
 
 
 def render(report: VerifyReport) -> None:
@@ -41,30 +45,43 @@ def render(report: VerifyReport) -> None:
     console.print(table)
     if p.grad_norm_before is not None or p.grad_norm_after is not None:
         state = {True: "[green]ok[/]", False: "[red]DIFFERS[/]", None: ""}[p.grad_norm_ok]
-        console.print(f"gradient norm at step 1: {_fmt(p.grad_norm_before, '.6g')} before, "
-                      f"{_fmt(p.grad_norm_after, '.6g')} after {state}")
+        console.print(
+            f"gradient norm at step 1: {_fmt(p.grad_norm_before, '.6g')} before, "
+            f"{_fmt(p.grad_norm_after, '.6g')} after {state}"
+        )
     if report.rewrite_error:
         console.print("[red]the rewritten script failed:[/]")
         console.print(report.rewrite_error.rstrip(), markup=False, highlight=False)
 
     if report.timing is not None:
         t = report.timing
-        timing = Table(title=f"median step time ({t.device}, {t.warmup} warm-up steps excluded)")
+        timing = Table(
+            title=f"step time ({t.device}, {t.warmup} warm-up steps excluded, {t.repeats} run(s) each)"
+        )
         for col in ("", "median ms", "p25 ms", "p75 ms", "steps"):
             timing.add_column(col, justify="right")
         for name, st in (("before", t.before), ("after", t.after)):
             timing.add_row(name, f"{st.median_ms:.2f}", f"{st.p25_ms:.2f}", f"{st.p75_ms:.2f}", str(st.n))
         console.print(timing)
-        console.print(f"speedup: [bold]{t.speedup.factor:.2f}x[/] (spread {t.speedup.low:.2f}x .. "
-                      f"{t.speedup.high:.2f}x)")
+        console.print(
+            f"speedup: [bold]{t.speedup.factor:.2f}x[/] (spread {t.speedup.low:.2f}x .. "
+            f"{t.speedup.high:.2f}x)"
+        )
 
     if report.rules:
         rules = Table(title="time per step at each applied rule's sites (forward + backward)")
-        for col in ("rule", "before ms", "after ms", "saved ms", "basis"):
-            rules.add_column(col, justify="right" if col.endswith("ms") else "left")
+        for col in ("rule", "before ms", "after ms", "saved ms", "before %", "after %", "basis"):
+            rules.add_column(col, justify="left" if col in ("rule", "basis") else "right")
         for r in report.rules:
-            rules.add_row(r.rule, _fmt(r.before_ms, ".3f"), _fmt(r.after_ms, ".3f"), _fmt(r.saved_ms, ".3f"),
-                          r.basis)
+            rules.add_row(
+                r.rule,
+                _fmt(r.before_ms, ".3f"),
+                _fmt(r.after_ms, ".3f"),
+                _fmt(r.saved_ms, ".3f"),
+                _pct(r.before_share),
+                _pct(r.after_share),
+                r.basis,
+            )
         console.print(rules)
 
     for note in report.notes:
@@ -81,19 +98,43 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @user_errors
     def verify(
-        run: Annotated[Optional[str], typer.Argument(help="Run folder or run id (default: the latest run).")] = None,
-        steps: Annotated[int, typer.Option(help="Steps to compare (and to time, after the warm-up).")] = 10,
-        warmup: Annotated[int, typer.Option(help="Steps run before timing starts (compilation, caches).")] = 3,
-        seed: Annotated[int, typer.Option(help="Seed for random, numpy and torch before the script runs.")] = 0,
-        rtol: Annotated[Optional[float], typer.Option(
-            help="Relative loss tolerance (default by precision: fp32 1e-4, tf32 1e-3, bf16/fp16 2e-2).")] = None,
-        atol: Annotated[Optional[float], typer.Option(
-            help="Absolute loss tolerance (default by precision: fp32 1e-5, tf32 1e-4, bf16/fp16 1e-3).")] = None,
+        run: Annotated[
+            str | None, typer.Argument(help="Run folder or run id (default: the latest run).")
+        ] = None,
+        steps: Annotated[
+            int, typer.Option(help="Steps to compare (and to time, after the warm-up).", min=1)
+        ] = 10,
+        warmup: Annotated[
+            int, typer.Option(help="Steps run before timing starts (compilation, caches).", min=0)
+        ] = 3,
+        seed: Annotated[
+            int, typer.Option(help="Seed for random, numpy and torch before the script runs.")
+        ] = 0,
+        rtol: Annotated[
+            float | None,
+            typer.Option(
+                help="Relative loss tolerance (default by precision: fp32 1e-4, tf32 1e-3, bf16/fp16 2e-2)."
+            ),
+        ] = None,
+        atol: Annotated[
+            float | None,
+            typer.Option(
+                help="Absolute loss tolerance (default by precision: fp32 1e-5, tf32 1e-4, bf16/fp16 1e-3)."
+            ),
+        ] = None,
         timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time both programs.")] = True,
-        reprofile: Annotated[bool, typer.Option(
-            "--reprofile/--no-reprofile", help="Profile the rewrite again for the time per rule.")] = True,
-        timeout: Annotated[Optional[float], typer.Option(
-            help="Seconds each child process may run (default: no limit).")] = None,
+        reprofile: Annotated[
+            bool,
+            typer.Option(
+                "--reprofile/--no-reprofile", help="Profile the rewrite again for the time per rule."
+            ),
+        ] = True,
+        repeats: Annotated[
+            int, typer.Option(help="Timing runs of each program, alternating original and rewrite.", min=1)
+        ] = 1,
+        timeout: Annotated[
+            float | None, typer.Option(help="Seconds each child process may run (default: no limit).")
+        ] = None,
         format: Annotated[Format, typer.Option("--format", help="table, or json for CI.")] = Format.table,
     ) -> None:
         """Run the original and the rewritten script with the same seeds: same losses? how much faster?
@@ -108,14 +149,24 @@ def register(app: typer.Typer) -> None:
         from opadvisor.verify.core import verify as run_verify
 
         run_dir, profiles = load_run(run)
-        opts = VerifyOptions(steps=steps, warmup=warmup, seed=seed, rtol=rtol, atol=atol, timing=timing,
-                             reprofile=reprofile, timeout=timeout)
+        opts = VerifyOptions(
+            steps=steps,
+            warmup=warmup,
+            seed=seed,
+            rtol=rtol,
+            atol=atol,
+            timing=timing,
+            reprofile=reprofile,
+            repeats=repeats,
+            timeout=timeout,
+        )
         if format is Format.json:
             report = run_verify(run_dir, profiles[0], opts)
             print(json.dumps(report.to_dict(), indent=2))
         else:
             with Console(stderr=True).status("verifying") as status:
-                report = run_verify(run_dir, profiles[0], opts,
-                                    progress=lambda message: status.update(f"verify: {message}"))
+                report = run_verify(
+                    run_dir, profiles[0], opts, progress=lambda message: status.update(f"verify: {message}")
+                )
             render(report)
         raise typer.Exit(EXIT_OK if report.ok else EXIT_FINDINGS)

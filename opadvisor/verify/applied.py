@@ -1,0 +1,112 @@
+"""What `opadvisor apply` changed in a run: applied.json, read back into the original program's sources.
+
+`apply` writes `applied.json` in the run folder:
+
+    {"schema": 1, "applied": [{"rule": str, "path": absolute path of the rewritten file,
+      "backup": path of the byte-exact pre-rewrite copy, relative to the run folder (under backup/),
+      "sha256_before": str, "sha256_after": str, "changes": [{"line": int, "message": str}]}]}
+
+with one entry per file per apply, in the order they were made. The original program is the current tree
+with each rewritten file replaced by its earliest backup (the copy taken before the first rewrite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opadvisor.errors import UserError
+
+APPLIED_FILE = "applied.json"
+APPLIED_SCHEMA = 1
+NOTHING_APPLIED = "nothing applied in this run: run opadvisor apply first"
+
+
+@dataclass
+class Change:
+    rule: str
+    line: int  # 1-based, in the file as it was before that apply
+    message: str
+
+
+@dataclass
+class AppliedFile:
+    """One rewritten file: where its original is and what was done to it."""
+
+    path: Path  # absolute path of the rewritten file (what is on disk now)
+    original: Path  # absolute path of its earliest backup
+    rules: list[str] = field(default_factory=list)  # in the order they were applied
+    changes: list[Change] = field(default_factory=list)
+    edited_since: bool = False  # the file on disk is not what the last apply wrote
+
+
+@dataclass
+class Applied:
+    files: list[AppliedFile]
+
+    @property
+    def rules(self) -> list[str]:
+        """Every rule applied, in the order first applied."""
+        seen: dict[str, None] = {}
+        for f in self.files:
+            for r in f.rules:
+                seen.setdefault(r, None)
+        return list(seen)
+
+    def sources(self) -> dict[str, str]:
+        """{rewritten file: its original (backup)}, as the harness config wants it."""
+        return {str(f.path): str(f.original) for f in self.files}
+
+
+def sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _entry(raw: Any, index: int) -> dict[str, Any]:
+    needed = {"rule": str, "path": str, "backup": str, "sha256_before": str, "sha256_after": str}
+    if not isinstance(raw, dict) or any(not isinstance(raw.get(k), t) for k, t in needed.items()):
+        raise UserError(f"{APPLIED_FILE} is malformed: entry {index} lacks one of {', '.join(needed)}")
+    return raw
+
+
+def load_applied(run_dir: Path) -> Applied:
+    """Read applied.json and check its backups; UserError (one line) when it cannot be used."""
+    path = run_dir / APPLIED_FILE
+    if not path.is_file():
+        raise UserError(NOTHING_APPLIED)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != APPLIED_SCHEMA:
+        raise UserError(f"{path} has an unknown schema; this opadvisor reads version {APPLIED_SCHEMA}")
+    entries = [_entry(raw, i) for i, raw in enumerate(data.get("applied") or [])]
+    if not entries:
+        raise UserError(NOTHING_APPLIED)
+
+    files: dict[Path, AppliedFile] = {}
+    last_hash: dict[Path, str] = {}
+    for e in entries:
+        target = Path(e["path"]).resolve()
+        if target not in files:  # the earliest backup is the original
+            backup = (run_dir / e["backup"]).resolve()
+            if not backup.is_file():
+                raise UserError(f"the backup of {target} ({backup}) is missing; cannot rebuild the original")
+            if sha256_file(backup) != e["sha256_before"]:
+                raise UserError(f"the backup {backup} does not match the hash apply recorded; it was changed")
+            files[target] = AppliedFile(path=target, original=backup)
+        f = files[target]
+        if e["rule"] not in f.rules:
+            f.rules.append(e["rule"])
+        for c in e.get("changes") or []:
+            if isinstance(c, dict) and isinstance(c.get("line"), int):
+                f.changes.append(Change(e["rule"], c["line"], str(c.get("message", ""))))
+        last_hash[target] = e["sha256_after"]
+    for target, f in files.items():
+        if not target.is_file():
+            raise UserError(f"{target} was rewritten by apply but no longer exists")
+        f.edited_since = sha256_file(target) != last_hash[target]
+    return Applied(files=list(files.values()))

@@ -1,0 +1,224 @@
+"""Comparing two harness results: per-step loss parity within a dtype-aware tolerance, and step-time statistics.
+
+Tolerance. Step k passes when every loss of that step satisfies |after - before| <= atol + rtol * |before|.
+The defaults depend on the lowest precision either run computed in (the harness reports it):
+
+    precision  rtol   atol   why
+    fp32       1e-4   1e-5   a fused kernel sums in another order: ~1e-7 relative per op, grown by a few
+                             optimizer steps; a real error (wrong mask, wrong scale) is orders larger
+    tf32       1e-3   1e-4   fp32 matmuls on TF32 tensor cores keep a 10-bit mantissa
+    bf16       2e-2   1e-3   autocast: 8-bit mantissa (~4e-3 per rounding), a fused kernel rounds fewer times
+    fp16       2e-2   1e-3   as bf16 (10-bit mantissa, but loss scaling and overflow paths differ)
+
+The gradient norm at step 1 is compared with rtol 1e-3 (fp32), 1e-2 (tf32) or 5e-2 (bf16/fp16): a norm over
+all parameters accumulates more rounding than a mean loss. `--rtol` / `--atol` override the loss tolerance
+(the gradient norm tolerance scales with the same factor). NaN equals NaN: a rewrite must reproduce, not fix,
+a loss that the original already made NaN.
+
+Timing. Step k's duration is end(k) - end(k-1); the first `warmup` steps are dropped. The steps of a program
+(pooled over its repeated runs) are summarised by their median and quartiles (p25, p75); the speedup is median(before) / median(after), with the range
+[p25(before) / p75(after), p75(before) / p25(after)] as its spread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+LOSS_TOLERANCE = {"fp32": (1e-4, 1e-5), "tf32": (1e-3, 1e-4), "bf16": (2e-2, 1e-3), "fp16": (2e-2, 1e-3)}
+GRAD_NORM_RTOL = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 5e-2, "fp16": 5e-2}
+_RANK = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+
+
+def lower_precision(a: str, b: str) -> str:
+    return a if _RANK.get(a, 0) >= _RANK.get(b, 0) else b
+
+
+def _close(before: float, after: float, rtol: float, atol: float) -> tuple[bool, float, float]:
+    """(within tolerance, |diff|, allowed)."""
+    if math.isnan(before) or math.isnan(after):
+        same = math.isnan(before) and math.isnan(after)
+        return same, 0.0 if same else math.inf, 0.0
+    if math.isinf(before) or math.isinf(after):
+        same = before == after
+        return same, 0.0 if same else math.inf, 0.0
+    allowed = atol + rtol * abs(before)
+    diff = abs(after - before)
+    return diff <= allowed, diff, allowed
+
+
+@dataclass
+class StepParity:
+    step: int
+    loss_before: float | None
+    loss_after: float | None
+    diff: float | None
+    allowed: float | None
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class Parity:
+    ok: bool
+    precision: str
+    rtol: float
+    atol: float
+    steps: list[StepParity] = field(default_factory=list)
+    first_bad_step: int | None = None
+    grad_norm_before: float | None = None
+    grad_norm_after: float | None = None
+    grad_norm_rtol: float | None = None
+    grad_norm_ok: bool | None = None
+    message: str = ""
+
+
+def compare_parity(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    *,
+    steps: int,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> Parity:
+    """Compare the parity-phase results of the original (before) and the rewrite (after)."""
+    precision = lower_precision(before.get("precision", "fp32"), after.get("precision", "fp32"))
+    default_rtol, default_atol = LOSS_TOLERANCE.get(precision, LOSS_TOLERANCE["fp32"])
+    rtol_ = default_rtol if rtol is None else rtol
+    atol_ = default_atol if atol is None else atol
+    result = Parity(ok=True, precision=precision, rtol=rtol_, atol=atol_)
+
+    b_steps, a_steps = before.get("steps", []), after.get("steps", [])
+    for k in range(min(steps, max(len(b_steps), len(a_steps)))):
+        b = b_steps[k]["losses"] if k < len(b_steps) else None
+        a = a_steps[k]["losses"] if k < len(a_steps) else None
+        row = StepParity(
+            step=k + 1,
+            loss_before=(b or [None])[0],
+            loss_after=(a or [None])[0],
+            diff=None,
+            allowed=None,
+            ok=True,
+        )
+        if b is None or a is None:
+            row.ok = False
+            row.note = (
+                "the original stopped before this step"
+                if b is None
+                else "the rewrite stopped before this step"
+            )
+        elif len(b) != len(a):
+            row.ok = False
+            row.note = f"{len(b)} backward call(s) before, {len(a)} after"
+        else:
+            worst = 0.0
+            for lb, la in zip(b, a, strict=True):
+                ok, diff, allowed = _close(lb, la, rtol_, atol_)
+                row.ok = row.ok and ok
+                if diff >= worst:
+                    worst, row.allowed = diff, allowed
+            row.diff = worst
+            if not b:
+                row.note = "no loss recorded (no backward on a scalar in this step)"
+        result.steps.append(row)
+        if not row.ok and result.first_bad_step is None:
+            result.first_bad_step = row.step
+
+    gb, ga = before.get("grad_norm"), after.get("grad_norm")
+    result.grad_norm_before, result.grad_norm_after = gb, ga
+    if gb is not None and ga is not None:
+        scale = rtol_ / default_rtol
+        result.grad_norm_rtol = GRAD_NORM_RTOL.get(precision, GRAD_NORM_RTOL["fp32"]) * scale
+        result.grad_norm_ok = _close(gb, ga, result.grad_norm_rtol, atol_)[0]
+
+    if result.first_bad_step is not None:
+        row = result.steps[result.first_bad_step - 1]
+        result.ok = False
+        if row.note:
+            result.message = f"losses diverge at step {row.step}: {row.note}"
+        else:
+            result.message = (
+                f"losses diverge at step {row.step}: {_fmt(row.loss_before)} before, "
+                f"{_fmt(row.loss_after)} after (|diff| {row.diff:.3g} > {row.allowed:.3g})"
+            )
+    elif result.grad_norm_ok is False:
+        result.ok = False
+        result.message = (
+            f"gradient norms differ at step 1: {gb:.6g} before, {ga:.6g} after "
+            f"(rtol {result.grad_norm_rtol:.3g})"
+        )
+    elif not result.steps:
+        result.ok = False
+        result.message = "no step was recorded: does the script call optimizer.step() (or opadvisor.step())?"
+    else:
+        result.message = (
+            f"losses match for {len(result.steps)} steps ({precision}, rtol {rtol_:g}, atol {atol_:g})"
+        )
+    return result
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6f}"
+
+
+# ---- timing --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepTimes:
+    median_ms: float
+    p25_ms: float
+    p75_ms: float
+    n: int
+    times_ms: list[float] = field(default_factory=list)
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def step_durations_ms(result: dict[str, Any], warmup: int) -> list[float]:
+    """Durations (ms) of the steps after the warm-up: step k lasts from the end of step k-1 to its end."""
+    ends = [s["end_s"] for s in result.get("steps", [])]
+    return [(ends[k] - ends[k - 1]) * 1000.0 for k in range(max(1, warmup), len(ends))]
+
+
+def summarise(durations: list[float]) -> StepTimes | None:
+    """Median and quartiles of step durations; None when there are none."""
+    if not durations:
+        return None
+    ordered = sorted(durations)
+    return StepTimes(
+        median_ms=quantile(ordered, 0.5),
+        p25_ms=quantile(ordered, 0.25),
+        p75_ms=quantile(ordered, 0.75),
+        n=len(durations),
+        times_ms=list(durations),
+    )
+
+
+def step_times(result: dict[str, Any], warmup: int) -> StepTimes | None:
+    """The steps after the warm-up of one run, summarised; None when fewer than one step was timed."""
+    return summarise(step_durations_ms(result, warmup))
+
+
+@dataclass
+class Speedup:
+    factor: float
+    low: float
+    high: float
+
+
+def speedup(before: StepTimes, after: StepTimes) -> Speedup:
+    return Speedup(
+        factor=before.median_ms / after.median_ms,
+        low=before.p25_ms / after.p75_ms,
+        high=before.p75_ms / after.p25_ms,
+    )

@@ -1,0 +1,107 @@
+"""The parent side: run a script under the harness in a fresh process and read back what it recorded.
+
+Each run is `python -m opadvisor.verify.harness` with the same interpreter as the caller, in the script's
+working directory, with a config file in a private temporary folder (see `harness.py` for its fields).
+The script's own output goes to files there (the tail is kept for error messages), not to the terminal.
+The environment is the caller's plus `PYTHONHASHSEED=0` and, for the parity phase,
+`CUBLAS_WORKSPACE_CONFIG=:4096:8` (needed by deterministic cuBLAS) unless already set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opadvisor.verify.harness import CONFIG_ENV, EXIT_SCRIPT_ERROR
+
+TAIL_CHARS = 4000
+
+
+@dataclass
+class ChildSpec:
+    script: str  # absolute path
+    argv: list[str]  # the script's argv, argv[0] included
+    cwd: str
+    steps: int
+    mode: str  # "parity" | "timing"
+    warmup: int = 0
+    seed: int = 0
+    sources: dict[str, str] = field(default_factory=dict)  # file -> the source to run instead (a backup)
+
+
+@dataclass
+class ChildResult:
+    returncode: int
+    result: dict[str, Any] | None  # what the harness wrote; None when it wrote nothing
+    output_tail: str  # the last lines of the script's stdout and stderr
+
+    @property
+    def error(self) -> str | None:
+        """Why this run cannot be used, in words; None when it ran."""
+        if self.result is None:
+            return f"the run failed before recording anything (exit {self.returncode}):\n{self.output_tail}"
+        if self.result.get("exit") == "error":
+            return str(self.result.get("error") or "the script failed")
+        return None
+
+
+def _tail(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-TAIL_CHARS:].decode("utf-8", errors="replace")
+
+
+def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
+    """Run the script under the harness; a timeout ends it and reports what it recorded so far (nothing)."""
+    with tempfile.TemporaryDirectory(prefix="opadvisor-verify-") as tmp:
+        tmpdir = Path(tmp)
+        config = {
+            "script": spec.script,
+            "argv": spec.argv,
+            "cwd": spec.cwd,
+            "steps": spec.steps,
+            "warmup": spec.warmup,
+            "mode": spec.mode,
+            "seed": spec.seed,
+            "sources": spec.sources,
+            "result": str(tmpdir / "result.json"),
+        }
+        (tmpdir / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        env = dict(os.environ)
+        env[CONFIG_ENV] = str(tmpdir / "config.json")
+        env["PYTHONHASHSEED"] = "0"
+        if spec.mode == "parity":
+            env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        out_path = tmpdir / "output.txt"
+        with out_path.open("wb") as out:
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "opadvisor.verify.harness"],
+                    cwd=spec.cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
+                    check=False,
+                )
+                returncode = proc.returncode
+            except subprocess.TimeoutExpired:
+                return ChildResult(
+                    returncode=124,
+                    result=None,
+                    output_tail=f"timed out after {timeout:g} s\n" + _tail(out_path),
+                )
+        result_path = tmpdir / "result.json"
+        result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+        if result is not None and returncode not in (0, EXIT_SCRIPT_ERROR):
+            result = None  # the harness itself failed after writing: do not trust it
+        return ChildResult(returncode=returncode, result=result, output_tail=_tail(out_path))

@@ -1,0 +1,70 @@
+"""applied.json: the original program is the earliest backup of each rewritten file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from verify_helpers import fake_apply, make_project
+
+from opadvisor.errors import UserError
+from opadvisor.verify.applied import NOTHING_APPLIED, load_applied
+
+
+def _project(tmp_path: Path) -> tuple[Path, Path]:
+    return make_project(tmp_path, {"train.py": "a = 1\nb = 2\n", "model.py": "c = 3\n"}, "train.py", [])
+
+
+def test_nothing_applied(tmp_path: Path) -> None:
+    _, run_dir = _project(tmp_path)
+    with pytest.raises(UserError, match=NOTHING_APPLIED):
+        load_applied(run_dir)
+
+
+def test_earliest_backup_is_the_original(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
+    applied = load_applied(run_dir)
+    assert applied.rules == ["fused_softmax", "gemm_align"]
+    by_name = {f.path.name: f for f in applied.files}
+    assert by_name["train.py"].original.read_text() == "a = 1\nb = 2\n"
+    assert by_name["train.py"].rules == ["fused_softmax", "gemm_align"]
+    assert [(c.rule, c.line) for c in by_name["train.py"].changes] == [
+        ("fused_softmax", 1),
+        ("gemm_align", 2),
+    ]
+    assert by_name["model.py"].original.read_text() == "c = 3\n"
+    assert not any(f.edited_since for f in applied.files)
+    assert applied.sources()[str((project / "model.py").resolve())] == str(by_name["model.py"].original)
+
+
+def test_edited_after_apply_is_noticed(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10")
+    (project / "train.py").write_text("a = 11\nb = 2\n")
+    assert load_applied(run_dir).files[0].edited_since
+
+
+def test_tampered_or_missing_backup_is_a_user_error(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10")
+    backup = run_dir / json.loads((run_dir / "applied.json").read_text())["applied"][0]["backup"]
+    backup.write_text("something else\n")
+    with pytest.raises(UserError, match="does not match"):
+        load_applied(run_dir)
+    backup.unlink()
+    with pytest.raises(UserError, match="missing"):
+        load_applied(run_dir)
+
+
+def test_malformed_applied_json(tmp_path: Path) -> None:
+    _, run_dir = _project(tmp_path)
+    (run_dir / "applied.json").write_text("{not json")
+    with pytest.raises(UserError, match="cannot read"):
+        load_applied(run_dir)
+    (run_dir / "applied.json").write_text(json.dumps({"schema": 1, "applied": [{"rule": "x"}]}))
+    with pytest.raises(UserError, match="malformed"):
+        load_applied(run_dir)

@@ -21,7 +21,8 @@ Profile
     steps_requested   steps the window was asked to record
     complete          False when the script ended or failed before the window was recorded in full
     steps             [Step]  the recorded steps, in order
-    ops               [Op]    every op kept from the window, in the order they started
+    ops               [Op]    every op kept from the window: thread by thread (the tree torch records per
+                      thread), in start order within a thread; parents before their children
     annotations       [Annotation]  user/record_function ranges (DataLoader __next__, Optimizer.step ...)
     syncs             [SyncEvent]   host<-device synchronisations (CUDA only)
     memcpys           [Memcpy]      host<->device copies (CUDA only)
@@ -37,7 +38,8 @@ Op (one aten op or autograd node; nested ops point at their parent)
     id, name ("aten::softmax"), step (index into steps, None outside any step),
     start_us, duration_us (CPU, inclusive), thread (OS thread id; backward runs on the autograd thread),
     input_shapes [[int] | None per input], input_dtypes [str | None per input],
-    scalars [number | bool | str | None per input: the value of non-tensor inputs such as a fill value or dim],
+    scalars [number | bool | str | None per input: the value of non-tensor scalar inputs such as a fill
+    value or a single dim; int lists (e.g. the dims of a reduction) are not recorded by torch: None],
     file, line (1-based, the innermost frame in user code: outside torch and opadvisor), line_exact (False
     when the op was not reached through a Python call on that line, e.g. `a @ b`, and `line` is the last
     known line of that frame), function, module (module path such as "encoder.layers.0.attn"),

@@ -168,9 +168,15 @@ def _parse(source: bytes, path: Path | str) -> cst.Module:
 
 
 def _run_once(
-    codemod_cls: type[RuleCodemod], module: cst.Module, targets: Sequence[Target] | None, path: Path | str
+    codemod_cls: type[RuleCodemod],
+    module: cst.Module,
+    targets: Sequence[Target] | None,
+    path: Path | str,
+    allow_unsafe: bool = False,
 ) -> tuple[cst.Module, RuleCodemod]:
     codemod = codemod_cls(CodemodContext(filename=str(path)), targets)
+    # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
+    codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
     try:
         return codemod.transform_module(module), codemod
     except SkipFile:
@@ -184,7 +190,11 @@ def _run_once(
 
 
 def rewrite_source(
-    source: bytes, rule: str, targets: Sequence[Target] | None = None, path: Path | str = "<source>"
+    source: bytes,
+    rule: str,
+    targets: Sequence[Target] | None = None,
+    path: Path | str = "<source>",
+    allow_unsafe: bool = False,
 ) -> tuple[bytes, RuleResult]:
     """Run `rule`'s codemod on `source` (restricted to `targets`, or every match when None).
 
@@ -193,7 +203,7 @@ def rewrite_source(
     """
     codemod_cls = registry.get_codemod(rule)
     module = _parse(source, path)
-    new_module, codemod = _run_once(codemod_cls, module, targets, path)
+    new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe)
     result = RuleResult(
         rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", []))
     )
@@ -214,9 +224,9 @@ def rewrite_source(
     if targets is None:
         expected_left = 0
     else:
-        _, everything = _run_once(codemod_cls, module, None, path)
+        _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe)
         expected_left = len(everything.changes) - len(codemod.changes)
-    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path)
+    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path, allow_unsafe)
     if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
         raise UserError(
             f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
@@ -277,6 +287,7 @@ class FileJob:
     targets: dict[str, list[Target]] | None  # rule -> targets; None: static mode
     rules: list[str] = field(default_factory=list)
     earlier: str = ""  # who made `current` differ from `original` ("an earlier apply (fused_softmax)")
+    allow_unsafe: bool = False
 
 
 def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
@@ -306,7 +317,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                             f"those lines were already rewritten by {by}"
                         )
                     continue
-            new_text, rule_result = rewrite_source(text, rule, targets, job.path)
+            new_text, rule_result = rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
             if targets:
                 _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
             for target, by in covered:
@@ -528,7 +539,9 @@ def apply_findings(
         _check_writable(path)
         ordered = codemod_order(targets)
         earlier = ", ".join(dict.fromkeys(str(e.get("rule")) for e in entries))
-        jobs.append(FileJob(path, current, original, targets, ordered, f"an earlier apply ({earlier})"))
+        jobs.append(
+            FileJob(path, current, original, targets, ordered, f"an earlier apply ({earlier})", allow_unsafe)
+        )
     result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
     if write and result.changed:
         _write(result, run_dir, applied)
@@ -581,7 +594,7 @@ def apply_files(
             raise UserError(problem)
         _check_writable(path)
         current = _read(path)
-        jobs.append(FileJob(path, current, current, None, list(rules)))
+        jobs.append(FileJob(path, current, current, None, list(rules), allow_unsafe=allow_unsafe))
     state = static_state_dir()
     result = ApplyResult(_run_jobs(jobs, messages), messages, state)
     if write and result.changed:

@@ -47,7 +47,6 @@ class GemmAlignCodemod(RuleCodemod):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self._module = node
-        self._noted: set[int] = set()
         return True
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
@@ -106,7 +105,10 @@ class GemmAlignCodemod(RuleCodemod):
             self._size_note(original, "output size", out, pad_to)
         assert self._module is not None
         padded = reference(self.context, self._module, KERNEL)
-        shown = " x ".join(str(v) if v is not None else "?" for v in sizes.values())
+        shown = ", ".join(
+            str(sizes[k]) if sizes[k] is not None else mt.code(args[k].value)
+            for k in ("in_features", "out_features")
+        )
         self.record_change(
             original, f"nn.Linear({shown}) -> opadvisor.kernels.PaddedLinear (same state_dict)"
         )

@@ -30,6 +30,12 @@ How each part carries over:
   `self.drop.training`) or `F.dropout(p=..., training=...)`. SDPA draws its own dropout mask, so with
   dropout on, the random numbers differ from the original's (the distribution is the same).
 
+Unsafe, so rewritten only with --unsafe (the engine sets `allow_unsafe`): a chain that zeroes the masked
+probabilities after the softmax (DeBERTa's XSoftmax). Its author expects rows whose every key is masked,
+where the original gives zeros; SDPA's math and memory-efficient backends give zeros too, but on an H200
+(torch 2.11, bf16/fp16, bool mask) the cuDNN backend it picks by default gave non-zero rows there and NaN
+gradients. The zeroing itself is dropped: for the other rows it changes nothing.
+
 Left alone, with the reason: the attention weights are read after the product with v (returned to the
 caller, stored, or printed: SDPA does not return them), a softmax over another dim than the last, a
 softmax with `dtype=`, a mask fill SDPA cannot express.
@@ -174,6 +180,14 @@ class SdpaAttentionCodemod(BlockRewriter):
                 if not very_negative:
                     return (
                         f"the mask fills with `{mt.code(fill)}`, not -inf or a very large negative number",
+                        keywords,
+                        carried,
+                    )
+                if zero is not None and not getattr(self, "allow_unsafe", False):
+                    return (
+                        "the original zeroes the probabilities of masked positions, so it expects rows whose every "
+                        "key is masked; SDPA does not give zeros there on every backend (on an H200 in bf16, cuDNN "
+                        "attention gave non-zero rows and NaN gradients): an unsafe fix, pass --unsafe",
                         keywords,
                         carried,
                     )

@@ -2,7 +2,7 @@
 
 For every case: the static rewrite of `<case>.in.py` must equal `<case>.out.py` byte for byte (a case whose
 two files are equal is one the codemod must leave alone); the output re-parses and compiles; a second run
-changes nothing.
+changes nothing. A case named `*_unsafe` runs with unsafe fixes allowed (`opadvisor apply --unsafe`).
 
 Numerical equivalence: a fixture that defines `make_inputs()` returning `(callable, args)` is run before
 and after the rewrite (fp32, CPU, dropout 0, the same seed, so modules start from the same weights): the
@@ -43,12 +43,13 @@ def test_fixtures_are_collected():
 def test_golden(case: Path):
     rule = case.parent.name
     before, expected = case.read_bytes(), _out(case).read_bytes()
-    after, result = rewrite_source(before, rule, None, case)
+    unsafe = case.name.endswith("_unsafe.in.py")
+    after, result = rewrite_source(before, rule, None, case, allow_unsafe=unsafe)
     assert after.decode() == expected.decode()
     assert after == expected  # line endings included
     cst.parse_module(after)
     compile(after, str(case), "exec")
-    again, second = rewrite_source(after, rule, None, case)
+    again, second = rewrite_source(after, rule, None, case, allow_unsafe=unsafe)
     assert again == after and not second.changes, "the codemod is not idempotent"
     if before == expected:
         assert not result.changes
@@ -63,8 +64,8 @@ def _run(source: bytes, name: str):
     fn, args = namespace["make_inputs"]()
     out = fn(*args)
     outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
-    generator = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=generator)).sum() for o in outs)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=generator, device="cpu").to(o.device)).sum() for o in outs)
     loss.backward()
     grads = [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     params = [(n, p.grad) for n, p in fn.named_parameters()] if isinstance(fn, torch.nn.Module) else []
@@ -76,15 +77,22 @@ RUNNABLE = [
 ]
 
 
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Equal up to fp32 rounding, relative to the tensor's scale (a GEMM on padded sizes reduces in
+    another order: on an H200 the padded LM head's upstream gradients differed by 7e-7 of their scale)."""
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * scale, msg=lambda m: f"{what}: {m}")
+
+
 @pytest.mark.parametrize("case", RUNNABLE, ids=_id)
 def test_numerically_equivalent(case: Path):
     pytest.importorskip("opadvisor.kernels", reason="opadvisor.kernels is not importable")
     before = _run(case.read_bytes(), f"before_{case.stem}")
     after = _run(_out(case).read_bytes(), f"after_{case.stem}")
     for a, b in zip(before[0], after[0], strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg="outputs differ")
+        _close(b, a, "outputs differ")
     for a, b in zip(before[1], after[1], strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg="input gradients differ")
+        _close(b, a, "input gradients differ")
     assert [n for n, _ in before[2]] == [n for n, _ in after[2]], (
         "the parameters differ (state_dict changed?)"
     )
@@ -92,4 +100,16 @@ def test_numerically_equivalent(case: Path):
         if a is None:
             assert b is None
             continue
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"gradient of {name} differs")
+        _close(b, a, f"gradient of {name} differs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", RUNNABLE, ids=_id)
+def test_numerically_equivalent_on_cuda(case: Path):
+    """The same comparison on the GPU, where the fused kernels run as Triton kernels (fp32)."""
+    pytest.importorskip("opadvisor.kernels", reason="opadvisor.kernels is not importable")
+    torch.set_default_device("cuda")
+    try:
+        test_numerically_equivalent(case)
+    finally:
+        torch.set_default_device("cpu")

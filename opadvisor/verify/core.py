@@ -234,6 +234,12 @@ def verify(
             f"the rewritten script failed at step {parity.first_bad_step}: {_last_line(after.error)}"
         )
         return report
+    served = set((before.result or {}).get("served", []))
+    notes += [
+        f"{display_path(f.path)} was never imported by the script: its rewrite was not exercised"
+        for f in applied.files
+        if os.path.realpath(f.path) not in served
+    ]
     recorded = len((before.result or {}).get("steps", []))
     if recorded < opts.steps:
         notes.append(f"the script ended after {recorded} steps (asked for {opts.steps})")

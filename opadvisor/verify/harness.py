@@ -41,7 +41,8 @@ the first has a duration; the parent drops the warm-up steps.
 
 The result JSON: {"schema": 1, "mode", "steps": [{"index": 1-based, "losses": [float], "end_s": float}],
 "grad_norm": float | null, "precision": "fp32" | "tf32" | "bf16" | "fp16", "device": "cpu" | "cuda",
-"stopped": bool (reached the step count), "exit": "stopped" | "finished" | "error", "error": str | null}.
+"stopped": bool (reached the step count), "exit": "stopped" | "finished" | "error", "error": str | null,
+"served": [realpath of each file of `sources` that was run from its replacement]}.
 The process exits 0 unless the script raised (3) or the harness itself failed (4).
 """
 
@@ -109,6 +110,7 @@ class BackupFinder(importlib.abc.MetaPathFinder):
 
     def __init__(self, sources: dict[str, bytes]) -> None:
         self.sources = {os.path.realpath(k): v for k, v in sources.items()}
+        self.served: list[str] = []  # the files served from their replacement, in import order
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
         spec = None
@@ -123,6 +125,7 @@ class BackupFinder(importlib.abc.MetaPathFinder):
         source = self.sources.get(os.path.realpath(spec.origin))
         if source is None:
             return None  # let the normal machinery import it
+        self.served.append(os.path.realpath(spec.origin))
         return importlib.util.spec_from_file_location(
             fullname,
             spec.origin,
@@ -421,11 +424,17 @@ def main() -> int:
         return EXIT_HARNESS_ERROR
     cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
     os.chdir(cfg["cwd"])
-    sources = {path: Path(backup).read_bytes() for path, backup in cfg.get("sources", {}).items()}
-    if sources:
-        sys.meta_path.insert(0, BackupFinder(sources))
+    finder = BackupFinder(
+        {path: Path(backup).read_bytes() for path, backup in cfg.get("sources", {}).items()}
+    )
+    if finder.sources:
+        sys.meta_path.insert(0, finder)
     script = cfg["script"]
-    script_source = sources.get(script) or Path(script).read_bytes()
+    script_source = finder.sources.get(os.path.realpath(script))
+    if script_source is None:
+        script_source = Path(script).read_bytes()
+    else:
+        finder.served.append(os.path.realpath(script))
 
     mode = cfg["mode"]
     total = cfg["steps"] + (cfg.get("warmup", 0) if mode == "timing" else 0)

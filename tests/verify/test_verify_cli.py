@@ -161,6 +161,15 @@ def test_wrong_rewrite_of_an_imported_module_is_caught(tmp_path: Path) -> None:
     assert data["parity"]["first_diverging_step"] == 1 and "step 1" in data["parity"]["message"]
 
 
+def test_a_rewritten_file_the_script_never_imports_is_named(tmp_path: Path) -> None:
+    project, run_dir = small(tmp_path)
+    (project / "unused.py").write_text("x = 1\n")
+    fake_apply(run_dir, project / "unused.py", "x = 1", "x = 2")
+    code, out = verify(project, "--format", "json")
+    assert code == 0
+    assert any("unused.py was never imported" in n for n in json.loads(out)["notes"])
+
+
 def test_dropout_is_neutralised_in_modules_and_functions(tmp_path: Path) -> None:
     project, run_dir = small(tmp_path)
     fake_apply(

@@ -68,9 +68,15 @@ def _print_summary(outcome: DistOutcome) -> None:
     from opadvisor.rules import cross_rank
 
     report = cross_rank.analyse(outcome.profiles)
-    first = summarize(outcome.profiles[0])
-    tail = f"Run written to {outcome.run_dir}" + ("" if outcome.marked_latest else " (not marked latest)")
-    tail += f"\nNext: opadvisor suggest{'' if outcome.marked_latest else ' ' + str(outcome.run_dir)}"
+    first = outcome.profiles[0]
+    latest = outcome.marked_latest
+    tail = f"Run written to {outcome.run_dir}{'' if latest else ' (not marked latest)'}"
+    tail += f"\nNext: opadvisor suggest{'' if latest else ' ' + str(outcome.run_dir)}"
     Console(highlight=False).print(
-        Group(cross_rank.render(report, brief=True), first.render(None), Text(tail))
+        Group(
+            cross_rank.render(report, brief=True),
+            Text(f"\nRank {first.rank}:", style="bold"),
+            summarize(first).render(None),
+            Text(tail),
+        )
     )

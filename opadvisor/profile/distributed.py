@@ -4,41 +4,45 @@ Two halves, one per process kind:
 
 - `launch` runs in the `opadvisor profile` process. It checks the script, makes the run folder, and runs
 
-      python -m torch.distributed.run --nproc-per-node N --max-restarts 0 (--standalone | --nnodes ...)
-             -m opadvisor.profile.distributed RUN_DIR --warmup W --steps S -- SCRIPT ARGS...
+      python -m opadvisor.profile._dist_launch FAILURES.json --nproc-per-node N --max-restarts 0
+             (--standalone | --nnodes K --node-rank R --master-addr A [--master-port P])
+             -m opadvisor.profile.distributed RUN_DIR --warmup W --steps S SCRIPT -- ARGS...
 
-  in a session of its own (Ctrl-C reaches the launcher as one SIGTERM, which torchrun passes on to every
-  rank). When torchrun has ended it reads what each rank reported and returns a `DistOutcome`; the run is
-  marked latest only when every rank of this node wrote its profile.
-- `rank_main` is that `-m opadvisor.profile.distributed` entry, once per rank: the lead's `run_script`
-  runs the script in-process with rank-named files in the shared run folder.
+  (torchrun itself, its failure summary kept as data) in a session of its own: Ctrl-C reaches torchrun
+  as one SIGTERM, which it passes on to every rank. When torchrun has ended it reads what each rank
+  reported and returns a `DistOutcome`; the run is marked latest only when every rank of this node
+  wrote its profile (and never for `--out`, as for a single process).
+- `rank_main` is that `-m opadvisor.profile.distributed` entry, once per rank: the runner's
+  `run_script` runs the script in-process and writes rank-named files into the shared run folder.
 
 Run folder of a multi-rank run (beside what `runs.py` describes):
     profile.rank<N>.json, trace.rank<N>.json.gz   written by rank N (`rank`/`world_size` in the profile)
     status.rank<N>.json   how rank N ended: {"rank", "local_rank", "node_rank", "world_size", "host",
-                          "pid", "status" ("running" until it ends, then the runner's status or
-                          "terminated"), "steps_seen", "steps_recorded", "exit_code", "error" (last
-                          line of the script's traceback), "traceback", "ended_at" (unix time)}
+                          "pid", "status" ("running" until it ends, then the runner's status,
+                          "terminated" or "opadvisor_error"), "steps_seen", "steps_recorded",
+                          "exit_code", "error" (last line of the traceback), "traceback", "ended_at"}
 
 Lockstep: every rank stops at the same step boundary, the post hook of its `warmup + steps`-th
 optimizer step. Under DDP the gradients of that step were all-reduced during backward on every rank,
-so no rank stops while a peer still waits in a collective of the window; no collective runs after it
-(the process group is destroyed on each rank once the script has stopped cleanly). The single-process
+so no rank stops while a peer still waits in a collective of the window, and no collective runs after
+it (the process group is destroyed on each rank once its script has stopped cleanly). The single-process
 time-window fallback (for scripts that never step) is off here: ranks would close their windows at
 different moments, in the middle of different collectives.
 
 A failing rank: its `run_script` catches the script's exception and writes the steps it recorded; the
-rank then exits 1 and torchrun (`--max-restarts 0`) stops the other ranks with SIGTERM (SIGKILL after
-its grace period). A rank still inside the script turns SIGTERM into an exception, so it too keeps the
-steps it recorded; one already writing its files finishes them first. Peers waiting in a gloo
-collective get "connection closed" as soon as the failed process exits; NCCL peers blocked in a CUDA
-wait cannot run Python and are killed at the end of torchrun's grace period. No rank hangs.
+rank then exits non-zero and torchrun (`--max-restarts 0`) stops the other ranks with SIGTERM (SIGKILL
+after its grace period, 30 s). A rank inside its script turns SIGTERM into an exception, so it too keeps
+the steps it recorded; one that is handling its script's end or writing its files finishes first. Peers
+waiting in a gloo collective get "connection closed" as soon as the failed process exits. A rank blocked
+in C (a NCCL peer in a CUDA wait, a recv nobody answers) cannot run Python handlers: a watchdog thread
+reports it terminated and ends it `_BLOCKED_S` after the SIGTERM. No rank hangs.
 
-What a failed run keeps: whatever profiles the ranks wrote (each file whole). The run folder is marked
+What a failed run keeps: whatever profiles the ranks wrote (each file whole). The folder is marked
 latest only if every rank of this node wrote its profile (as a single-process run that failed after
-recording some steps is); if no rank wrote one, the folder is removed. The error names the rank that
-failed first (the earliest to end among the failed ranks: the root cause; the others' errors follow from
-it) with its exception and traceback, then the others, then torchrun's exit code.
+recording is); if no rank wrote one, the folder is removed. The error names the root cause first: a
+rank that failed by itself (its exception, sys.exit, or death by a signal torchrun did not send), not
+one whose error only says that a peer went away nor one torchrun stopped; then the others; then
+torchrun's exit code. The root cause's traceback is printed above the error line.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -84,20 +89,72 @@ class RankTerminated(BaseException):  # noqa: N818 - a control-flow signal, like
     """SIGTERM from torchrun (another rank failed, or Ctrl-C) while this rank's script was running."""
 
 
-_stop_on_sigterm = True  # False once the script and this rank's files are done
+_REDELIVER_S = 0.5  # a SIGTERM that came while the runner was writing is looked at again this often
+_BLOCKED_S = 5.0  # a rank whose script is still running this long after SIGTERM is blocked in C: end it
 
 
-def _on_sigterm(signum, frame) -> None:
-    """Stop the script (its recorded steps are still written); never interrupt the writing itself."""
-    from opadvisor.profile.runner import _write_rank_files
+class _TermGuard:
+    """How a rank answers torchrun's SIGTERM (another rank failed, or the launcher's Ctrl-C).
 
-    if not _stop_on_sigterm:
-        return
-    while frame is not None:
-        if frame.f_code is _write_rank_files.__code__:
-            return  # finishing this rank's files; the process ends right after
-        frame = frame.f_back
-    raise RankTerminated("stopped by the launcher (SIGTERM)")
+    The Python handler stops the script where it is (RankTerminated, which the runner handles like the
+    script's own exception, so the recorded steps are still written), never the writing itself. A main
+    thread blocked in C (a collective whose peer is gone, a CUDA wait) cannot run Python handlers: a
+    watchdog thread, woken through the signal wakeup fd, then reports the rank as terminated and ends
+    the process, instead of leaving it to torchrun's SIGKILL 30 s later.
+    """
+
+    def __init__(self, status: dict, status_file: Path):
+        self.status, self.status_file = status, status_file
+        self.script_path: str | None = None  # the script as runpy runs it (its frames' co_filename)
+        self.done = False  # run_script has returned: the script and this rank's files are finished
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), name="opadvisor-sigterm", daemon=True).start()
+
+    def _in_script(self, frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_filename == self.script_path and frame.f_code.co_name == "<module>":
+                return True
+            frame = frame.f_back
+        return False
+
+    def on_sigterm(self, signum, frame) -> None:
+        """Inside the script or before run_script: raise. Inside run_script but not in the script (about
+        to start it, or handling its end and writing the files): look again shortly. After: ignore."""
+        from opadvisor.profile.runner import run_script
+
+        if self.done:
+            return
+        if self._in_script(frame):
+            raise RankTerminated("stopped by the launcher (SIGTERM)")
+        in_runner = False
+        while frame is not None and not in_runner:
+            in_runner, frame = frame.f_code is run_script.__code__, frame.f_back
+        if not in_runner:
+            raise RankTerminated("stopped by the launcher (SIGTERM)")
+        timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.SIGTERM))
+        timer.daemon = True
+        timer.start()
+
+    def _watch(self, read_fd: int) -> None:
+        while data := os.read(read_fd, 64):
+            if signal.SIGTERM.value not in data:
+                continue
+            time.sleep(_BLOCKED_S)
+            main = sys._current_frames().get(threading.main_thread().ident)
+            if self.done or not self._in_script(main):
+                continue  # the handler stopped the script, or the rank is writing / finished
+            self.status.update(
+                status="terminated",
+                error="stopped by the launcher while blocked in the script (in a collective or a device wait)",
+                ended_at=time.time(),
+            )
+            _write_json(self.status_file, self.status)
+            os._exit(128 + signal.SIGTERM.value)
 
 
 def rank_main(argv: list[str] | None = None) -> int:
@@ -132,10 +189,11 @@ def rank_main(argv: list[str] | None = None) -> int:
     }
     path = status_path(ns.run_dir, rank)
     _write_json(path, status)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    guard = _TermGuard(status, path)
+    guard.install()
     code = 1
     try:
-        code = _run_rank(ns, args, rank, world_size, local_rank, status)
+        code = _run_rank(ns, args, rank, world_size, local_rank, status, guard)
     except BaseException as exc:  # opadvisor's own failure (or a SIGTERM while writing): report it
         status["status"] = "terminated" if isinstance(exc, RankTerminated) else "opadvisor_error"
         status["error"] = f"{type(exc).__name__}: {exc}"
@@ -146,7 +204,9 @@ def rank_main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run_rank(ns, args: list[str], rank: int, world_size: int, local_rank: int, status: dict) -> int:
+def _run_rank(
+    ns, args: list[str], rank: int, world_size: int, local_rank: int, status: dict, guard: _TermGuard
+) -> int:
     import torch
 
     from opadvisor.profile.runner import run_script
@@ -162,9 +222,9 @@ def _run_rank(ns, args: list[str], rank: int, world_size: int, local_rank: int, 
         run_to_end=ns.run_to_end,
         window_after_seconds=float("inf"),  # no time-window fallback across ranks (see the module doc)
     )
+    guard.script_path = str(ns.script)
     outcome = run_script(ns.script, args, config, out=ns.run_dir, rank=(rank, world_size))
-    global _stop_on_sigterm
-    _stop_on_sigterm = False
+    guard.done = True
     status.update(
         status=outcome.status,
         steps_seen=outcome.steps_seen,
@@ -173,7 +233,7 @@ def _run_rank(ns, args: list[str], rank: int, world_size: int, local_rank: int, 
         traceback=outcome.script_traceback,
         error=_last_line(outcome.script_traceback),
     )
-    if outcome.script_traceback and "RankTerminated" in (status["error"] or ""):
+    if RankTerminated.__name__ in (status["error"] or ""):
         status["status"] = "terminated"
     if outcome.status == "complete":
         _destroy_process_group()
@@ -234,9 +294,7 @@ class RankReport:
 
     @property
     def failed(self) -> bool:
-        return self.status in ("script_error", "script_exit", "opadvisor_error", *_STOPPED) or bool(
-            self.launcher_exit and self.status not in ("complete", "ended_early", "no_steps")
-        )
+        return self.status not in ("complete", "ended_early", "no_steps")
 
     @property
     def peer_failure(self) -> bool:
@@ -460,7 +518,7 @@ def describe_failure(outcome: DistOutcome, script: Path) -> tuple[str | None, st
     kept = (
         f"; the steps recorded by rank(s) {_list(p.rank for p in outcome.profiles)} were kept in {outcome.run_dir}"
         if outcome.profiles
-        else "; nothing was recorded"
+        else "; no rank wrote a profile"
     )
     launcher = f" (torchrun exited with {_code_words(outcome.launcher_code)})"
     if outcome.interrupted:
@@ -500,7 +558,7 @@ def _short_words(r: RankReport) -> str:
     if r.status == "script_exit":
         return f"called sys.exit({r.exit_code})"
     if r.status == "terminated":
-        return "was stopped by the launcher"
+        return "was stopped by the launcher" + (" (it was blocked in C)" if "blocked" in (r.error or "") else "")
     if r.status == "running":
         return f"died ({'killed by ' + r.launcher_signal if r.launcher_signal else 'no report'})"
     if r.status == "missing":

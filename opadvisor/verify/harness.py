@@ -49,6 +49,7 @@ The process exits 0 unless the script raised (3) or the harness itself failed (4
 from __future__ import annotations
 
 import builtins
+import functools
 import importlib.abc
 import importlib.util
 import inspect
@@ -237,14 +238,12 @@ def _force_zero(fn: Callable[..., Any], names: tuple[str, ...]) -> Callable[...,
     if name is None:
         return None
 
+    @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         bound = sig.bind_partial(*args, **kwargs)
         bound.arguments[name] = 0.0
         return fn(*bound.args, **bound.kwargs)
 
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    wrapper.__name__ = getattr(fn, "__name__", "wrapper")
-    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 

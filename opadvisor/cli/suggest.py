@@ -141,6 +141,11 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
 
     first = profiles[0]
     env = first.environment
+    extra: dict[str, Any] = {}
+    if len(profiles) > 1:
+        from opadvisor.rules import cross_rank
+
+        extra["cross_rank"] = cross_rank.to_json(cross_rank.analyse(profiles))
     return {
         "schema": 1,
         "run": display_path(str(run_dir)),
@@ -150,6 +155,7 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "notes": [{"rule": n.rule, "message": n.message, "ranks": n.ranks} for n in report.notes],
         "breakdown": breakdown(first),
         "rules_run": report.rules_run,
+        **extra,
     }
 
 
@@ -302,6 +308,10 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
                 f"{f.message}\nfix: {fix}",
             )
         console.print(table)
+    if len(profiles) > 1:
+        from opadvisor.rules import cross_rank
+
+        console.print(cross_rank.render(cross_rank.analyse(profiles)))
     for n in report.notes:
         ranks = f" (ranks {', '.join(map(str, n.ranks))})" if n.ranks else ""
         console.print(f"note: {n.rule}: {n.message}{ranks}")

@@ -90,6 +90,11 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "step_ms": _NUM_OR_NULL,  # median step wall time
         "findings": {"type": "array", "items": FINDING_SCHEMA},
         # ---- additions
+        "cross_rank": {  # multi-rank runs only: opadvisor/rules/cross_rank.py's to_json
+            "type": "object",
+            "required": ["schema"],
+            "properties": {"schema": {"const": 1}},
+        },
         "notes": {  # rules that did not apply to this profile (or failed), never findings
             "type": "array",
             "items": {

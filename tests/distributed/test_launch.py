@@ -102,9 +102,6 @@ def test_cross_rank_analysis_of_the_written_profiles(ddp_run) -> None:
     assert data["straggler"]["rank"] == 1 and data["basis"] == "cpu"
 
 
-# Needs the lead's wiring of cross_rank into `opadvisor suggest` (opadvisor/cli/suggest.py): until then it
-# fails and is reported as XFAIL; once wired it shows as XPASS, and this marker should be removed.
-@pytest.mark.xfail(reason="opadvisor suggest does not show the cross-rank analysis yet (to be wired)", strict=False)
 def test_suggest_on_the_multi_rank_run(ddp_run) -> None:
     cwd, _ = ddp_run
     table = opadvisor(cwd, "suggest", timeout=120)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import load_fixture_profile
+from fixture_profiles import load_fixture_profile
 
 
 def test_gpu_profile_links_kernels_to_ops() -> None:
@@ -45,3 +45,28 @@ def test_item_sync_points_at_its_line() -> None:
     line = next(i for i, t in enumerate(open(source).read().splitlines(), 1) if "loss.item()" in t)
     synced = [prof.ops[s.op] for s in prof.syncs if s.op is not None]
     assert any(o.name == "aten::_local_scalar_dense" and o.line == line for o in synced)
+
+
+def test_profile_json_round_trips_exactly(tmp_path) -> None:
+    from opadvisor.profile.model import load_profile, save_profile
+
+    prof = load_fixture_profile("bert_train")
+    save_profile(prof, tmp_path / "profile.json")
+    assert load_profile(tmp_path / "profile.json") == prof
+
+
+def test_bad_profile_json_is_a_one_line_error(tmp_path) -> None:
+    import pytest
+
+    from opadvisor.profile.model import ProfileFormatError, load_profile
+
+    path = tmp_path / "profile.json"
+    path.write_text('{"schema": 1, "ops": [')
+    with pytest.raises(ProfileFormatError, match="corrupt or truncated"):
+        load_profile(path)
+    path.write_text('{"schema": 99}')
+    with pytest.raises(ProfileFormatError, match="schema version 99"):
+        load_profile(path)
+    path.write_text('{"schema": 1, "ops": [{"id": 0, "name": "x", "step": 0, "start_us": 0, "duration_us": 1, "kernels": [{"name": 5, "start_us": 0, "duration_us": 1}]}], "kernel_names": []}')
+    with pytest.raises(ProfileFormatError, match="malformed"):
+        load_profile(path)

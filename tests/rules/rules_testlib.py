@@ -8,13 +8,10 @@ checkout and skips the test, saying why, when it is absent.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 RULES_TESTS = Path(__file__).resolve().parent
 SCRIPTS = RULES_TESTS / "scripts"
@@ -55,16 +52,7 @@ def expected_lines(path: Path, label: str) -> tuple[int, int]:
 
 
 def gpu_fixture(name: str):
-    """tests/data/<name>.profile.json as a Profile of this checkout; skips the test when the file is absent.
+    """tests/data/<name>.profile.json as a Profile of this checkout (fails when the file is missing)."""
+    from fixture_profiles import load_fixture_profile
 
-    Loading is tests/conftest.py's `load_fixture_profile` (it rebases the recorded relative paths).
-    """
-    path = DATA / f"{name}.profile.json"
-    if not path.is_file():
-        pytest.skip(
-            f"GPU fixture {path.relative_to(REPO)} is absent: record it with tests/data/record_gpu_fixtures.py"
-        )
-    spec = importlib.util.spec_from_file_location("_tests_root_conftest", REPO / "tests" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.load_fixture_profile(name)
+    return load_fixture_profile(name)

@@ -1,0 +1,78 @@
+"""Which implementation runs, and the dropout stream's definition (Triton and PyTorch agree bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opadvisor.kernels import (
+    _backend,
+    _rng,
+    backend,
+    bias_dropout_add_backend,
+    dropout_add,
+    masked_softmax_backend,
+    softmax,
+)
+
+
+def test_device_rule(monkeypatch):
+    monkeypatch.setattr(_backend, "HAS_TRITON", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend("cpu") == "interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend("cpu") == "reference"
+    assert backend("cuda") == "triton"
+    assert backend("meta") == "reference"
+    monkeypatch.setattr(_backend, "HAS_TRITON", False)
+    assert backend("cuda") == "reference"
+
+
+def test_per_op_rules(monkeypatch):
+    monkeypatch.setattr(_backend, "HAS_TRITON", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.randn(4, 8)
+    assert masked_softmax_backend(x) == "interpreter"  # the interpreter ignores the small-size rule
+    assert bias_dropout_add_backend(x) == "interpreter"
+    assert masked_softmax_backend(x.double()) == "reference"
+    assert masked_softmax_backend(torch.randn(0, 8)) == "reference"
+    assert masked_softmax_backend(torch.tensor(1.0)) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert masked_softmax_backend(x) == "reference"
+
+
+def test_small_cuda_tensors_go_to_eager(monkeypatch):
+    monkeypatch.setattr(_backend, "HAS_TRITON", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(_backend, "backend", lambda device: "triton")  # as on a GPU
+    small = torch.empty(softmax.SMALL_NUMEL - 1)
+    large = torch.empty(max(softmax.SMALL_NUMEL, dropout_add.SMALL_NUMEL))
+    assert masked_softmax_backend(small) == "reference"
+    assert masked_softmax_backend(large) == "triton"
+    assert bias_dropout_add_backend(torch.empty(dropout_add.SMALL_NUMEL - 1)) == "reference"
+    assert bias_dropout_add_backend(large) == "triton"
+
+
+def test_philox_matches_known_answer():
+    """Philox4x32-10 known-answer vector (Random123 kat_vectors: counter 0, key 0)."""
+    zero = torch.zeros(1, dtype=torch.int64)
+    words = [int(w) for w in _rng.philox4x32(zero, zero, zero, zero, 0, 0)]
+    assert words == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_triton_keep_mask_equals_pytorch_one(interleave, device, kernels_everywhere, monkeypatch):
+    """The kernel's mask, read back through bias_dropout_add, is philox_keep_mask bit for bit."""
+    monkeypatch.setattr(dropout_add, "RNG_INTERLEAVE", interleave)
+    seed = (2**31 - 1, 12345, 3)
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: seed)
+    x = torch.ones(5, 37, device=device)
+    y = dropout_add.bias_dropout_add(x, None, torch.zeros_like(x), 0.3)
+    assert torch.equal(y != 0, _rng.philox_keep_mask(seed, 5, 37, 0.3, device))
+
+
+def test_seed_draw_follows_manual_seed():
+    torch.manual_seed(11)
+    a = _rng.draw_seed(torch.device("cpu"))
+    torch.manual_seed(11)
+    assert _rng.draw_seed(torch.device("cpu")) == a
+    assert all(0 <= v < 2**31 for v in a)

@@ -1,0 +1,150 @@
+"""bias_dropout_add against its reference: forward, dx / dbias / dresidual, dtypes, dropout statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_testutil import rel_err
+from opadvisor.kernels import (
+    _rng,
+    bias_dropout_add,
+    bias_dropout_add_backend,
+    dropout_add,
+    reference_bias_dropout_add,
+)
+
+FIXED_SEED = (2024, 11, 5)
+
+pytestmark = pytest.mark.usefixtures("kernels_everywhere")
+
+
+def _run(fn, x, bias, residual, dy):
+    """(y, [dx, dbias?, dresidual]) of fn(x, bias, residual)."""
+    x = x.detach().clone().requires_grad_()
+    r = residual.detach().clone().requires_grad_()
+    b = bias.detach().clone().requires_grad_() if bias is not None else None
+    y = fn(x, b, r)
+    grads = torch.autograd.grad(y, [t for t in (x, b, r) if t is not None], dy)
+    return y.detach(), grads
+
+
+def _eager_chain(x, bias, residual, keep, p):
+    v = x + bias if bias is not None else x
+    if keep is not None:
+        v = v * keep.to(v.dtype) * (1.0 / (1.0 - p))
+    return residual + v
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (4, 1025), (2, 3, 64), (1, 4097), (5, 1)])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5])
+def test_matches_reference_fp32(shape, with_bias, p, device, monkeypatch):
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    torch.manual_seed(0)
+    x = torch.randn(shape, device=device)
+    residual = torch.randn(shape, device=device)
+    bias = torch.randn(shape[-1], device=device) if with_bias else None
+    dy = torch.randn(shape, device=device)
+    keep = dropout_add.philox_keep_like(x, FIXED_SEED, p)
+    y, grads = _run(lambda a, b, r: bias_dropout_add(a, b, r, p), x, bias, residual, dy)
+    y_ref, grads_ref = _run(
+        lambda a, b, r: reference_bias_dropout_add(
+            a.double(), None if b is None else b.double(), r.double(), p, keep=keep
+        ),
+        x,
+        bias,
+        residual,
+        dy.double(),
+    )
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-6, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g.double(), g_ref.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["philox", "byte"])
+def test_low_precision_within_twice_eager_error(dtype, mode, device, monkeypatch):
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    monkeypatch.setattr(dropout_add, "MASK_MODE", mode)
+    torch.manual_seed(1)
+    p = 0.1
+    x = torch.randn(8, 300, device=device).to(dtype)
+    residual = torch.randn(8, 300, device=device).to(dtype)
+    bias = torch.randn(300, device=device).to(dtype)
+    dy = torch.randn(8, 300, device=device).to(dtype)
+    keep = dropout_add.philox_keep_like(x, FIXED_SEED, p)
+    y, grads = _run(lambda a, b, r: bias_dropout_add(a, b, r, p), x, bias, residual, dy)
+    y_e, grads_e = _run(lambda a, b, r: _eager_chain(a, b, r, keep, p), x, bias, residual, dy)
+    y_ref, grads_ref = _run(
+        lambda a, b, r: reference_bias_dropout_add(a.double(), b.double(), r.double(), p, keep=keep),
+        x,
+        bias,
+        residual,
+        dy.double(),
+    )
+    assert rel_err(y, y_ref) <= 2 * rel_err(y_e, y_ref) + 1e-7
+    for g, g_e, g_ref in zip(grads, grads_e, grads_ref, strict=True):
+        assert rel_err(g, g_ref) <= 2 * rel_err(g_e, g_ref) + 1e-7
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_statistics_and_exact_scaling(p, device):
+    torch.manual_seed(2)
+    x = torch.randn(32, 512, device=device) + 5.0  # never exactly 0 after the bias
+    residual = torch.zeros_like(x)
+    bias = torch.randn(512, device=device)
+    y = bias_dropout_add(x, bias, residual, p)
+    kept = (y != 0).double().mean().item()
+    assert abs(kept - (1 - p)) <= 4 * math.sqrt(p * (1 - p) / y.numel())
+    k = y != 0
+    assert torch.equal(y[k], ((x + bias) * (1.0 / (1.0 - p)))[k])
+
+
+def test_follows_manual_seed_and_training_flag(device):
+    x, r = torch.randn(4, 256, device=device), torch.randn(4, 256, device=device)
+    torch.manual_seed(3)
+    a = bias_dropout_add(x, None, r, 0.5)
+    b = bias_dropout_add(x, None, r, 0.5)
+    torch.manual_seed(3)
+    c = bias_dropout_add(x, None, r, 0.5)
+    assert torch.equal(a, c) and not torch.equal(a, b)
+    torch.testing.assert_close(bias_dropout_add(x, None, r, 0.5, training=False), x + r)
+
+
+def test_p_one_keeps_only_the_residual(device):
+    x, r = torch.randn(2, 64, device=device, requires_grad=True), torch.randn(2, 64, device=device)
+    y = bias_dropout_add(x, None, r, 1.0)
+    assert torch.equal(y, r)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_non_contiguous_and_mixed_dtypes(device, monkeypatch):
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    torch.manual_seed(4)
+    x = torch.randn(40, 6, device=device).t()  # [6, 40], column-major
+    residual = torch.randn(6, 80, device=device)[:, ::2]  # strided columns
+    bias = torch.randn(40, device=device)
+    dy = torch.randn(6, 40, device=device)
+    keep = dropout_add.philox_keep_like(x, FIXED_SEED, 0.2)
+    y, grads = _run(lambda a, b, r: bias_dropout_add(a.bfloat16(), b, r, 0.2), x, bias, residual, dy)
+    assert y.dtype == torch.float32  # promoted like the original `residual + dropout(x + bias)`
+    y_ref, grads_ref = _run(
+        lambda a, b, r: reference_bias_dropout_add(a.bfloat16(), b, r, 0.2, keep=keep), x, bias, residual, dy
+    )
+    torch.testing.assert_close(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref)
+
+
+def test_empty_and_errors(device):
+    x = torch.randn(0, 8, device=device, requires_grad=True)
+    assert bias_dropout_add_backend(x) == "reference"
+    y = bias_dropout_add(x, torch.zeros(8, device=device), torch.zeros(0, 8, device=device), 0.1)
+    assert y.shape == (0, 8)
+    with pytest.raises(ValueError, match="residual"):
+        bias_dropout_add(torch.randn(2, 8), None, torch.randn(2, 4), 0.1)
+    with pytest.raises(ValueError, match="bias"):
+        bias_dropout_add(torch.randn(2, 8), torch.randn(4), torch.randn(2, 8), 0.1)

@@ -1,0 +1,20 @@
+"""AdamW with default settings (the foreach path) over many small CUDA parameters
+(fused_optimizer must point at the construction)."""
+
+import torch
+import torch.nn as nn
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(24 if device == "cuda" else 4)]).to(device)
+optimizer = torch.optim.AdamW(  # expect: fused_optimizer start
+    model.parameters(),
+    lr=1e-3,
+    weight_decay=0.01,
+)  # expect: fused_optimizer end
+x = torch.randn(32, 128, device=device)
+for _ in range(30):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -467,6 +467,7 @@ def main() -> int:
         precision=rec.precision,
         device=rec.device,
         stopped=len(rec.steps) >= total,
+        served=finder.served,
     )
     tmp = Path(cfg["result"] + ".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")

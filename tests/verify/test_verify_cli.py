@@ -170,6 +170,17 @@ def test_a_rewritten_file_the_script_never_imports_is_named(tmp_path: Path) -> N
     assert any("unused.py was never imported" in n for n in json.loads(out)["notes"])
 
 
+def test_rewritten_script_and_imported_module_are_not_named_unused(tmp_path: Path) -> None:
+    project, run_dir = small(tmp_path)
+    fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(self.drop(x))  # same")
+    script = project / "train.py"
+    text = script.read_text()
+    fake_apply(run_dir, script, text.splitlines()[0], text.splitlines()[0] + "  # same")
+    code, out = verify(project, "--format", "json")
+    assert code == 0, out
+    assert not any("never imported" in n for n in json.loads(out)["notes"]), out
+
+
 def test_dropout_is_neutralised_in_modules_and_functions(tmp_path: Path) -> None:
     project, run_dir = small(tmp_path)
     fake_apply(

@@ -1,0 +1,81 @@
+"""Which implementation runs: the Triton kernels, the same kernels under Triton's interpreter, or PyTorch.
+
+The choice is explicit (no try/except fallback) and every public op exposes it as a function, so a
+test or a user can ask which code path a call will take before making it:
+
+- CUDA tensors, Triton installed               -> ``"triton"`` (compiled kernels)
+- any tensor with ``TRITON_INTERPRET=1`` set    -> ``"interpreter"`` (the same kernels, run by Triton's
+  interpreter on the CPU; Triton reads the variable when it is first imported, so set it before that)
+- everything else (CPU without the interpreter, no Triton, other devices) -> ``"reference"`` (plain
+  PyTorch, also the test oracle)
+
+Per op, shapes and dtypes the kernels do not cover (float64, empty tensors) or where they measured slower
+than eager PyTorch on the GPU (tiny tensors: launch overhead dominates) also give ``"reference"``; see
+``masked_softmax_backend`` and ``bias_dropout_add_backend``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+TRITON = "triton"
+INTERPRETER = "interpreter"
+REFERENCE = "reference"
+
+# Found once at import: `find_spec` does not import triton (importing it would fix its interpret mode).
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpret_requested() -> bool:
+    """True when TRITON_INTERPRET asks Triton to interpret kernels (read at every call)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def backend(device: torch.device | str | torch.Tensor) -> str:
+    """The implementation the ops use for tensors on `device`, before any per-shape choice.
+
+    Returns "triton", "interpreter" or "reference" (see the module docstring).
+    """
+    if isinstance(device, torch.Tensor):
+        kind = device.device.type
+    else:
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if not HAS_TRITON:
+        return REFERENCE
+    if kind in ("cpu", "cuda") and interpret_requested():
+        return INTERPRETER
+    return TRITON if kind == "cuda" else REFERENCE
+
+
+def emulate_rne(t: torch.Tensor) -> bool:
+    """Whether kernels writing `t` must round to bfloat16 themselves (the interpreter truncates)."""
+    return t.dtype == torch.bfloat16 and interpret_requested()
+
+
+def check_launch(t: torch.Tensor) -> None:
+    """Before a kernel launch on `t`: under the interpreter, check that Triton was imported in
+    interpret mode (a cheap test on the GPU path: one environment read)."""
+    if t.device.type == "cpu" or interpret_requested():
+        _check_interpreter_ready()
+
+
+def _check_interpreter_ready() -> None:
+    """Fail loudly when the interpreter was asked for after Triton was imported in compiled mode.
+
+    Triton decides at import time whether `@triton.jit` compiles or interprets; a kernel decorated in
+    compiled mode cannot run on CPU tensors. The error says how to fix it instead of a confusing one.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from . import _common_triton
+
+    if not isinstance(_common_triton.philox4x32, InterpretedFunction):
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton had been imported; set it before the first "
+            "`import triton` (e.g. in the environment of the process) to run the kernels on the CPU."
+        )

@@ -1,0 +1,121 @@
+"""Triton kernels of `bias_dropout_add` (imported only when a kernel launches; see `dropout_add.py`).
+
+Forward:  y = residual + where(keep, (x + bias) / (1 - p), 0)
+Backward: dx = where(keep, dy / (1 - p), 0);  dbias = sum over rows of dx;  dresidual = dy (no kernel)
+The keep mask is recomputed from the seed (see `_rng`), or read back from a 1-byte mask when the
+launcher asks for one (BYTE_MASK; kept to compare the two on the GPU).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common_triton import keep_mask, rne_bf16
+from ._common_triton import row_offsets as _row_offsets
+
+
+@triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
+def bias_dropout_add_fwd_kernel(
+    X,
+    B,
+    R,
+    Y,
+    KEEP,
+    n_rows,
+    n_cols,
+    D1,
+    D2,
+    sx0,
+    sx1,
+    sx2,
+    sxc,
+    sr0,
+    sr1,
+    sr2,
+    src,
+    keep_scale,
+    threshold,
+    k0,
+    k1,
+    stream,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BYTE_MASK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    col0 = tl.program_id(1) * BLOCK
+    cols = col0 + tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
+    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    c = cols.to(tl.int64)[None, :]
+    xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
+    ro = _row_offsets(rows, D1, D2, sr0, sr1, sr2)
+    v = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    yoff = rows[:, None] * n_cols + c
+    if DROPOUT:
+        keep = keep_mask(k0, k1, stream, threshold, rows, col0, ROWS, BLOCK, INTERLEAVE)
+        v = tl.where(keep, v * keep_scale, 0.0)
+        if BYTE_MASK:
+            tl.store(KEEP + yoff, keep.to(tl.uint8), mask=ok)
+    r = tl.load(R + ro[:, None] + c * src, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + yoff, rne_bf16(r + v, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold", "rows_per_prog"])
+def bias_dropout_add_bwd_kernel(
+    DY,
+    DX,
+    DB,
+    KEEP,
+    n_rows,
+    n_cols,
+    D1,
+    D2,
+    sdy0,
+    sdy1,
+    sdy2,
+    sdyc,
+    rows_per_prog,
+    keep_scale,
+    threshold,
+    k0,
+    k1,
+    stream,
+    HAS_BIAS: tl.constexpr,
+    BYTE_MASK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program."""
+    pid_r = tl.program_id(0)
+    col0 = tl.program_id(1) * BLOCK
+    cols = col0 + tl.arange(0, BLOCK)
+    col_ok = cols < n_cols
+    c = cols.to(tl.int64)[None, :]
+    acc = tl.zeros((BLOCK,), tl.float32)
+    first = pid_r.to(tl.int64) * rows_per_prog
+    for r0 in range(0, rows_per_prog, ROWS):
+        rows = first + r0 + tl.arange(0, ROWS)
+        ok = (rows < n_rows)[:, None] & col_ok[None, :]
+        dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
+        dy = tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
+        doff = rows[:, None] * n_cols + c
+        if BYTE_MASK:
+            keep = tl.load(KEEP + doff, mask=ok, other=0) != 0
+        else:
+            keep = keep_mask(k0, k1, stream, threshold, rows, col0, ROWS, BLOCK, INTERLEAVE)
+        dx = tl.where(keep & ok, dy * keep_scale, 0.0)
+        tl.store(DX + doff, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok)
+        if HAS_BIAS:
+            acc += tl.sum(dx, axis=0)
+    if HAS_BIAS:
+        tl.store(DB + pid_r.to(tl.int64) * n_cols + cols, acc, mask=col_ok)

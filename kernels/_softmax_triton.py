@@ -1,0 +1,323 @@
+"""Triton kernels of `masked_softmax` (imported only when a kernel launches; see `softmax.py`).
+
+Layout: the softmax dimension is the row; the other dimensions are merged into at most three batch
+dimensions (sizes D0 x D1 x D2, any strides, 0 for broadcast masks), so broadcast masks and
+non-contiguous inputs are read in place. Offsets are int64. Math is float32 whatever the storage dtype.
+
+Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
+                   p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)
+                   p = where(mask, 0, p) if ZERO_MASKED;  y = where(keep, p / (1 - p_drop), 0)
+Backward, with P the saved probabilities (y without dropout, p with dropout):
+                   dp = where(keep, dy / (1 - p_drop), 0), then where(mask, 0, dp) if ZERO_MASKED
+                   ds = P * (dp - sum(dp * P))    # d/ds softmax: P * (dp - <dp, P>)
+                   dx = where(mask, 0, ds) * scale (bool mask: masked_fill passes no gradient)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common_triton import keep_mask, rne_bf16
+from ._common_triton import row_offsets as _row_offsets
+
+
+@triton.jit
+def _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK: tl.constexpr):
+    """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile."""
+    c = cols.to(tl.int64)[None, :]
+    x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
+    s = x * scale
+    masked = ok & False
+    if MASK == 1:
+        mv = tl.load(M + mo[:, None] + c * smc, mask=ok, other=0)
+        masked = mv != 0
+        s = tl.where(masked, fill, s)
+    if MASK == 2:
+        s = s + tl.load(M + mo[:, None] + c * smc, mask=ok, other=0.0).to(tl.float32)
+    return tl.where(ok, s, float("-inf")), masked
+
+
+@triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
+def masked_softmax_fwd_kernel(
+    X,
+    M,
+    Y,
+    P,
+    n_rows,
+    n_cols,
+    D1,
+    D2,
+    sx0,
+    sx1,
+    sx2,
+    sxc,
+    sm0,
+    sm1,
+    sm2,
+    smc,
+    sy0,
+    sy1,
+    sy2,
+    syc,
+    scale,
+    fill,
+    keep_scale,
+    threshold,
+    k0,
+    k1,
+    stream,
+    MASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LOOPED: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
+    mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)
+    yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
+    if LOOPED:
+        # Pass 1: running max and sum per lane (online softmax), merged across lanes at the end.
+        m_i = tl.full((ROWS, BLOCK), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS, BLOCK), tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+            m_new = tl.maximum(m_i, s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(s - m_safe)
+            m_i = m_new
+        m = tl.max(m_i, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.sum(l_i * tl.exp(m_i - m[:, None]), axis=1)
+        inv = tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)
+        # Pass 2: normalise and write (the second read of the row mostly hits L2).
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+            p = tl.exp(s - m[:, None]) * inv[:, None]
+            if ZERO_MASKED:
+                p = tl.where(masked, 0.0, p)
+            yoff = yo[:, None] + cols.to(tl.int64)[None, :] * syc
+            if DROPOUT:
+                tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
+                keep = keep_mask(k0, k1, stream, threshold, rows, c0, ROWS, BLOCK, INTERLEAVE)
+                p = tl.where(keep, p * keep_scale, 0.0)
+            tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
+    else:
+        cols = tl.arange(0, BLOCK)
+        ok = row_ok[:, None] & (cols < n_cols)[None, :]
+        s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+        m = tl.max(s, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        e = tl.exp(s - m[:, None])
+        den = tl.sum(e, axis=1)
+        p = e * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
+        if ZERO_MASKED:
+            p = tl.where(masked, 0.0, p)
+        yoff = yo[:, None] + cols.to(tl.int64)[None, :] * syc
+        if DROPOUT:
+            tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
+            keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
+            p = tl.where(keep, p * keep_scale, 0.0)
+        tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _grad_terms(
+    P,
+    DY,
+    M,
+    po,
+    dyo,
+    mo,
+    cols,
+    ok,
+    spc,
+    sdyc,
+    smc,
+    keep_scale,
+    k0,
+    k1,
+    stream,
+    threshold,
+    rows,
+    c0,
+    MASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):
+    """(P, dp, bool mask) for one tile: dp is the gradient reaching the softmax output."""
+    c = cols.to(tl.int64)[None, :]
+    p = tl.load(P + po[:, None] + c * spc, mask=ok, other=0.0).to(tl.float32)
+    dp = tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
+    masked = ok & False
+    if MASK == 1:
+        masked = tl.load(M + mo[:, None] + c * smc, mask=ok, other=0) != 0
+    if DROPOUT:
+        keep = keep_mask(k0, k1, stream, threshold, rows, c0, ROWS, BLOCK, INTERLEAVE)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    if ZERO_MASKED:
+        dp = tl.where(masked, 0.0, dp)
+    return p, dp, masked
+
+
+@triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
+def masked_softmax_bwd_kernel(
+    P,
+    DY,
+    M,
+    DX,
+    n_rows,
+    n_cols,
+    D1,
+    D2,
+    sp0,
+    sp1,
+    sp2,
+    spc,
+    sdy0,
+    sdy1,
+    sdy2,
+    sdyc,
+    sm0,
+    sm1,
+    sm2,
+    smc,
+    sdx0,
+    sdx1,
+    sdx2,
+    sdxc,
+    scale,
+    keep_scale,
+    threshold,
+    k0,
+    k1,
+    stream,
+    MASK: tl.constexpr,
+    ZERO_MASKED: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LOOPED: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    RNE: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    po = _row_offsets(rows, D1, D2, sp0, sp1, sp2)
+    dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
+    mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)
+    dxo = _row_offsets(rows, D1, D2, sdx0, sdx1, sdx2)
+    if LOOPED:
+        acc = tl.zeros((ROWS, BLOCK), tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            p, dp, masked = _grad_terms(
+                P,
+                DY,
+                M,
+                po,
+                dyo,
+                mo,
+                cols,
+                ok,
+                spc,
+                sdyc,
+                smc,
+                keep_scale,
+                k0,
+                k1,
+                stream,
+                threshold,
+                rows,
+                c0,
+                MASK,
+                ZERO_MASKED,
+                DROPOUT,
+                ROWS,
+                BLOCK,
+                INTERLEAVE,
+            )
+            acc += p * dp
+        dot = tl.sum(acc, axis=1)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            ok = row_ok[:, None] & (cols < n_cols)[None, :]
+            p, dp, masked = _grad_terms(
+                P,
+                DY,
+                M,
+                po,
+                dyo,
+                mo,
+                cols,
+                ok,
+                spc,
+                sdyc,
+                smc,
+                keep_scale,
+                k0,
+                k1,
+                stream,
+                threshold,
+                rows,
+                c0,
+                MASK,
+                ZERO_MASKED,
+                DROPOUT,
+                ROWS,
+                BLOCK,
+                INTERLEAVE,
+            )
+            ds = p * (dp - dot[:, None])
+            if MASK == 1:
+                ds = tl.where(masked, 0.0, ds)
+            dxoff = dxo[:, None] + cols.to(tl.int64)[None, :] * sdxc
+            tl.store(DX + dxoff, rne_bf16(ds * scale, RNE).to(DX.dtype.element_ty), mask=ok)
+    else:
+        cols = tl.arange(0, BLOCK)
+        ok = row_ok[:, None] & (cols < n_cols)[None, :]
+        p, dp, masked = _grad_terms(
+            P,
+            DY,
+            M,
+            po,
+            dyo,
+            mo,
+            cols,
+            ok,
+            spc,
+            sdyc,
+            smc,
+            keep_scale,
+            k0,
+            k1,
+            stream,
+            threshold,
+            rows,
+            0,
+            MASK,
+            ZERO_MASKED,
+            DROPOUT,
+            ROWS,
+            BLOCK,
+            INTERLEAVE,
+        )
+        dot = tl.sum(p * dp, axis=1)
+        ds = p * (dp - dot[:, None])
+        if MASK == 1:
+            ds = tl.where(masked, 0.0, ds)
+        dxoff = dxo[:, None] + cols.to(tl.int64)[None, :] * sdxc
+        tl.store(DX + dxoff, rne_bf16(ds * scale, RNE).to(DX.dtype.element_ty), mask=ok)

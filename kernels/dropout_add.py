@@ -1,0 +1,309 @@
+"""`bias_dropout_add`: ``residual + dropout(x + bias)`` in one kernel, forward and backward.
+
+Layers: `_dropout_add_triton` kernels -> `_forward` / `_backward_kernel` (launchers) ->
+`BiasDropoutAddFunction` (eager autograd) and the custom ops `opadvisor::bias_dropout_add_fwd` / `_bwd`
+(torch.compile) -> `bias_dropout_add`. `reference_bias_dropout_add` is the PyTorch version and the oracle.
+
+Backward saves no mask: the keep mask is recomputed from the seed (Philox, see `_rng`), so the only state
+kept between forward and backward is three integers. `MASK_MODE = "byte"` instead stores a 1-byte mask
+in the forward (compared on the GPU in benchmarks/kernels.py; see RESULTS.md for the choice).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import _backend, _rng
+from . import _layout as layout
+from .softmax import triton_cdiv, triton_next_power_of_2
+
+# Elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an H200), how
+# the backward gets the keep mask ("philox": recomputed, measured faster than reading a 1-byte mask), and
+# the Philox layout (see softmax.RNG_INTERLEAVE; one call per element measured 5% faster here).
+TILE = 2048
+MASK_MODE = "philox"  # or "byte"
+RNG_INTERLEAVE = False
+# On CUDA, tensors with fewer elements run the eager chain (see softmax.SMALL_NUMEL).
+SMALL_NUMEL = 1 << 22
+
+_NO_SEED = (0, 0, 0)
+
+
+def bias_dropout_add_backend(x: torch.Tensor) -> str:
+    """Which implementation `bias_dropout_add(x, ...)` runs: "triton", "interpreter" or "reference"."""
+    be = _backend.backend(x)
+    if be == _backend.REFERENCE:
+        return be
+    if x.dtype not in _backend.KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
+        return _backend.REFERENCE
+    if be == _backend.TRITON and x.numel() < SMALL_NUMEL:
+        return _backend.REFERENCE
+    return be
+
+
+def reference_bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` computed in float32 (float64 for float64 inputs) by PyTorch.
+
+    Dropout uses PyTorch's generator unless `keep` (bool, x's shape) gives the mask.
+    """
+    out_dtype = _out_dtype(x, bias, residual)
+    compute = torch.float64 if out_dtype == torch.float64 else torch.float32
+    v = x.to(compute)
+    if bias is not None:
+        v = v + bias.to(compute)
+    if training and p > 0:
+        v = F.dropout(v, p) if keep is None else torch.where(keep, v * _rng.keep_scale(p), 0.0)
+    return (residual.to(compute) + v).to(out_dtype)
+
+
+def philox_keep_like(x: torch.Tensor, seed: tuple[int, int, int], p: float) -> torch.Tensor:
+    """The keep mask the kernels draw for `x` (rows of its last dimension) and `seed`."""
+    n_cols = x.shape[-1]
+    return _rng.philox_keep_mask(seed, x.numel() // max(n_cols, 1), n_cols, p, x.device).reshape(x.shape)
+
+
+def _out_dtype(x, bias, residual):
+    dtype = torch.promote_types(x.dtype, residual.dtype)
+    return torch.promote_types(dtype, bias.dtype) if bias is not None else dtype
+
+
+@functools.cache
+def _config(n_cols: int, tile: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps): a tile of ~`tile` elements, columns first."""
+    block = min(max(16, triton_next_power_of_2(n_cols)), max(16, tile))
+    rows = max(1, tile // block)
+    warps = min(16, max(1, rows * block // 512))
+    return rows, block, warps
+
+
+@functools.lru_cache(maxsize=4096)
+def _fwd_plan(shape, x_strides, r_strides, tile):
+    """(grid, integer args, launch meta) for one layout, or None when it needs a copy first."""
+    got = layout.row_layout(shape, [x_strides, r_strides], len(shape) - 1)
+    if got is None:
+        return None
+    n_rows, n_cols, (_, d1, d2), (s_x, s_r) = got
+    rows, block, warps = _config(n_cols, tile)
+    grid = (triton_cdiv(n_rows, rows), triton_cdiv(n_cols, block))
+    return grid, (n_rows, n_cols, d1, d2, *s_x, *s_r), {"ROWS": rows, "BLOCK": block, "num_warps": warps}
+
+
+def _forward(x, bias, residual, p, seed):
+    """(y, keep bytes or an empty tensor)."""
+    from . import _dropout_add_triton
+
+    y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
+    byte_mask = p > 0 and MASK_MODE == "byte"
+    keep = torch.empty(x.shape if byte_mask else (0,), dtype=torch.uint8, device=x.device)
+    if x.numel() == 0:
+        return y, keep
+    _backend.check_launch(x)
+    plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
+    if plan is None:
+        x, residual = x.contiguous(), residual.contiguous()
+        plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
+    grid, ints, meta = plan
+    k0, k1, stream = seed
+    _dropout_add_triton.bias_dropout_add_fwd_kernel[grid](
+        x, bias if bias is not None else x, residual, y, keep if byte_mask else y, *ints,
+        _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
+        HAS_BIAS=bias is not None, DROPOUT=p > 0, BYTE_MASK=byte_mask,
+        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(y), **meta,
+    )  # fmt: skip
+    return y, keep
+
+
+@functools.lru_cache(maxsize=64)
+def _programs_target(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@functools.lru_cache(maxsize=4096)
+def _bwd_plan(shape, dy_strides, tile, programs):
+    """(grid, integer args, launch meta): each program sums dbias over a run of rows of one column block."""
+    got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
+    if got is None:
+        return None
+    n_rows, n_cols, (_, d1, d2), (s_dy,) = got
+    rows, block, warps = _config(n_cols, tile)
+    col_blocks = triton_cdiv(n_cols, block)
+    row_progs = max(1, min(triton_cdiv(n_rows, rows), programs // col_blocks))
+    rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
+    row_progs = triton_cdiv(n_rows, rows_per_prog)
+    ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
+    return (row_progs, col_blocks), ints, {"ROWS": rows, "BLOCK": block, "num_warps": warps}
+
+
+def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
+    """(dx, dbias in float32 or None) for a dropout forward: per-program column sums, then one sum."""
+    from . import _dropout_add_triton
+
+    dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
+    if dy.numel() == 0:
+        return dx, (dy.new_zeros(dy.shape[-1], dtype=torch.float32) if need_dbias else None)
+    _backend.check_launch(dy)
+    plan = _bwd_plan(dy.shape, dy.stride(), TILE, _programs_target(dy.device))
+    if plan is None:
+        dy = dy.contiguous()
+        plan = _bwd_plan(dy.shape, dy.stride(), TILE, _programs_target(dy.device))
+    grid, ints, meta = plan
+    partial = (
+        torch.empty((grid[0], dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
+    )
+    k0, k1, stream = seed
+    _dropout_add_triton.bias_dropout_add_bwd_kernel[grid](
+        dy, dx, partial if partial is not None else dx, keep if keep.numel() else dx, *ints,
+        _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
+        HAS_BIAS=need_dbias, BYTE_MASK=keep.numel() > 0,
+        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(dx), **meta,
+    )  # fmt: skip
+    return dx, (partial.sum(0) if partial is not None else None)
+
+
+def _grads(dy, x_dtype, bias, residual_dtype, needs, p, run_kernel):
+    """(dx, dbias, dresidual) for the inputs that need them; `run_kernel(need_dbias)` -> (dx, dbias f32)."""
+    need_dx, need_db, need_dr = needs
+    dres = dy.to(residual_dtype) if need_dr else None
+    if p > 0 and (need_dx or need_db):
+        dx, dbias = run_kernel(need_db)
+    else:
+        dx = dy.to(x_dtype)
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32) if need_db else None
+    return (dx if need_dx else None), (dbias.to(bias.dtype) if need_db else None), dres
+
+
+class BiasDropoutAddFunction(torch.autograd.Function):
+    """Eager-mode autograd around the kernels."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, p):
+        seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
+        y, keep = _forward(x, bias, residual, p, seed)
+        ctx.save_for_backward(keep, bias)
+        ctx.args = (x.dtype, residual.dtype, p, seed)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        keep, bias = ctx.saved_tensors
+        x_dtype, r_dtype, p, seed = ctx.args
+        needs = (
+            ctx.needs_input_grad[0],
+            bias is not None and ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+        )
+        dx, dbias, dres = _grads(
+            dy,
+            x_dtype,
+            bias,
+            r_dtype,
+            needs,
+            p,
+            lambda need_db: _backward_kernel(dy, keep, x_dtype, need_db, p, seed),
+        )
+        return dx, dbias, dres, None
+
+
+@torch.library.custom_op("opadvisor::bias_dropout_add_fwd", mutates_args=())
+def bias_dropout_add_fwd_op(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, keep bytes or empty, seed as a CPU int64 tensor [3])."""
+    seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
+    y, keep = _forward(x, bias, residual, p, seed)
+    return y, keep, torch.tensor(seed, dtype=torch.int64)
+
+
+@bias_dropout_add_fwd_op.register_fake
+def _(x, bias, residual, p):
+    y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
+    byte_mask = p > 0 and MASK_MODE == "byte"
+    keep = torch.empty(x.shape if byte_mask else (0,), dtype=torch.uint8, device=x.device)
+    return y, keep, torch.empty(3, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("opadvisor::bias_dropout_add_bwd", mutates_args=())
+def bias_dropout_add_bwd_op(
+    dy: torch.Tensor, keep: torch.Tensor, seed: torch.Tensor, x_dtype: torch.dtype, need_dbias: bool, p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dbias in float32, or an empty tensor when not needed)."""
+    k0, k1, stream = (int(v) for v in seed.tolist())
+    dx, dbias = _backward_kernel(dy, keep, x_dtype, need_dbias, p, (k0, k1, stream))
+    return dx, dbias if dbias is not None else dy.new_empty(0, dtype=torch.float32)
+
+
+@bias_dropout_add_bwd_op.register_fake
+def _(dy, keep, seed, x_dtype, need_dbias, p):
+    dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
+    return dx, dy.new_empty(dy.shape[-1] if need_dbias else 0, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, residual, p = inputs
+    _, keep, seed = output
+    ctx.save_for_backward(keep, seed, bias)
+    ctx.args = (x.dtype, residual.dtype, p)
+
+
+def _op_backward(ctx, dy, _dkeep, _dseed):
+    keep, seed, bias = ctx.saved_tensors
+    x_dtype, r_dtype, p = ctx.args
+    needs = (ctx.needs_input_grad[0], bias is not None and ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+    dx, dbias, dres = _grads(
+        dy,
+        x_dtype,
+        bias,
+        r_dtype,
+        needs,
+        p,
+        lambda need_db: bias_dropout_add_bwd_op(dy, keep, seed, x_dtype, need_db, p),
+    )
+    return dx, dbias, dres, None
+
+
+torch.library.register_autograd(bias_dropout_add_fwd_op, _op_backward, setup_context=_setup_context)
+
+
+def bias_dropout_add(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool = True,
+) -> torch.Tensor:
+    """``residual + dropout(x + bias, p, training)`` in one pass; forward and backward.
+
+    Args:
+        x: the sublayer output [..., H] (float32, float16, bfloat16 run the kernels).
+        bias: None or [H] (the bias the sublayer's linear would have added).
+        residual: the residual stream, x's shape.
+        p: dropout probability; training: dropout only when True (as F.dropout).
+
+    Returns a tensor of x's shape in the promoted dtype of the inputs. Backward gives dx, dbias and
+    dresidual and keeps no mask: the dropout mask is recomputed from a seed that follows
+    torch.manual_seed.
+    """
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != x.shape[-1]):
+        raise ValueError(f"bias must have shape [{x.shape[-1]}], got {tuple(bias.shape)}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"p must be in [0, 1], got {p}")
+    p_eff = float(p) if training else 0.0
+    if bias_dropout_add_backend(x) == _backend.REFERENCE:
+        return reference_bias_dropout_add(x, bias, residual, p_eff)
+    if torch.compiler.is_compiling():
+        return bias_dropout_add_fwd_op(x, bias, residual, p_eff)[0]
+    return BiasDropoutAddFunction.apply(x, bias, residual, p_eff)

@@ -1,0 +1,381 @@
+"""`masked_softmax`: scale -> mask -> softmax -> (zero masked) -> dropout in one kernel, forward and backward.
+
+Layers, from the inside out (Liger-Kernel's naming):
+`_softmax_triton.masked_softmax_fwd_kernel` / `..._bwd_kernel` (Triton) -> `_forward` / `_backward`
+(launchers) -> `MaskedSoftmaxFunction` (autograd, eager mode) and the custom ops
+`opadvisor::masked_softmax_fwd` / `opadvisor::masked_softmax_bwd` (what torch.compile traces, without a graph
+break) -> `masked_softmax` (the public function). `reference_masked_softmax` is the plain PyTorch version:
+it runs where the kernels do not (see `masked_softmax_backend`) and is the test oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _backend, _rng
+from . import _layout as layout
+
+# Rows up to MAX_BLOCK columns are held in registers by one program (one read of x); longer rows loop
+# over tiles of LOOP_BLOCK columns (two reads of x; the second mostly from L2). On an H200, bf16 rows of
+# 8192 and 16384 ran 1.4x and 1.5x faster in one program than looped. Tests lower both to exercise the
+# looped kernels on small inputs.
+MAX_BLOCK = 16384
+LOOP_BLOCK = 4096
+# True: one Philox call per 4 columns, its words interleaved in registers; False: one call per element,
+# same bits. True is what the softmax benchmark measured; bias_dropout_add measured False faster.
+RNG_INTERLEAVE = True
+# On CUDA, tensors with fewer elements run the eager chain instead: below ~4M elements the eager chain's
+# own GPU time (tens of microseconds) is smaller than the host time our call adds (Python autograd and
+# Triton launches, ~0.07 ms forward, ~0.2 ms forward+backward measured on an H200 host), so such work is
+# launch-bound and the kernel cannot pay for itself. See benchmarks/RESULTS.md.
+SMALL_NUMEL = 1 << 22
+
+_NO_SEED = (0, 0, 0)
+
+
+def masked_softmax_backend(x: torch.Tensor, mask: torch.Tensor | None = None) -> str:
+    """Which implementation `masked_softmax(x, mask, ...)` runs: "triton", "interpreter" or "reference"."""
+    be = _backend.backend(x)
+    if be == _backend.REFERENCE:
+        return be
+    if x.dtype not in _backend.KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
+        return _backend.REFERENCE
+    if be == _backend.TRITON and x.numel() < SMALL_NUMEL:
+        return _backend.REFERENCE
+    return be
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reference (plain PyTorch)
+# ---------------------------------------------------------------------------------------------------
+
+
+def reference_masked_softmax(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    dim: int = -1,
+    scale: float | None = None,
+    fill_value: float = float("-inf"),
+    zero_masked: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = True,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The function `masked_softmax` computes, in float32 (float64 for float64 input), with PyTorch ops.
+
+    Rows whose scores are all -inf (where the original chain gives NaN) give zeros. Dropout uses
+    PyTorch's own generator, unless `keep` (a bool mask of x's shape) is given: the tests pass the
+    kernels' Philox mask there to compare bit for bit.
+    """
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    s = x.to(compute)
+    if scale is not None:
+        s = s * scale
+    if mask is not None:
+        s = s.masked_fill(mask, fill_value) if mask.dtype == torch.bool else s + mask.to(compute)
+    if s.numel() > 0 and s.shape[dim] > 0:
+        dead = s.amax(dim, keepdim=True) == float("-inf")
+        p = torch.softmax(s.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0)
+    else:
+        p = torch.softmax(s, dim)
+    if zero_masked and mask is not None:
+        p = p.masked_fill(mask, 0.0)
+    if training and dropout_p > 0:
+        if keep is None:
+            p = F.dropout(p, dropout_p)
+        else:
+            p = torch.where(keep, p * _rng.keep_scale(dropout_p), 0.0)
+    return p.to(x.dtype)
+
+
+def philox_keep_like(x: torch.Tensor, dim: int, seed: tuple[int, int, int], p: float) -> torch.Tensor:
+    """The keep mask the kernels draw for `x` (softmax over `dim`) and `seed`, as a bool tensor like x."""
+    moved = x.movedim(dim, -1).shape
+    n_cols = moved[-1]
+    keep = _rng.philox_keep_mask(seed, x.numel() // max(n_cols, 1), n_cols, p, x.device)
+    return keep.reshape(moved).movedim(-1, dim)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _config(n_cols: int, max_block: int, loop_block: int) -> tuple[int, int, bool, int]:
+    """(ROWS, BLOCK, LOOPED, num_warps) for a row length: one compiled variant per power of two."""
+    if n_cols > max_block:
+        return 1, loop_block, True, 8 if loop_block >= 2048 else 4
+    block = max(16, triton_next_power_of_2(n_cols))
+    rows = max(1, 4096 // block)
+    warps = min(16, max(4, rows * block // 1024))  # 32 values a thread: measured best at [32,16,512,512]
+    return rows, block, False, warps
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _mask_kind(mask: torch.Tensor | None) -> int:
+    if mask is None:
+        return 0
+    return 1 if mask.dtype == torch.bool else 2
+
+
+def _mask_meta(mask: torch.Tensor | None):
+    return None if mask is None else (tuple(mask.shape), mask.stride())
+
+
+def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The mask pointer for the kernel (bool read as uint8); any tensor when there is no mask."""
+    if mask is None:
+        return fallback
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(shape, strides, mask_meta, dim, max_block, loop_block):
+    """(grid, integer args, launch meta) for tensors of `shape` (strides: x or dy, then the outputs,
+    which are contiguous), or None when the layout needs a copy first. Cached per layout."""
+    out = layout.contiguous_strides(shape)
+    mask_strides = out if mask_meta is None else layout.expanded_strides(*mask_meta, shape)
+    got = layout.row_layout(shape, [strides, mask_strides, out], dim)
+    if got is None:
+        return None
+    n_rows, n_cols, (_, d1, d2), (s_in, s_mask, s_out) = got
+    rows, block, looped, warps = _config(n_cols, max_block, loop_block)
+    meta = {"ROWS": rows, "BLOCK": block, "LOOPED": looped, "num_warps": warps}
+    return (triton_cdiv(n_rows, rows),), (n_rows, n_cols, d1, d2, *s_in, *s_mask, *s_out), meta
+
+
+def _plan_for(x: torch.Tensor, mask: torch.Tensor | None, dim: int):
+    """The launch plan and the tensors to launch on (copies only for layouts with > 3 batch dims)."""
+    plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
+    if plan is None:
+        x = x.contiguous()
+        mask = None if mask is None else mask.expand(x.shape).contiguous()
+        plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
+    return plan, x, mask
+
+
+def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
+    """Launch the forward kernel: (y, saved) where saved holds p before dropout (empty without dropout)."""
+    from . import _softmax_triton
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    saved = torch.empty_like(y) if p > 0 else y.new_empty(0)
+    if x.numel() == 0:
+        return y, saved
+    _backend.check_launch(x)
+    (grid, ints, meta), x, mask = _plan_for(x, mask, dim)
+    n_rows, n_cols, d1, d2, *strides = ints
+    s_x, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
+    k0, k1, stream = seed
+    _softmax_triton.masked_softmax_fwd_kernel[grid](
+        x, _mask_arg(mask, x), y, saved if p > 0 else y,
+        n_rows, n_cols, d1, d2, *s_x, *s_mask, *s_out,
+        scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
+        MASK=_mask_kind(mask), ZERO_MASKED=zero_masked and mask is not None, DROPOUT=p > 0,
+        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(y), **meta,
+    )  # fmt: skip
+    return y, saved
+
+
+def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
+    """Launch the backward kernel: dx (gradient w.r.t. x times `scale`)."""
+    from . import _softmax_triton
+
+    dx = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+    if dx.numel() == 0:
+        return dx
+    _backend.check_launch(dy)
+    (grid, ints, meta), dy, mask = _plan_for(dy, mask, dim)
+    n_rows, n_cols, d1, d2, *strides = ints
+    s_dy, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
+    k0, k1, stream = seed
+    _softmax_triton.masked_softmax_bwd_kernel[grid](
+        saved, dy, _mask_arg(mask, dy), dx,
+        n_rows, n_cols, d1, d2, *s_out, *s_dy, *s_mask, *s_out,
+        scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
+        MASK=_mask_kind(mask), ZERO_MASKED=zero_masked and mask is not None, DROPOUT=p > 0,
+        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(dx), **meta,
+    )  # fmt: skip
+    return dx
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _backward(dy, saved, mask, need_dx, need_dmask, dim, scale, zero_masked, p, seed):
+    """(dx, dmask): dmask only for an additive mask that requires grad (summed over broadcast dims)."""
+    if not need_dmask:
+        return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed), None
+    ds = _backward_kernel(dy, saved, mask, dim, 1.0, zero_masked, p, seed)
+    dx = ds * scale if need_dx else None
+    return dx, ds.sum_to_size(mask.shape).to(mask.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd (eager) and custom ops (torch.compile)
+# ---------------------------------------------------------------------------------------------------
+
+
+class MaskedSoftmaxFunction(torch.autograd.Function):
+    """Eager-mode autograd around the kernels (lower call overhead than going through the custom op)."""
+
+    @staticmethod
+    def forward(ctx, x, mask, dim, scale, fill_value, zero_masked, p):
+        seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
+        y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed)
+        ctx.save_for_backward(saved if p > 0 else y, mask)
+        ctx.args = (dim, scale, zero_masked, p, seed)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, mask = ctx.saved_tensors
+        need_dmask = mask is not None and ctx.needs_input_grad[1]
+        dx, dmask = _backward(dy, saved, mask, ctx.needs_input_grad[0], need_dmask, *ctx.args)
+        return dx, dmask, None, None, None, None, None
+
+
+@torch.library.custom_op("opadvisor::masked_softmax_fwd", mutates_args=())
+def masked_softmax_fwd_op(
+    x: torch.Tensor,
+    mask: torch.Tensor | None,
+    dim: int,
+    scale: float,
+    fill_value: float,
+    zero_masked: bool,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, saved p or empty, seed as a CPU int64 tensor [3])."""
+    seed = _rng.draw_seed(x.device) if dropout_p > 0 else _NO_SEED
+    y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, dropout_p, seed)
+    return y, saved, torch.tensor(seed, dtype=torch.int64)
+
+
+@masked_softmax_fwd_op.register_fake
+def _(x, mask, dim, scale, fill_value, zero_masked, dropout_p):
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    saved = torch.empty_like(y) if dropout_p > 0 else y.new_empty(0)
+    return y, saved, torch.empty(3, dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("opadvisor::masked_softmax_bwd", mutates_args=())
+def masked_softmax_bwd_op(
+    dy: torch.Tensor,
+    saved: torch.Tensor,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor,
+    dim: int,
+    scale: float,
+    zero_masked: bool,
+    dropout_p: float,
+) -> torch.Tensor:
+    k0, k1, stream = (int(v) for v in seed.tolist())
+    return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, dropout_p, (k0, k1, stream))
+
+
+@masked_softmax_bwd_op.register_fake
+def _(dy, saved, mask, seed, dim, scale, zero_masked, dropout_p):
+    return torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
+
+
+def _setup_context(ctx, inputs, output):
+    x, mask, dim, scale, fill_value, zero_masked, p = inputs
+    y, saved, seed = output
+    ctx.save_for_backward(saved if p > 0 else y, mask, seed)
+    ctx.args = (dim, scale, zero_masked, p)
+
+
+def _op_backward(ctx, dy, _dsaved, _dseed):
+    saved, mask, seed = ctx.saved_tensors
+    dim, scale, zero_masked, p = ctx.args
+    need_dmask = mask is not None and ctx.needs_input_grad[1]
+    if need_dmask:
+        ds = masked_softmax_bwd_op(dy, saved, mask, seed, dim, 1.0, zero_masked, p)
+        dmask = ds.sum_to_size(mask.shape).to(mask.dtype)
+        return ds * scale, dmask, None, None, None, None, None
+    return (
+        masked_softmax_bwd_op(dy, saved, mask, seed, dim, scale, zero_masked, p),
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd(masked_softmax_fwd_op, _op_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------------
+
+
+def _broadcasts_to(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target), strict=False))
+
+
+def masked_softmax(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    dim: int = -1,
+    scale: float | None = None,
+    fill_value: float = float("-inf"),
+    zero_masked: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = True,
+) -> torch.Tensor:
+    """softmax(x * scale with `mask` applied, dim), masked positions zeroed if asked, then dropout.
+
+    Args:
+        x: scores (float32, float16, bfloat16 run the kernels; float64 runs the reference).
+        mask: None; bool (True = masked: the score becomes `fill_value`); or floating point (added to the
+            scores: HF's extended attention mask). Any shape that broadcasts to x ([B,1,1,S], [1,1,S,S]),
+            read in place without being expanded in memory. An additive mask that requires grad gets one.
+        dim: the softmax dimension.
+        scale: multiplies x before the mask (None: 1).
+        fill_value: the score of masked positions (-inf, -1e9, torch.finfo(dtype).min ...), applied in
+            float32, so it does not overflow in float16.
+        zero_masked: zero the probabilities of masked positions afterwards (DeBERTa's XSoftmax); bool mask.
+        dropout_p, training: dropout on the probabilities (when training and dropout_p > 0), random
+            stream following torch.manual_seed.
+
+    Returns a tensor of x's shape and dtype. Rows whose scores are all -inf (where
+    `x.masked_fill(mask, -inf).softmax(dim)` gives NaN) give zeros, and so do their gradients.
+    """
+    if mask is not None:
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(f"mask must be bool or floating point, got {mask.dtype}")
+        if not _broadcasts_to(mask.shape, x.shape):
+            raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to x's {tuple(x.shape)}")
+        if zero_masked and mask.dtype != torch.bool:
+            raise ValueError("zero_masked needs a bool mask")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    p = float(dropout_p) if training else 0.0
+    if masked_softmax_backend(x, mask) == _backend.REFERENCE:
+        return reference_masked_softmax(
+            x, mask, dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p
+        )
+    dim = dim % x.dim()
+    scale_f = 1.0 if scale is None else float(scale)
+    fill = float(fill_value)
+    if math.isnan(fill):
+        raise ValueError("fill_value must not be NaN")
+    if torch.compiler.is_compiling():
+        return masked_softmax_fwd_op(x, mask, dim, scale_f, fill, zero_masked, p)[0]
+    return MaskedSoftmaxFunction.apply(x, mask, dim, scale_f, fill, zero_masked, p)

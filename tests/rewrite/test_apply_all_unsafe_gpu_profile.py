@@ -1,0 +1,79 @@
+"""`opadvisor apply --rule all --unsafe` driven by a real GPU profile of the BERT-like example.
+
+A CPU profile cannot name the GPU-only findings (fused optimizer, data loader, host syncs), so this test
+takes the H200 profile kept in tests/data, points it at a copy of the example in a fresh project folder
+(same bytes, so the recorded sha256 still holds), applies every fix including the unsafe ones, and checks
+that the rewritten script still trains on the CPU with the losses of the original (dropout 0, same seed;
+every rewrite here computes the same function up to fp32 rounding on the CPU: the DataLoader settings
+change only how batches are loaded, fused AdamW matches the foreach path to ~1e-7, TF32 is not used on a CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "bert_train.py"
+FIXTURE = ROOT / "tests" / "data" / "bert_train.profile.json"
+SMALL = ["--hidden", "32", "--heads", "2", "--layers", "1", "--seq", "16", "--batch", "4", "--device", "cpu"]
+
+pytestmark = pytest.mark.slow
+
+
+def project_with_gpu_run(tmp_path: Path) -> Path:
+    script = tmp_path / "bert_train.py"
+    shutil.copy(EXAMPLE, script)
+    data = json.loads(FIXTURE.read_text())
+    rel = str(EXAMPLE.relative_to(ROOT))
+
+    def here(path):
+        return str(script) if path == rel else path
+
+    data["script"], data["cwd"] = str(script), str(tmp_path)
+    data["sources"] = {here(k): v for k, v in data["sources"].items()}
+    for key in ("ops", "annotations", "constructions"):
+        for item in data.get(key, []):
+            if item.get("file"):
+                item["file"] = here(item["file"])
+    run = tmp_path / ".opadvisor" / "runs" / "gpu"
+    run.mkdir(parents=True)
+    (run / "profile.json").write_text(json.dumps(data))
+    (tmp_path / ".opadvisor" / "latest").write_text("gpu\n")
+    return script
+
+
+def losses(cwd: Path, script: Path) -> list[float]:
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "3", "--dropout", "0", *SMALL],
+        cwd=cwd, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = [float(v) for v in re.findall(r"loss ([-\d.eE+]+)", done.stdout)]
+    assert len(values) == 3, done.stdout
+    return values
+
+
+def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> None:
+    script = project_with_gpu_run(tmp_path)
+    original = tmp_path / "original.py"
+    shutil.copy(script, original)
+    done = subprocess.run(
+        [sys.executable, "-m", "opadvisor", "apply", "--rule", "all", "--unsafe"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rewritten = script.read_text()
+    assert "fused=True" in rewritten  # fused_optimizer
+    assert "pin_memory=True" in rewritten and "non_blocking=True" in rewritten  # dataloader_stall
+    assert "PaddedLinear(" in rewritten  # gemm_align on the 30522-wide head
+    assert "scaled_dot_product_attention" in rewritten or "masked_softmax(" in rewritten
+    assert "bias_dropout_add(" in rewritten
+    before, after = losses(tmp_path, original), losses(tmp_path, script)
+    assert after == pytest.approx(before, rel=1e-4, abs=1e-5)

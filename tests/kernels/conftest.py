@@ -7,16 +7,15 @@ here, at collection, before anything imports triton (`opadvisor.kernels` itself 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
+# The variable stays set for the rest of the session: later tests that run the kernels on CPU tensors
+# (rewritten examples, say) go through the interpreter too, which is slower but the same function. If
+# something imported triton before this file, the kernel tests fail with opadvisor.kernels' own message
+# saying so, rather than this file stopping the whole session.
 if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1"
-        )
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

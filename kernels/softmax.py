@@ -37,8 +37,8 @@ SMALL_NUMEL = 1 << 22
 _NO_SEED = (0, 0, 0)
 
 
-def masked_softmax_backend(x: torch.Tensor, mask: torch.Tensor | None = None) -> str:
-    """Which implementation `masked_softmax(x, mask, ...)` runs: "triton", "interpreter" or "reference"."""
+def masked_softmax_backend(x: torch.Tensor) -> str:
+    """Which implementation `masked_softmax(x, ...)` runs: "triton", "interpreter" or "reference"."""
     be = _backend.backend(x)
     if be == _backend.REFERENCE:
         return be
@@ -212,13 +212,13 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _backward(dy, saved, mask, need_dx, need_dmask, dim, scale, zero_masked, p, seed):
-    """(dx, dmask): dmask only for an additive mask that requires grad (summed over broadcast dims)."""
+def _grads(mask, need_dx, need_dmask, scale, run_kernel):
+    """(dx, dmask); `run_kernel(scale)` runs the backward kernel. dmask only for an additive mask that
+    requires grad: the kernel then runs unscaled (ds), dx = ds * scale, dmask = ds summed to the mask."""
     if not need_dmask:
-        return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed), None
-    ds = _backward_kernel(dy, saved, mask, dim, 1.0, zero_masked, p, seed)
-    dx = ds * scale if need_dx else None
-    return dx, ds.sum_to_size(mask.shape).to(mask.dtype)
+        return run_kernel(scale), None
+    ds = run_kernel(1.0)
+    return (ds * scale if need_dx else None), ds.sum_to_size(mask.shape).to(mask.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -240,8 +240,12 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         saved, mask = ctx.saved_tensors
+        dim, _, zero_masked, p, seed = ctx.args
         need_dmask = mask is not None and ctx.needs_input_grad[1]
-        dx, dmask = _backward(dy, saved, mask, ctx.needs_input_grad[0], need_dmask, *ctx.args)
+        dx, dmask = _grads(
+            mask, ctx.needs_input_grad[0], need_dmask, ctx.args[1],
+            lambda scale: _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed),
+        )  # fmt: skip
         return dx, dmask, None, None, None, None, None
 
 
@@ -299,19 +303,11 @@ def _op_backward(ctx, dy, _dsaved, _dseed):
     saved, mask, seed = ctx.saved_tensors
     dim, scale, zero_masked, p = ctx.args
     need_dmask = mask is not None and ctx.needs_input_grad[1]
-    if need_dmask:
-        ds = masked_softmax_bwd_op(dy, saved, mask, seed, dim, 1.0, zero_masked, p)
-        dmask = ds.sum_to_size(mask.shape).to(mask.dtype)
-        return ds * scale, dmask, None, None, None, None, None
-    return (
-        masked_softmax_bwd_op(dy, saved, mask, seed, dim, scale, zero_masked, p),
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    dx, dmask = _grads(
+        mask, ctx.needs_input_grad[0], need_dmask, scale,
+        lambda s: masked_softmax_bwd_op(dy, saved, mask, seed, dim, s, zero_masked, p),
+    )  # fmt: skip
+    return dx, dmask, None, None, None, None, None
 
 
 torch.library.register_autograd(masked_softmax_fwd_op, _op_backward, setup_context=_setup_context)
@@ -367,7 +363,7 @@ def masked_softmax(
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     p = float(dropout_p) if training else 0.0
-    if masked_softmax_backend(x, mask) == _backend.REFERENCE:
+    if masked_softmax_backend(x) == _backend.REFERENCE:
         return reference_masked_softmax(
             x, mask, dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p
         )

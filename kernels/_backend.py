@@ -52,6 +52,19 @@ def backend(device: torch.device | str | torch.Tensor) -> str:
     return TRITON if kind == "cuda" else REFERENCE
 
 
+def for_tensor(x: torch.Tensor, small_numel: int) -> str:
+    """`backend(x)` narrowed per tensor: "reference" for dtypes and shapes the kernels do not cover
+    (float64, 0-d, empty) and, on the GPU, for tensors under `small_numel` elements (launch-bound work)."""
+    be = backend(x)
+    if be == REFERENCE:
+        return be
+    if x.dtype not in KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
+        return REFERENCE
+    if be == TRITON and x.numel() < small_numel:
+        return REFERENCE
+    return be
+
+
 def emulate_rne(t: torch.Tensor) -> bool:
     """Whether kernels writing `t` must round to bfloat16 themselves (the interpreter truncates)."""
     return t.dtype == torch.bfloat16 and interpret_requested()

@@ -34,14 +34,7 @@ _NO_SEED = (0, 0, 0)
 
 def bias_dropout_add_backend(x: torch.Tensor) -> str:
     """Which implementation `bias_dropout_add(x, ...)` runs: "triton", "interpreter" or "reference"."""
-    be = _backend.backend(x)
-    if be == _backend.REFERENCE:
-        return be
-    if x.dtype not in _backend.KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
-        return _backend.REFERENCE
-    if be == _backend.TRITON and x.numel() < SMALL_NUMEL:
-        return _backend.REFERENCE
-    return be
+    return _backend.for_tensor(x, SMALL_NUMEL)
 
 
 def reference_bias_dropout_add(

@@ -21,26 +21,38 @@ def register(app: typer.Typer) -> None:
 @user_errors
 def profile(
     ctx: typer.Context,
-    script: Annotated[Path, typer.Argument(help="The training script to run (its own arguments go after --).")],
+    script: Annotated[
+        Path, typer.Argument(help="The training script to run (its own arguments go after --).")
+    ],
     steps: Annotated[int, typer.Option(help="Training steps to record.", min=1)] = 5,
-    warmup: Annotated[int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)] = 3,
+    warmup: Annotated[
+        int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)
+    ] = 3,
     out: Annotated[
         Path | None,
         typer.Option(help="Write the run to this folder (new or empty) instead of .opadvisor/runs/<id>."),
     ] = None,
-    run_to_end: Annotated[bool, typer.Option("--run-to-end", help="Let the script finish instead of stopping it after the window.")] = False,
+    run_to_end: Annotated[
+        bool,
+        typer.Option("--run-to-end", help="Let the script finish instead of stopping it after the window."),
+    ] = False,
     window_after: Annotated[
-        float, typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0)
+        float,
+        typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0),
     ] = 5.0,
     window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
     # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, _dist_cli.py)
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
     ] = None,
-    nnodes: Annotated[int, typer.Option(help="Nodes of a multi-node run (start opadvisor on each).", min=1)] = 1,
+    nnodes: Annotated[
+        int, typer.Option(help="Nodes of a multi-node run (start opadvisor on each).", min=1)
+    ] = 1,
     node_rank: Annotated[int, typer.Option(help="This node's index, 0 to --nnodes - 1.", min=0)] = 0,
     master_addr: Annotated[str | None, typer.Option(help="Multi-node: address of node 0.")] = None,
-    master_port: Annotated[int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")] = None,
+    master_port: Annotated[
+        int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")
+    ] = None,
 ) -> None:
     """Run SCRIPT under torch.profiler for a few steps, write the run, and stop the script.
 
@@ -56,13 +68,19 @@ def profile(
         from opadvisor.profile.distributed import LaunchSpec
 
         spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
-        profile_ranks(script, list(ctx.args), spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out)
+        profile_ranks(
+            script, list(ctx.args), spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out
+        )
         return
     from opadvisor.profile.runner import run_script
     from opadvisor.profile.session import SessionConfig
 
     config = SessionConfig(
-        warmup=warmup, steps=steps, run_to_end=run_to_end, window_after_seconds=window_after, window_seconds=window
+        warmup=warmup,
+        steps=steps,
+        run_to_end=run_to_end,
+        window_after_seconds=window_after,
+        window_seconds=window,
     )
     with _Progress(steps) as progress:
         outcome = run_script(script, list(ctx.args), config, out=out, on_progress=progress.update)

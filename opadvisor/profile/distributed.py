@@ -558,7 +558,9 @@ def _short_words(r: RankReport) -> str:
     if r.status == "script_exit":
         return f"called sys.exit({r.exit_code})"
     if r.status == "terminated":
-        return "was stopped by the launcher" + (" (it was blocked in C)" if "blocked" in (r.error or "") else "")
+        return "was stopped by the launcher" + (
+            " (it was blocked in C)" if "blocked" in (r.error or "") else ""
+        )
     if r.status == "running":
         return f"died ({'killed by ' + r.launcher_signal if r.launcher_signal else 'no report'})"
     if r.status == "missing":

@@ -111,7 +111,9 @@ class Session:
 
         # Our global forward hooks are ours, not the user's: torch's warning about them under
         # torch.compile(module) would only confuse (they do nothing while compiling).
-        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        warnings.filterwarnings(
+            "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
+        )
         h1 = register_optimizer_step_post_hook(self._optimizer_hook)
         h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
         h3 = module_mod.register_module_forward_hook(self._forward_post_hook, always_call=True)

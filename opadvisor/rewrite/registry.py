@@ -25,6 +25,8 @@ def has_codemod(rule_id: str) -> bool:
 
 def get_codemod(rule_id: str) -> type[RuleCodemod]:
     if rule_id not in CODEMODS:
-        raise UserError(f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do")
+        raise UserError(
+            f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do"
+        )
     module_name, _, cls_name = CODEMODS[rule_id].partition(":")
     return getattr(importlib.import_module(module_name), cls_name)

@@ -266,7 +266,9 @@ def _per_step(profile: Profile, basis: Basis) -> list[_StepComm]:
     for i in range(nsteps):
         s = profile.steps[i]
         comm_u = _union(comm.get(i, ()))
-        compute_u = _subtract(_union(compute.get(i, ())), comm_u) if basis == "cpu" else _union(compute.get(i, ()))
+        compute_u = (
+            _subtract(_union(compute.get(i, ())), comm_u) if basis == "cpu" else _union(compute.get(i, ()))
+        )
         exposed = _length(_subtract(comm_u, compute_u))
         step_ms = s.gpu_span_ms if basis == "gpu" and s.gpu_span_ms else s.wall_ms
         if basis == "gpu":
@@ -343,7 +345,9 @@ def analyse(profiles: Sequence[Profile]) -> CrossRankReport:
         steps = [[per_rank[p.rank][i] for p in profiles] for i in range(n)]
         report.comm_ms = _median([min(s.comm_us for s in step) / 1000.0 for step in steps])
         report.exposed_comm_ms = _median([min(s.exposed_us for s in step) / 1000.0 for step in steps])
-        report.wait_ms = _median([(max(s.exposed_us for s in st) - min(s.exposed_us for s in st)) / 1000.0 for st in steps])
+        report.wait_ms = _median(
+            [(max(s.exposed_us for s in st) - min(s.exposed_us for s in st)) / 1000.0 for st in steps]
+        )
         if report.comm_ms > 0:
             report.overlap = max(0.0, 1.0 - report.exposed_comm_ms / report.comm_ms)
     report.notes += _notes(profiles, per_rank, report)
@@ -361,7 +365,9 @@ def _basis_words(basis: Basis) -> str:
     return "no collectives were recorded"
 
 
-def _notes(profiles: Sequence[Profile], per_rank: dict[int, list[_StepComm]], report: CrossRankReport) -> list[str]:
+def _notes(
+    profiles: Sequence[Profile], per_rank: dict[int, list[_StepComm]], report: CrossRankReport
+) -> list[str]:
     notes = []
     if report.missing_ranks:
         notes.append(
@@ -370,10 +376,14 @@ def _notes(profiles: Sequence[Profile], per_rank: dict[int, list[_StepComm]], re
         )
     incomplete = [p.rank for p in profiles if not p.complete]
     if incomplete:
-        notes.append(f"rank(s) {_list(incomplete)} did not record the whole window (the run ended or failed early)")
+        notes.append(
+            f"rank(s) {_list(incomplete)} did not record the whole window (the run ended or failed early)"
+        )
     counts = {len(v) for v in per_rank.values()}
     if len(counts) > 1:
-        notes.append(f"ranks recorded different numbers of steps ({_list(sorted(counts))}); compared the first {min(counts)}")
+        notes.append(
+            f"ranks recorded different numbers of steps ({_list(sorted(counts))}); compared the first {min(counts)}"
+        )
     if report.basis == "cpu":
         notes.append("communication times include waiting for the slowest rank to join each collective")
     if report.basis == "none" and any(_c10d_collective(o.name) for p in profiles for o in p.ops):
@@ -410,7 +420,9 @@ def _straggler(
         slowest_steps=count,
         steps=n,
         others_wait_ms=max(others_wait, 0.0),
-        differing=_differing(by_rank[candidate], [by_rank[r] for r in ranks if r != candidate], per_rank, n, basis),
+        differing=_differing(
+            by_rank[candidate], [by_rank[r] for r in ranks if r != candidate], per_rank, n, basis
+        ),
     )
 
 
@@ -436,11 +448,18 @@ def _time_by_name(profile: Profile, basis: Basis) -> dict[str, float]:
 
 
 def _untracked_name(basis: Basis) -> str:
-    return "GPU idle (no kernel running)" if basis == "gpu" else "time in no torch op (Python code, sleeps, I/O)"
+    return (
+        "GPU idle (no kernel running)" if basis == "gpu" else "time in no torch op (Python code, sleeps, I/O)"
+    )
 
 
 def _differing(
-    slow: Profile, others: list[Profile], per_rank: dict[int, list[_StepComm]], n: int, basis: Basis, top: int = 3
+    slow: Profile,
+    others: list[Profile],
+    per_rank: dict[int, list[_StepComm]],
+    n: int,
+    basis: Basis,
+    top: int = 3,
 ) -> list[tuple[str, float]]:
     """What takes longer on the slow rank than (the median of) the others: ops, ranges, untracked time."""
 

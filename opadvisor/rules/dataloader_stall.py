@@ -77,10 +77,16 @@ def _non_blocking(profile: Profile, op: Op) -> bool | None:
 
 def _sync_intervals(profile: Profile, op_ids: set[int]) -> list[tuple[float, float]]:
     """Host waits (SyncEvents) caused by the given copy ops: the host blocked on a pageable copy."""
-    return [(s.start_us, s.start_us + s.duration_us) for s in profile.syncs if s.op in op_ids and s.step is not None]
+    return [
+        (s.start_us, s.start_us + s.duration_us)
+        for s in profile.syncs
+        if s.op in op_ids and s.step is not None
+    ]
 
 
-def _pick_loader(profile: Profile, annotations: list[Annotation]) -> tuple[Construction | None, list[Construction]]:
+def _pick_loader(
+    profile: Profile, annotations: list[Annotation]
+) -> tuple[Construction | None, list[Construction]]:
     loaders = [c for c in profile.constructions if c.kind == "dataloader" and c.file and c.line]
     if not loaders:
         return None, []
@@ -110,8 +116,15 @@ def _copy_sites(ix: ProfileIndex, copies: list[Memcpy]) -> list[dict]:
         key = (where.file, where.line)
         site = sites.setdefault(
             key,
-            {"path": where.file, "line": where.line, "end_line": where.line, "copies": 0, "pageable": False,
-             "non_blocking": None, "ms_per_step": 0.0},
+            {
+                "path": where.file,
+                "line": where.line,
+                "end_line": where.line,
+                "copies": 0,
+                "pageable": False,
+                "non_blocking": None,
+                "ms_per_step": 0.0,
+            },
         )
         site["copies"] += 1
         site["pageable"] = site["pageable"] or "Pageable" in m.name
@@ -137,7 +150,9 @@ def _suggested_workers(profile: Profile) -> int:
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable("needs a CUDA profile: GPU idle time while loading data cannot be measured on the CPU")
+        raise NotApplicable(
+            "needs a CUDA profile: GPU idle time while loading data cannot be measured on the CPU"
+        )
     ix = index_of(profile)
     annotations = _loader_annotations(profile)
     h2d = [m for m in profile.memcpys if "HtoD" in m.name and m.step is not None]
@@ -145,7 +160,9 @@ def detect(profile: Profile) -> list[Finding]:
 
     loader_iv = [(a.start_us, a.start_us + a.duration_us) for a in annotations]
     pageable_ops = {m.op for m in pageable if m.op is not None}
-    copy_iv = [(m.start_us, m.start_us + m.duration_us) for m in pageable] + _sync_intervals(profile, pageable_ops)
+    copy_iv = [(m.start_us, m.start_us + m.duration_us) for m in pageable] + _sync_intervals(
+        profile, pageable_ops
+    )
     idle_loader_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv))
     idle_copy_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, copy_iv))
     idle_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv + copy_iv))
@@ -160,8 +177,11 @@ def detect(profile: Profile) -> list[Finding]:
     workers = attrs.get("num_workers")
     pinned = attrs.get("pin_memory")
     iterator = (
-        "multi-process" if any("MultiProcessing" in a.name for a in annotations)
-        else "single-process" if annotations else None
+        "multi-process"
+        if any("MultiProcessing" in a.name for a in annotations)
+        else "single-process"
+        if annotations
+        else None
     )
 
     causes: list[str] = []
@@ -169,7 +189,9 @@ def detect(profile: Profile) -> list[Finding]:
     if annotations:
         causes.append(f"waits in the DataLoader ({fmt_ms(wait_ms)}/step on the host, {iterator})")
     if pageable:
-        causes.append(f"makes {len(pageable) / ix.steps_recorded:.0f} pageable host-to-device copies per step")
+        causes.append(
+            f"makes {len(pageable) / ix.steps_recorded:.0f} pageable host-to-device copies per step"
+        )
     if construction is not None:
         if not workers:
             changes.append(f"num_workers={_suggested_workers(profile)}")
@@ -220,7 +242,9 @@ def detect(profile: Profile) -> list[Finding]:
         notes.append(f"dataset {attrs['dataset']} (workers must be able to pickle it under spawn)")
 
     message = (
-        "GPU idle " + fmt_ms(idle_ms) + f"/step ({fmt_share(share)} of the step) while the step "
+        "GPU idle "
+        + fmt_ms(idle_ms)
+        + f"/step ({fmt_share(share)} of the step) while the step "
         + " and ".join(causes)
     )
     details = {

@@ -11,7 +11,9 @@ FixSafety = Literal["safe", "unsafe", "none"]
 
 @dataclass
 class Evidence:
-    ops: list[str] = field(default_factory=list)  # op names in the order they ran, e.g. ["aten::masked_fill", ...]
+    ops: list[str] = field(
+        default_factory=list
+    )  # op names in the order they ran, e.g. ["aten::masked_fill", ...]
     kernel_count: int | None = None  # GPU kernels per step for the pattern (None on a CPU profile)
     shapes: list[list[int]] = field(default_factory=list)
     dtypes: list[str] = field(default_factory=list)

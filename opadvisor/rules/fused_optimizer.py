@@ -60,7 +60,9 @@ def _step_ranges(profile: Profile, cls_name: str) -> list[tuple[float, float, in
     """(start, end, thread) of this optimizer class's `step()` ranges inside the recorded steps."""
     want = f"{STEP_PREFIX}{cls_name}.step"
     return [
-        (a, b, t) for a, b, t, ann in annotation_intervals(profile, STEP_PREFIX) if ann.name == want and ann.step is not None
+        (a, b, t)
+        for a, b, t, ann in annotation_intervals(profile, STEP_PREFIX)
+        if ann.name == want and ann.step is not None
     ]
 
 

@@ -53,21 +53,39 @@ GAP_SLACK_US = 20.0
 DATALOADER_PREFIX = "enumerate(DataLoader)#"
 
 _KINDS: tuple[tuple[frozenset[str], str, str], ...] = (
-    (frozenset({"aten::is_nonzero"}), "`if tensor:` / bool(tensor)", "compare on the device (torch.where) or check every N steps"),
+    (
+        frozenset({"aten::is_nonzero"}),
+        "`if tensor:` / bool(tensor)",
+        "compare on the device (torch.where) or check every N steps",
+    ),
     (
         frozenset({"aten::item", "aten::_local_scalar_dense"}),
         ".item()",
         "keep the value on the device (e.g. accumulate loss.detach()) and read it every N steps",
     ),
     (
-        frozenset({"aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::unique",
-                   "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim", "aten::index",
-                   "aten::repeat_interleave", "aten::bincount", "aten::histc"}),
+        frozenset(
+            {
+                "aten::nonzero",
+                "aten::nonzero_static",
+                "aten::masked_select",
+                "aten::unique",
+                "aten::_unique2",
+                "aten::unique_consecutive",
+                "aten::unique_dim",
+                "aten::index",
+                "aten::repeat_interleave",
+                "aten::bincount",
+                "aten::histc",
+            }
+        ),
         "an op whose output size depends on the data (nonzero / boolean-mask indexing / unique)",
         "use fixed-size ops (torch.where, masking by multiplication, nonzero_static) so the host need not wait",
     ),
     (
-        frozenset({"aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::numpy_T", "aten::tolist"}),
+        frozenset(
+            {"aten::to", "aten::_to_copy", "aten::copy_", "aten::cpu", "aten::numpy_T", "aten::tolist"}
+        ),
         ".cpu() / .to('cpu') / .tolist()",
         "copy with .to('cpu', non_blocking=True) into pinned memory and read it later, or every N steps",
     ),
@@ -120,7 +138,9 @@ def annotation_intervals(profile: Profile, prefix: str) -> list[tuple[float, flo
     last_in_step: dict[int, Annotation] = {}
     if prefix.startswith("Optimizer.step"):
         for a in anns:
-            if a.step is not None and (a.step not in last_in_step or a.start_us > last_in_step[a.step].start_us):
+            if a.step is not None and (
+                a.step not in last_in_step or a.start_us > last_in_step[a.step].start_us
+            ):
                 last_in_step[a.step] = a
     for a in anns:
         end = a.start_us + a.duration_us
@@ -185,7 +205,9 @@ def _cpu_note(profile: Profile) -> str:
     base = "needs a CUDA profile: on the CPU there is no device to wait for, so a sync costs nothing here"
     if lines:
         shown = ", ".join(lines[:5]) + (", ..." if len(lines) > 5 else "")
-        return f"{base}; .item()-style reads at {shown} will synchronise on a GPU: profile there to measure them"
+        return (
+            f"{base}; .item()-style reads at {shown} will synchronise on a GPU: profile there to measure them"
+        )
     return base
 
 
@@ -239,7 +261,11 @@ def detect(profile: Profile) -> list[Finding]:
         share = ix.share_of_step(idle_ms)
         src = load_profiled_source(profile, path)
         first, last = src.statement_span(line) if src is not None else (line, line)
-        count = f"{per_step:.0f}x" if per_step >= 1 and abs(per_step - round(per_step)) < 0.05 else f"{per_step:.2g}x"
+        count = (
+            f"{per_step:.0f}x"
+            if per_step >= 1 and abs(per_step - round(per_step)) < 0.05
+            else f"{per_step:.2g}x"
+        )
         message = (
             f"{words} waits for the GPU {count} per step; the GPU then idles "
             f"{fmt_ms(idle_ms)}/step ({fmt_share(share)} of the step)"

@@ -317,7 +317,9 @@ def detect(profile: Profile) -> list[Finding]:
                     "normalized_shape": normalized_shape,
                     "reduce_dims": [d - n for d in first.reduced],
                     "variance": ("std" if first.std else "var") + ("_unbiased" if first.unbiased else ""),
-                    "eps": "none" if "eps" not in first.roles else ("outside_sqrt" if first.eps_outside else "inside_sqrt"),
+                    "eps": "none"
+                    if "eps" not in first.roles
+                    else ("outside_sqrt" if first.eps_outside else "inside_sqrt"),
                     "rsqrt": first.rsqrt,
                     "weight": "weight" in first.roles,
                     "bias": "bias" in first.roles,

@@ -64,6 +64,9 @@ def record(script: Path, out_dir: Path, args: list[str], keep_trace: bool = Fals
         print(f"FAILED {script}: {proc.stderr[-2000:]}")
         return
     data = relocate(json.loads((run / "profile.json").read_text()))
+    if not any(op.get("kernels") for op in data["ops"]):
+        print(f"skipped {script.relative_to(ROOT)}: it ran no GPU kernels (CPU tensors), nothing to keep")
+        return
     (out_dir / f"{script.stem}.profile.json").write_text(json.dumps(data, separators=(",", ":")))
     if keep_trace:
         shutil.copy(run / "trace.json.gz", out_dir / f"{script.stem}.trace.json.gz")

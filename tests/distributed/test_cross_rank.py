@@ -10,7 +10,9 @@ from opadvisor.profile.model import Annotation, Environment, Kernel, Op, Profile
 from opadvisor.rules import cross_rank
 
 
-def gpu_profile(rank: int, steps: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]) -> Profile:
+def gpu_profile(
+    rank: int, steps: list[tuple[list[tuple[float, float]], list[tuple[float, float]]]]
+) -> Profile:
     """Steps of 10 ms: (compute kernels, NCCL kernels) as (start_ms, end_ms) within the step."""
     prof = Profile(rank=rank, world_size=2, environment=Environment(device="cuda", gpu_name="Test GPU"))
     for i, (compute, comm) in enumerate(steps):
@@ -20,7 +22,10 @@ def gpu_profile(rank: int, steps: list[tuple[list[tuple[float, float]], list[tup
         mm.kernels = [Kernel("sm90_gemm", base + a * 1000, (b - a) * 1000) for a, b in compute]
         prof.ops.append(mm)
         ar = Op(len(prof.ops), "c10d::allreduce_", i, base + 50, 20.0, is_backward=True)
-        ar.kernels = [Kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", base + a * 1000, (b - a) * 1000) for a, b in comm]
+        ar.kernels = [
+            Kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", base + a * 1000, (b - a) * 1000)
+            for a, b in comm
+        ]
         prof.ops.append(ar)
     return prof
 
@@ -49,8 +54,12 @@ def test_gpu_overlap_exposed_and_straggler() -> None:
 
 
 def test_no_straggler_when_the_slowest_rank_changes() -> None:
-    a = gpu_profile(0, [([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)])])
-    b = gpu_profile(1, [([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)])])
+    a = gpu_profile(
+        0, [([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)])]
+    )
+    b = gpu_profile(
+        1, [([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)]), ([(0, 5)], [(4, 10)]), ([(0, 8)], [(7, 10)])]
+    )
     report = cross_rank.analyse([a, b])
     assert report.straggler is None
     assert not [x for x in report.advice if x.id == "straggler"]
@@ -92,7 +101,9 @@ def cpu_profile(rank: int, *, sleep_ms: float) -> Profile:
         prof.steps.append(Step(i, base, base + 10_000.0, 10.0))
         start = base + sleep_ms * 1000
         prof.ops.append(Op(len(prof.ops), "aten::addmm", i, start, 4_000.0, thread=1, file="/t.py", line=3))
-        prof.ops.append(Op(len(prof.ops), "c10d::allreduce_", i, start + 4_000, 10.0, thread=1, is_backward=True))
+        prof.ops.append(
+            Op(len(prof.ops), "c10d::allreduce_", i, start + 4_000, 10.0, thread=1, is_backward=True)
+        )
         wait = 3_000.0 - sleep_ms * 1000
         prof.annotations.append(Annotation("gloo:all_reduce", start + 4_000, wait + 2_000, step=i, thread=2))
         loop = Op(len(prof.ops), "c10d::allreduce_", i, base + 9_500, 5.0, thread=1, file="/t.py", line=9)
@@ -109,7 +120,9 @@ def test_cpu_basis_from_gloo_ranges_and_c10d_ops() -> None:
     assert abs(r1.comm_ms - 2.005) < 1e-9
     assert r0.calls_per_step == {"all_reduce": 1.0}  # counted from gloo's ranges: one per step
     s = report.straggler
-    assert s is not None and s.rank == 1 and abs(s.extra_ms - 3.0) < 1e-9 and abs(s.others_wait_ms - 3.0) < 1e-9
+    assert (
+        s is not None and s.rank == 1 and abs(s.extra_ms - 3.0) < 1e-9 and abs(s.others_wait_ms - 3.0) < 1e-9
+    )
     # the sleep is in no op: that is what the report points at
     assert s.differing[0][0].startswith("time in no torch op") and abs(s.differing[0][1] - 3.0) < 1e-9
     loop = [a for a in report.advice if a.id == "loop_collective"]
@@ -140,7 +153,9 @@ def test_single_rank_and_no_communication() -> None:
 
 
 def test_render_and_json() -> None:
-    report = cross_rank.analyse([gpu_profile(0, [([(0, 5)], [(4, 10)])] * 3), gpu_profile(1, [([(0, 8)], [(7, 10)])] * 3)])
+    report = cross_rank.analyse(
+        [gpu_profile(0, [([(0, 5)], [(4, 10)])] * 3), gpu_profile(1, [([(0, 8)], [(7, 10)])] * 3)]
+    )
     console = Console(width=200, record=True)
     console.print(cross_rank.render(report))
     text = console.export_text()

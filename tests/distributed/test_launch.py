@@ -217,7 +217,10 @@ def test_two_nodes_on_one_machine_share_an_out_folder(tmp_path: Path) -> None:
          "--warmup", "1", str(CRASH), "--", "--crash-rank", "-1"]
         for node in (0, 1)
     ]  # fmt: skip
-    procs = [subprocess.Popen(c, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    procs = [
+        subprocess.Popen(c, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in cmds
+    ]
     try:
         results = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
     finally:
@@ -254,7 +257,10 @@ def test_nccl_on_two_gpus(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     _, profiles = load_run(None, tmp_path)
-    assert [(p.rank, p.world_size, p.has_gpu, len(p.steps)) for p in profiles] == [(0, 2, True, 5), (1, 2, True, 5)]
+    assert [(p.rank, p.world_size, p.has_gpu, len(p.steps)) for p in profiles] == [
+        (0, 2, True, 5),
+        (1, 2, True, 5),
+    ]
     report = cross_rank.analyse(profiles)
     assert report.basis == "gpu", report.notes  # NCCL kernels reached the profiles
     for r in report.ranks:

@@ -67,6 +67,29 @@ def test_bad_profile_json_is_a_one_line_error(tmp_path) -> None:
     path.write_text('{"schema": 99}')
     with pytest.raises(ProfileFormatError, match="schema version 99"):
         load_profile(path)
-    path.write_text('{"schema": 1, "ops": [{"id": 0, "name": "x", "step": 0, "start_us": 0, "duration_us": 1, "kernels": [{"name": 5, "start_us": 0, "duration_us": 1}]}], "kernel_names": []}')
+    path.write_text(
+        '{"schema": 1, "ops": [{"id": 0, "name": "x", "step": 0, "start_us": 0, "duration_us": 1, "kernels": [{"name": 5, "start_us": 0, "duration_us": 1}]}], "kernel_names": []}'
+    )
     with pytest.raises(ProfileFormatError, match="malformed"):
         load_profile(path)
+
+
+def test_every_gpu_fixture_matches_the_sources_it_was_recorded_from() -> None:
+    """A fixture recorded from another version of its script would test lines that no longer exist."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    fixtures = sorted((root / "tests" / "data").glob("*.profile.json"))
+    assert fixtures
+    for fixture in fixtures:
+        data = json.loads(fixture.read_text())
+        assert any(op.get("kernels") for op in data["ops"]), f"{fixture.name} holds no GPU kernels"
+        for rel, digest in data["sources"].items():
+            path = root / rel
+            assert path.is_file(), f"{fixture.name}: {rel} is gone"
+            assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, (
+                f"{fixture.name} was recorded from another version of {rel}: re-record it with "
+                "tests/data/record_gpu_fixtures.py on a GPU"
+            )

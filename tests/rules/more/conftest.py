@@ -68,7 +68,9 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory, rules_profile) -> Call
                         os.environ["CUDA_VISIBLE_DEVICES"] = saved
             cache[name] = load_profile(run / "profile.json")
         if cache[name].has_gpu:
-            pytest.skip(f"{name} was profiled on CUDA on this machine; its GPU profile is tested from tests/data")
+            pytest.skip(
+                f"{name} was profiled on CUDA on this machine; its GPU profile is tested from tests/data"
+            )
         return cache[name]
 
     return get

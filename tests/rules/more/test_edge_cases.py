@@ -23,7 +23,9 @@ USER = "/nonexistent/train.py"  # not on disk: the rules fall back to the profil
 
 
 def gpu_env(capability=(9, 0)) -> Environment:
-    return Environment(device="cuda", gpu_name="NVIDIA H200", sm_count=132, capability=list(capability), cpu_count=16)
+    return Environment(
+        device="cuda", gpu_name="NVIDIA H200", sm_count=132, capability=list(capability), cpu_count=16
+    )
 
 
 def make_profile(ops=(), *, gpu=True, steps=((0.0, 1000.0, ()),), **kw) -> Profile:
@@ -39,13 +41,27 @@ def make_profile(ops=(), *, gpu=True, steps=((0.0, 1000.0, ()),), **kw) -> Profi
     return prof
 
 
-def op(name, start, *, shapes=(), dtypes=None, scalars=None, line=10, parent=None, kernels=(), step=0, **kw) -> Op:
+def op(
+    name, start, *, shapes=(), dtypes=None, scalars=None, line=10, parent=None, kernels=(), step=0, **kw
+) -> Op:
     shapes = [list(s) if s is not None else None for s in shapes]
     o = Op(
-        id=-1, name=name, step=step, start_us=start, duration_us=1.0, input_shapes=shapes,
-        input_dtypes=list(dtypes) if dtypes is not None else ["float32" if s is not None else None for s in shapes],
+        id=-1,
+        name=name,
+        step=step,
+        start_us=start,
+        duration_us=1.0,
+        input_shapes=shapes,
+        input_dtypes=list(dtypes)
+        if dtypes is not None
+        else ["float32" if s is not None else None for s in shapes],
         scalars=list(scalars) if scalars is not None else [None] * len(shapes),
-        file=USER, line=line, function="forward", parent=parent, depth=0 if parent is None else 1, **kw,
+        file=USER,
+        line=line,
+        function="forward",
+        parent=parent,
+        depth=0 if parent is None else 1,
+        **kw,
     )
     o.kernels = [Kernel(k, start + 5, dur) for k, dur in kernels]
     o.gpu_time_us = sum(d for _, d in kernels)
@@ -76,7 +92,9 @@ def _sync_profile(extra_memcpy: bool = False, in_loader: bool = False) -> Profil
     if extra_memcpy:
         prof.memcpys = [Memcpy("Memcpy HtoD (Pageable -> Device)", 103, 5.0, step=0, op=1)]
     if in_loader:
-        prof.annotations = [Annotation("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 90, 100, step=0)]
+        prof.annotations = [
+            Annotation("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 90, 100, step=0)
+        ]
     return prof
 
 
@@ -108,18 +126,44 @@ def test_an_idle_gap_is_charged_to_one_sync_only() -> None:
 def _loader_profile(idle_us: float, construction: bool = True) -> Profile:
     ops = [
         op("aten::to", 600, shapes=[[8, 512], None, None, None, None], line=30),
-        op("aten::copy_", 601, shapes=[[8, 512], [8, 512], None], scalars=[None, None, False], line=30, parent=0),
+        op(
+            "aten::copy_",
+            601,
+            shapes=[[8, 512], [8, 512], None],
+            scalars=[None, None, False],
+            line=30,
+            parent=0,
+        ),
     ]
     prof = make_profile(ops, steps=[(0.0, 1000.0, [(0.0, idle_us)])])
     prof.annotations = [
-        Annotation("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 0.0, 500.0, step=0, file=USER, line=28)
+        Annotation(
+            "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__",
+            0.0,
+            500.0,
+            step=0,
+            file=USER,
+            line=28,
+        )
     ]
     prof.memcpys = [Memcpy("Memcpy HtoD (Pageable -> Device)", 610, 10.0, step=0, op=1)]
     if construction:
         prof.constructions = [
-            Construction("dataloader", "torch.utils.data.DataLoader", USER, 25, "main",
-                         attrs={"batch_size": 8, "num_workers": 0, "pin_memory": False, "persistent_workers": False,
-                                "dataset": "SlowDataset", "dataset_len": 4096})
+            Construction(
+                "dataloader",
+                "torch.utils.data.DataLoader",
+                USER,
+                25,
+                "main",
+                attrs={
+                    "batch_size": 8,
+                    "num_workers": 0,
+                    "pin_memory": False,
+                    "persistent_workers": False,
+                    "dataset": "SlowDataset",
+                    "dataset_len": 4096,
+                },
+            )
         ]
     return prof
 
@@ -155,7 +199,9 @@ CUTLASS_TF32 = "void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm_128x64_32x6_
 
 
 def _gemm_profile(kernel: str, dtype: str = "float32", capability=(9, 0)) -> Profile:
-    mm = op("aten::mm", 10, shapes=[[4096, 4096], [4096, 4096]], dtypes=[dtype, dtype], kernels=[(kernel, 2677.0)])
+    mm = op(
+        "aten::mm", 10, shapes=[[4096, 4096], [4096, 4096]], dtypes=[dtype, dtype], kernels=[(kernel, 2677.0)]
+    )
     prof = make_profile([mm], steps=[(0.0, 4000.0, ())])
     prof.environment = gpu_env(capability)
     return prof
@@ -175,14 +221,18 @@ def test_fp32_gemm_already_on_tensor_cores_is_not_reported(kernel: str) -> None:
 
 
 def test_fp32_gemm_bf16_and_old_gpus_are_not_reported() -> None:
-    assert fp32_gemm.detect(_gemm_profile("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", dtype="bfloat16")) == []
+    assert (
+        fp32_gemm.detect(_gemm_profile("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", dtype="bfloat16"))
+        == []
+    )
     assert fp32_gemm.detect(_gemm_profile(SGEMM, capability=(7, 0))) == []
 
 
 def test_fp32_gemm_small_latency_bound_gemms_are_not_reported() -> None:
     """256x768x768 in float32 ran 20 us on an H200 with or without TF32: nothing to gain."""
     prof = make_profile(
-        [op("aten::mm", 10, shapes=[[256, 768], [768, 768]], kernels=[(SGEMM, 20.0)])], steps=[(0.0, 100.0, ())]
+        [op("aten::mm", 10, shapes=[[256, 768], [768, 768]], kernels=[(SGEMM, 20.0)])],
+        steps=[(0.0, 100.0, ())],
     )
     assert fp32_gemm.detect(prof) == []
 
@@ -214,9 +264,17 @@ def _optimizer_profile(**attrs) -> Profile:
     prof = make_profile(ops, steps=[(0.0, 1000.0, ())])
     # the last step's range is recorded cut short (the window closes inside the step hook)
     prof.annotations = [Annotation("Optimizer.step#AdamW.step", 500.0, 5.0, step=0)]
-    base = {"fused": None, "foreach": None, "lr": 1e-3, "param_count": 3, "param_devices": ["cuda"],
-            "param_dtypes": ["float32"]}
-    prof.constructions = [Construction("optimizer", "torch.optim.AdamW", USER, 12, "main", attrs={**base, **attrs})]
+    base = {
+        "fused": None,
+        "foreach": None,
+        "lr": 1e-3,
+        "param_count": 3,
+        "param_devices": ["cuda"],
+        "param_dtypes": ["float32"],
+    }
+    prof.constructions = [
+        Construction("optimizer", "torch.optim.AdamW", USER, 12, "main", attrs={**base, **attrs})
+    ]
     return prof
 
 
@@ -231,7 +289,12 @@ def test_fused_optimizer_reports_foreach_adamw_with_the_ops_of_the_cut_short_ran
 
 @pytest.mark.parametrize(
     "attrs",
-    [{"fused": True}, {"param_devices": ["cpu", "cuda"]}, {"param_devices": ["cpu"]}, {"param_dtypes": ["int64"]}],
+    [
+        {"fused": True},
+        {"param_devices": ["cpu", "cuda"]},
+        {"param_devices": ["cpu"]},
+        {"param_dtypes": ["int64"]},
+    ],
 )
 def test_fused_optimizer_not_offered(attrs) -> None:
     assert fused_optimizer.detect(_optimizer_profile(**attrs)) == []
@@ -250,13 +313,18 @@ def _ln_ops(*, var_op=None, eps=True, sub_shape=(4, 8, 1)) -> list[Op]:
     ops = [op("aten::mean", 0, shapes=[s, None, None, None], scalars=[None, None, True, None], line=1)]
     ops.append(op("aten::sub", 1, shapes=[s, r, None], line=1, line_exact=False))
     if var_op is None:
-        ops += [op("aten::pow", 2, shapes=[s, None], scalars=[None, 2], line=2),
-                op("aten::mean", 3, shapes=[s, None, None, None], scalars=[None, None, True, None], line=2)]
+        ops += [
+            op("aten::pow", 2, shapes=[s, None], scalars=[None, 2], line=2),
+            op("aten::mean", 3, shapes=[s, None, None, None], scalars=[None, None, True, None], line=2),
+        ]
     else:
         ops.append(var_op)
     if eps:
         ops.append(op("aten::add", 4, shapes=[r, [], None], dtypes=["float32", "float64", None], line=3))
-    ops += [op("aten::sqrt", 5, shapes=[r], line=3), op("aten::div", 6, shapes=[s, r], line=3, line_exact=False)]
+    ops += [
+        op("aten::sqrt", 5, shapes=[r], line=3),
+        op("aten::div", 6, shapes=[s, r], line=3, line_exact=False),
+    ]
     return ops
 
 

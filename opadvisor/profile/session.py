@@ -114,6 +114,9 @@ class Session:
         warnings.filterwarnings(
             "ignore", message=r"Using `torch.compile\(module\)` when there are global hooks"
         )
+        # torch warns that a profiler without acc_events keeps one cycle only; ours records one window
+        # and reads it before anything could clear it.
+        warnings.filterwarnings("ignore", message=r"(?s).*Profiler clears events at the end of each cycle")
         h1 = register_optimizer_step_post_hook(self._optimizer_hook)
         h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
         h3 = module_mod.register_module_forward_hook(self._forward_post_hook, always_call=True)

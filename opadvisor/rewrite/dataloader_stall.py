@@ -47,9 +47,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider, ScopeProvider
 
-from opadvisor.rewrite._match import code, qualified
-from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rewrite.fused_optimizer import (
+from opadvisor.rewrite._args import (
     append_keywords,
     has_star_args,
     keyword,
@@ -57,6 +55,8 @@ from opadvisor.rewrite.fused_optimizer import (
     positional_count,
     replace_keyword_value,
 )
+from opadvisor.rewrite._match import code, qualified
+from opadvisor.rewrite.base import RuleCodemod, Target
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 ITERABLE_DATASETS = frozenset(

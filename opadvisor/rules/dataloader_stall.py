@@ -39,9 +39,9 @@ from opadvisor.rules._chains import scalar
 from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules._timeline import gpu_idle_overlap_us
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
-from opadvisor.rules.host_sync import gpu_idle_overlap_us
 
 ID = "dataloader_stall"
 TITLE = "GPU idle while waiting for the next batch"

@@ -37,9 +37,9 @@ from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules._timeline import annotation_intervals
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
-from opadvisor.rules.host_sync import annotation_intervals
 
 ID = "fused_optimizer"
 TITLE = "Optimizer without fused=True"

@@ -41,7 +41,7 @@ def profile(
         typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0),
     ] = 5.0,
     window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
-    # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, _dist_cli.py)
+    # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, opadvisor/cli/_distributed.py)
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
     ] = None,
@@ -64,7 +64,7 @@ def profile(
     Example:  opadvisor profile train.py --steps 5 -- --batch-size 32
     """
     if nproc_per_node is not None or nnodes > 1:  # issue 9: every rank of a torchrun launch
-        from opadvisor.profile._dist_cli import profile_ranks
+        from opadvisor.cli._distributed import profile_ranks
         from opadvisor.profile.distributed import LaunchSpec
 
         spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)

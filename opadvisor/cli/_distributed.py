@@ -1,6 +1,6 @@
 """What `opadvisor profile --nproc-per-node N` says: the launch, each rank's outcome, the cross-rank summary.
 
-Kept beside `distributed.py` (which does the work) so that the CLI module only dispatches here.
+The rendering half of multi-process profiling; `opadvisor/profile/distributed.py` does the work.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import libcst.matchers as m
 from libcst.metadata import PositionProvider, ScopeProvider
 
 from opadvisor.rewrite import _match as mt
+from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 
 PRE_FUSED = ("mask", "scale")  # inward from the softmax
 PRE_SDPA = ("mask", "scale", "qk")
@@ -662,3 +663,35 @@ def _in_return(cm: cst.MetadataDependent, node: cst.CSTNode) -> bool:
             return True
         current = mt.parent(cm, current)
     return False
+
+
+class SoftmaxChainRewriter(BlockRewriter):
+    """A codemod that rewrites the chain around each softmax of a block (fused_softmax, sdpa_attention).
+
+    Walks the block's statements, finds every softmax, reads the chain around it (`ChainFinder`, with the
+    attention's matrix products when `SDPA`), and asks the subclass for one edit per chain (`_edit_for`);
+    statements an edit consumed are not matched again.
+    """
+
+    SDPA: bool = False
+
+    def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
+        finder = ChainFinder(self, stmts, sdpa=self.SDPA)
+        edits: list[BlockEdit] = []
+        lower = 0
+        for index, stmt in enumerate(stmts):
+            if index < lower:
+                continue
+            softmaxes = finder.softmax_calls(stmt)
+            for softmax in softmaxes:
+                chain = finder.chain_at(index, softmax, lower, link=len(softmaxes) == 1)
+                edit = self._edit_for(finder, stmts, chain, indent)
+                if edit is not None:
+                    edits.append(edit)
+                    lower = edit.last + 1
+        return edits
+
+    def _edit_for(
+        self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str
+    ) -> BlockEdit | None:
+        raise NotImplementedError

@@ -36,8 +36,8 @@ import libcst as cst
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
-from opadvisor.rewrite._chain import Chain, ChainFinder, _small
+from opadvisor.rewrite._blocks import BlockEdit
+from opadvisor.rewrite._chain import Chain, ChainFinder, SoftmaxChainRewriter, _small
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
@@ -60,26 +60,9 @@ def describe(chain: Chain) -> str:
     return " -> ".join(labels)
 
 
-class FusedSoftmaxCodemod(BlockRewriter):
+class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     RULE = "fused_softmax"
     SAFETY = "safe"
-
-    def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
-        finder = ChainFinder(self, stmts, sdpa=False)
-        edits: list[BlockEdit] = []
-        lower = 0
-        for index, stmt in enumerate(stmts):
-            if index < lower:
-                continue
-            softmaxes = finder.softmax_calls(stmt)
-            single = len(softmaxes) == 1
-            for softmax in softmaxes:
-                chain = finder.chain_at(index, softmax, lower, link=single)
-                edit = self._edit_for(finder, stmts, chain, indent)
-                if edit is not None:
-                    edits.append(edit)
-                    lower = edit.last + 1
-        return edits
 
     def _edit_for(
         self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str

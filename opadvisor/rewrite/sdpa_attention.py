@@ -50,8 +50,8 @@ import libcst.matchers as m
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
-from opadvisor.rewrite._chain import Chain, ChainFinder, _assign_name, _small
+from opadvisor.rewrite._blocks import BlockEdit
+from opadvisor.rewrite._chain import Chain, ChainFinder, SoftmaxChainRewriter, _assign_name, _small
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
@@ -70,25 +70,10 @@ _PEELABLE_METHODS = {
 }
 
 
-class SdpaAttentionCodemod(BlockRewriter):
+class SdpaAttentionCodemod(SoftmaxChainRewriter):
     RULE = "sdpa_attention"
     SAFETY = "safe"
-
-    def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
-        finder = ChainFinder(self, stmts, sdpa=True)
-        edits: list[BlockEdit] = []
-        lower = 0
-        for index, stmt in enumerate(stmts):
-            if index < lower:
-                continue
-            softmaxes = finder.softmax_calls(stmt)
-            for softmax in softmaxes:
-                chain = finder.chain_at(index, softmax, lower, link=len(softmaxes) == 1)
-                edit = self._edit_for(finder, stmts, chain, indent)
-                if edit is not None:
-                    edits.append(edit)
-                    lower = edit.last + 1
-        return edits
+    SDPA = True
 
     # ---- one chain --------------------------------------------------------------------------------------
     def _edit_for(

@@ -292,29 +292,35 @@ class Session:
         cls.__init__ = __init__  # type: ignore[method-assign]
         self._undo.append(lambda: setattr(cls, "__init__", original))
 
-    def _site(self) -> tuple[str | None, int | None, str | None]:
+    def _add_construction(self, kind: str, obj: Any, package: str, attrs: dict[str, Any]) -> Construction:
+        """Record that the user's code (its innermost frame on the stack) just built `obj`."""
         frame = innermost_user_frame()
-        return frame if frame is not None else (None, None, None)
+        file, line, function = frame if frame is not None else (None, None, None)
+        construction = Construction(
+            kind=kind,
+            cls=_public_name(type(obj), package),
+            file=file,
+            line=line,
+            function=function,
+            attrs=attrs,
+        )
+        self.constructions.append(construction)
+        return construction
 
     def _record_optimizer(self, opt: Any, args: tuple, kwargs: dict) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]
-        file, line, function = self._site()
-        self.constructions.append(
-            Construction(
-                kind="optimizer",
-                cls=_public_name(type(opt), "torch.optim"),
-                file=file,
-                line=line,
-                function=function,
-                attrs={
-                    "fused": opt.defaults.get("fused"),
-                    "foreach": opt.defaults.get("foreach"),
-                    "lr": _plain(opt.defaults.get("lr")),
-                    "param_count": len(params),
-                    "param_devices": sorted({p.device.type for p in params}),
-                    "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
-                },
-            )
+        self._add_construction(
+            "optimizer",
+            opt,
+            "torch.optim",
+            {
+                "fused": opt.defaults.get("fused"),
+                "foreach": opt.defaults.get("foreach"),
+                "lr": _plain(opt.defaults.get("lr")),
+                "param_count": len(params),
+                "param_devices": sorted({p.device.type for p in params}),
+                "param_dtypes": sorted({str(p.dtype).replace("torch.", "") for p in params}),
+            },
         )
 
     def _record_dataloader(self, loader: Any, args: tuple, kwargs: dict) -> None:
@@ -323,23 +329,18 @@ class Session:
             length = len(dataset)
         except TypeError:
             length = None
-        file, line, function = self._site()
-        self.constructions.append(
-            Construction(
-                kind="dataloader",
-                cls=_public_name(type(loader), "torch.utils.data"),
-                file=file,
-                line=line,
-                function=function,
-                attrs={
-                    "batch_size": loader.batch_size,
-                    "num_workers": loader.num_workers,
-                    "pin_memory": loader.pin_memory,
-                    "persistent_workers": loader.persistent_workers,
-                    "dataset": type(dataset).__name__,
-                    "dataset_len": length,
-                },
-            )
+        self._add_construction(
+            "dataloader",
+            loader,
+            "torch.utils.data",
+            {
+                "batch_size": loader.batch_size,
+                "num_workers": loader.num_workers,
+                "pin_memory": loader.pin_memory,
+                "persistent_workers": loader.persistent_workers,
+                "dataset": type(dataset).__name__,
+                "dataset_len": length,
+            },
         )
 
     def _record_module(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -357,16 +358,7 @@ class Session:
                 "embedding_dim": module.embedding_dim,
                 "padding_idx": module.padding_idx,
             }
-        file, line, function = self._site()
-        construction = Construction(
-            kind="module",
-            cls=_public_name(type(module), "torch.nn"),
-            file=file,
-            line=line,
-            function=function,
-            attrs=attrs,
-        )
-        self.constructions.append(construction)
+        construction = self._add_construction("module", module, "torch.nn", attrs)
         self._modules_by_construction[id(module)] = construction
 
 

@@ -88,7 +88,9 @@ def main():
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
     micro_batches = args.steps * args.accum_steps
-    dataset = synthetic_dataset(args.batch * world_size * micro_batches, args.features, args.classes, args.seed)
+    dataset = synthetic_dataset(
+        args.batch * world_size * micro_batches, args.features, args.classes, args.seed
+    )
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, drop_last=True)
 

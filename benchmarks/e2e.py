@@ -19,6 +19,7 @@ original eager, original with --compile (torch.compile of the model), rewritten 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shlex
@@ -61,7 +62,10 @@ def applied_lines(output: str) -> list[str]:
     return [
         ln.strip()
         for ln in output.splitlines()
-        if ln.count(":") >= 3 and "not applied" not in ln and ln.split(":", 1)[0].endswith(".py")
+        if ln.count(":") >= 3
+        and "not applied" not in ln
+        and ": note: " not in ln
+        and ln.split(":", 1)[0].endswith(".py")
     ]
 
 
@@ -223,6 +227,9 @@ def main() -> int:
     parser.add_argument("--no-parity", dest="parity", action="store_false", help="skip opadvisor verify")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
     parser.add_argument("--log", type=Path, help="write what each step printed here")
+    parser.add_argument(
+        "--keep", type=Path, help="work in this new folder and keep it (the original and rewritten copies)"
+    )
     opts = parser.parse_args()
 
     import torch
@@ -250,7 +257,13 @@ def main() -> int:
     infos: dict[str, dict] = {}
     log = Log()
     text = ""
-    with tempfile.TemporaryDirectory(prefix="opadvisor-e2e-") as tmp:
+    if opts.keep is not None:
+        opts.keep.mkdir(parents=True, exist_ok=False)
+    with (
+        contextlib.nullcontext(opts.keep)
+        if opts.keep
+        else tempfile.TemporaryDirectory(prefix="opadvisor-e2e-") as tmp
+    ):
         for name in [n.strip() for n in opts.examples.split(",") if n.strip()]:
             if name not in SCRIPTS:
                 parser.error(f"unknown example {name!r}; choose from {', '.join(SCRIPTS)}")

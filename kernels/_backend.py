@@ -8,6 +8,8 @@ test or a user can ask which code path a call will take before making it:
   interpreter on the CPU; Triton reads the variable when it is first imported, so set it before that)
 - everything else (CPU without the interpreter, no Triton, other devices) -> ``"reference"`` (plain
   PyTorch, also the test oracle)
+- CUDA tensors too small for a kernel to pay for its launch -> ``"eager"``: `bias_dropout_add` runs the
+  chain it replaces in the inputs' dtype, `masked_softmax` its reference
 
 Per op, shapes and dtypes the kernels do not cover (float64, empty tensors) or where they measured slower
 than eager PyTorch on the GPU (tiny tensors: launch overhead dominates) also give ``"reference"``; see
@@ -24,6 +26,7 @@ import torch
 TRITON = "triton"
 INTERPRETER = "interpreter"
 REFERENCE = "reference"
+EAGER = "eager"  # small CUDA tensors: the PyTorch chain the kernel replaces (launch-bound work)
 
 # Found once at import: `find_spec` does not import triton (importing it would fix its interpret mode).
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -54,14 +57,15 @@ def backend(device: torch.device | str | torch.Tensor) -> str:
 
 def for_tensor(x: torch.Tensor, small_numel: int) -> str:
     """`backend(x)` narrowed per tensor: "reference" for dtypes and shapes the kernels do not cover
-    (float64, 0-d, empty) and, on the GPU, for tensors under `small_numel` elements (launch-bound work)."""
+    (float64, 0-d, empty) and "eager" on the GPU for tensors under `small_numel` elements (launch-bound
+    work: each op says what it runs then)."""
     be = backend(x)
     if be == REFERENCE:
         return be
     if x.dtype not in KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
         return REFERENCE
     if be == TRITON and x.numel() < small_numel:
-        return REFERENCE
+        return EAGER
     return be
 
 

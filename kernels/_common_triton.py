@@ -30,11 +30,12 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 def keep_mask(
     k0, k1, stream, threshold, rows, col0, ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr
 ):
-    """Keep mask [ROWS, BLOCK] for `rows` (int64 [ROWS]) and columns col0 .. col0 + BLOCK - 1.
+    """Keep mask [ROWS, BLOCK] for `rows` (int32 or int64 [ROWS]) and columns col0 .. col0 + BLOCK - 1.
 
     col0 must be a multiple of 4. INTERLEAVE computes one Philox call per 4 columns and interleaves the
     4 words; otherwise each element runs its own call and picks its word (same bits, 4x the arithmetic).
     """
+    rows = rows.to(tl.int64)
     r_lo = tl.broadcast_to((rows & 0xFFFFFFFF).to(tl.uint32)[:, None], (ROWS, BLOCK // 4))
     r_hi = tl.broadcast_to((rows >> 32).to(tl.uint32)[:, None], (ROWS, BLOCK // 4))
     key0 = k0.to(tl.uint32)
@@ -59,8 +60,19 @@ def keep_mask(
 
 
 @triton.jit
+def widen(i, I64: tl.constexpr):
+    """`i` as int64 when offsets may reach 2**31 (I64), else unchanged (int32 index math: 64-bit integer
+    division, used for the row offsets below, costs several times as many instructions)."""
+    if I64:
+        return i.to(tl.int64)
+    else:
+        return i
+
+
+@triton.jit
 def row_offsets(rows, D1, D2, s0, s1, s2):
-    """Offset (elements, int64) of each row start, rows being flat indices over D0 x D1 x D2."""
+    """Offset (elements, in `rows`' integer type) of each row start, rows being flat indices over
+    D0 x D1 x D2."""
     i2 = rows % D2
     t = rows // D2
     return (t // D1) * s0 + (t % D1) * s1 + i2 * s2

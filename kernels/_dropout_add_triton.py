@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_triton import keep_mask, rne_bf16
+from ._common_triton import keep_mask, rne_bf16, widen
 from ._common_triton import row_offsets as _row_offsets
 
 
@@ -46,13 +46,14 @@ def bias_dropout_add_fwd_kernel(
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
+    I64: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
     col_ok = cols < n_cols
     ok = (rows < n_rows)[:, None] & col_ok[None, :]
-    c = cols.to(tl.int64)[None, :]
+    c = widen(cols, I64)[None, :]
     xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
     ro = _row_offsets(rows, D1, D2, sr0, sr1, sr2)
     v = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
@@ -94,15 +95,16 @@ def bias_dropout_add_bwd_kernel(
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
+    I64: tl.constexpr,
 ):
     """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program."""
     pid_r = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
     col_ok = cols < n_cols
-    c = cols.to(tl.int64)[None, :]
+    c = widen(cols, I64)[None, :]
     acc = tl.zeros((BLOCK,), tl.float32)
-    first = pid_r.to(tl.int64) * rows_per_prog
+    first = widen(pid_r, I64) * rows_per_prog
     for r0 in range(0, rows_per_prog, ROWS):
         rows = first + r0 + tl.arange(0, ROWS)
         ok = (rows < n_rows)[:, None] & col_ok[None, :]
@@ -118,4 +120,4 @@ def bias_dropout_add_bwd_kernel(
         if HAS_BIAS:
             acc += tl.sum(dx, axis=0)
     if HAS_BIAS:
-        tl.store(DB + pid_r.to(tl.int64) * n_cols + cols, acc, mask=col_ok)
+        tl.store(DB + widen(pid_r, I64) * n_cols + cols, acc, mask=col_ok)

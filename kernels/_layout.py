@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Kernels index in int32 below this many elements (a margin under 2**31 covers the last program's rows
+# beyond the end, which are masked but still computed).
+INT32_SAFE = 2**31 - 2**24
+
 
 def moved(seq: Sequence[int], dim: int) -> tuple[int, ...]:
     """`seq` (a shape or strides) with entry `dim` moved last, as `Tensor.movedim(dim, -1)` does."""
@@ -71,3 +75,16 @@ def row_layout(shape: Sequence[int], strides: Sequence[Sequence[int]], dim: int)
     n_cols = shape_m[-1]
     n_rows = sizes[0] * sizes[1] * sizes[2]
     return n_rows, n_cols, sizes, [(*b, s[-1]) for b, s in zip(batch, strides_m, strict=True)]
+
+
+def needs_int64(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> bool:
+    """Whether a kernel over tensors of `shape` with these strides (0 for broadcast dims) must compute
+    offsets in int64: the element count or some tensor's furthest element reaches INT32_SAFE."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel >= INT32_SAFE:
+        return True
+    return any(
+        sum((n - 1) * abs(st) for n, st in zip(shape, s, strict=True) if n > 0) >= INT32_SAFE for s in strides
+    )

@@ -2,7 +2,8 @@
 
 Layout: the softmax dimension is the row; the other dimensions are merged into at most three batch
 dimensions (sizes D0 x D1 x D2, any strides, 0 for broadcast masks), so broadcast masks and
-non-contiguous inputs are read in place. Offsets are int64. Math is float32 whatever the storage dtype.
+non-contiguous inputs are read in place. Offsets are int64 where a tensor reaches 2**31 elements (I64), int32
+otherwise. Math is float32 whatever the storage dtype.
 
 Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
                    p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)
@@ -18,14 +19,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_triton import keep_mask, rne_bf16
+from ._common_triton import keep_mask, rne_bf16, widen
 from ._common_triton import row_offsets as _row_offsets
 
 
 @triton.jit
-def _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK: tl.constexpr):
+def _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK: tl.constexpr, I64: tl.constexpr):
     """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile."""
-    c = cols.to(tl.int64)[None, :]
+    c = widen(cols, I64)[None, :]
     x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
     s = x * scale
     masked = ok & False
@@ -75,8 +76,9 @@ def masked_softmax_fwd_kernel(
     LOOPED: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
+    I64: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
     mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)
@@ -88,7 +90,7 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
             m_new = tl.maximum(m_i, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(s - m_safe)
@@ -101,11 +103,11 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
             p = tl.exp(s - m[:, None]) * inv[:, None]
             if ZERO_MASKED:
                 p = tl.where(masked, 0.0, p)
-            yoff = yo[:, None] + cols.to(tl.int64)[None, :] * syc
+            yoff = yo[:, None] + widen(cols, I64)[None, :] * syc
             if DROPOUT:
                 tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
                 keep = keep_mask(k0, k1, stream, threshold, rows, c0, ROWS, BLOCK, INTERLEAVE)
@@ -114,7 +116,7 @@ def masked_softmax_fwd_kernel(
     else:
         cols = tl.arange(0, BLOCK)
         ok = row_ok[:, None] & (cols < n_cols)[None, :]
-        s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK)
+        s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         e = tl.exp(s - m[:, None])
@@ -122,7 +124,7 @@ def masked_softmax_fwd_kernel(
         p = e * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
         if ZERO_MASKED:
             p = tl.where(masked, 0.0, p)
-        yoff = yo[:, None] + cols.to(tl.int64)[None, :] * syc
+        yoff = yo[:, None] + widen(cols, I64)[None, :] * syc
         if DROPOUT:
             tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
             keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
@@ -156,9 +158,10 @@ def _grad_terms(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    I64: tl.constexpr,
 ):
     """(P, dp, bool mask) for one tile: dp is the gradient reaching the softmax output."""
-    c = cols.to(tl.int64)[None, :]
+    c = widen(cols, I64)[None, :]
     p = tl.load(P + po[:, None] + c * spc, mask=ok, other=0.0).to(tl.float32)
     dp = tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
     masked = ok & False
@@ -212,8 +215,9 @@ def masked_softmax_bwd_kernel(
     LOOPED: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
+    I64: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     po = _row_offsets(rows, D1, D2, sp0, sp1, sp2)
     dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
@@ -249,6 +253,7 @@ def masked_softmax_bwd_kernel(
                 ROWS,
                 BLOCK,
                 INTERLEAVE,
+                I64,
             )
             acc += p * dp
         dot = tl.sum(acc, axis=1)
@@ -280,11 +285,12 @@ def masked_softmax_bwd_kernel(
                 ROWS,
                 BLOCK,
                 INTERLEAVE,
+                I64,
             )
             ds = p * (dp - dot[:, None])
             if MASK == 1:
                 ds = tl.where(masked, 0.0, ds)
-            dxoff = dxo[:, None] + cols.to(tl.int64)[None, :] * sdxc
+            dxoff = dxo[:, None] + widen(cols, I64)[None, :] * sdxc
             tl.store(DX + dxoff, rne_bf16(ds * scale, RNE).to(DX.dtype.element_ty), mask=ok)
     else:
         cols = tl.arange(0, BLOCK)
@@ -314,10 +320,11 @@ def masked_softmax_bwd_kernel(
             ROWS,
             BLOCK,
             INTERLEAVE,
+            I64,
         )
         dot = tl.sum(p * dp, axis=1)
         ds = p * (dp - dot[:, None])
         if MASK == 1:
             ds = tl.where(masked, 0.0, ds)
-        dxoff = dxo[:, None] + cols.to(tl.int64)[None, :] * sdxc
+        dxoff = dxo[:, None] + widen(cols, I64)[None, :] * sdxc
         tl.store(DX + dxoff, rne_bf16(ds * scale, RNE).to(DX.dtype.element_ty), mask=ok)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import _backend, _rng
 from . import _layout as layout
+from ._launch import Launcher
 from .softmax import triton_cdiv, triton_next_power_of_2
 
 # Elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an H200), how
@@ -26,15 +27,34 @@ from .softmax import triton_cdiv, triton_next_power_of_2
 TILE = 2048
 MASK_MODE = "philox"  # or "byte"
 RNG_INTERLEAVE = False
-# On CUDA, tensors with fewer elements run the eager chain (see softmax.SMALL_NUMEL).
-SMALL_NUMEL = 1 << 22
+# On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
+# the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
+# call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
+# hops to the autograd thread): in a step bound by its host (BERT-base, [8192, 768] x 24 calls) the kernel
+# made the step slower (37.8 vs 30.0 ms), so only tensors from 2^25 elements, where the GPU saving covers
+# that host cost, take it. See benchmarks/RESULTS.md, "Dispatch".
+SMALL_NUMEL = 1 << 25
+# Under torch.compile: "chain" traces `residual + dropout(x + bias)` so that inductor fuses it with its
+# neighbours (the LayerNorm after a residual add, say), which the opaque custom op prevents; "custom_op"
+# traces opadvisor::bias_dropout_add_fwd. Measured on the BERT example (H200): chain 22.95 ms/step compiled,
+# custom op 25.71.
+COMPILE_PATH = "chain"
 
 _NO_SEED = (0, 0, 0)
 
 
 def bias_dropout_add_backend(x: torch.Tensor) -> str:
-    """Which implementation `bias_dropout_add(x, ...)` runs: "triton", "interpreter" or "reference"."""
+    """Which implementation `bias_dropout_add(x, ...)` runs: "triton", "interpreter", "eager" (the plain
+    chain, for small CUDA tensors) or "reference"."""
     return _backend.for_tensor(x, SMALL_NUMEL)
+
+
+def eager_bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool = True
+) -> torch.Tensor:
+    """``residual + dropout(x + bias)`` as PyTorch ops in the inputs' dtype: the chain the kernel replaces."""
+    v = x if bias is None else x + bias
+    return residual + F.dropout(v, p, training)
 
 
 def reference_bias_dropout_add(
@@ -88,16 +108,23 @@ def _fwd_plan(shape, x_strides, r_strides, tile):
     n_rows, n_cols, (_, d1, d2), (s_x, s_r) = got
     rows, block, warps = _config(n_cols, tile)
     grid = (triton_cdiv(n_rows, rows), triton_cdiv(n_cols, block))
-    return grid, (n_rows, n_cols, d1, d2, *s_x, *s_r), {"ROWS": rows, "BLOCK": block, "num_warps": warps}
+    i64 = layout.needs_int64(shape, [x_strides, r_strides])
+    meta = {"ROWS": rows, "BLOCK": block, "I64": i64, "num_warps": warps}
+    return grid, (n_rows, n_cols, d1, d2, *s_x, *s_r), meta
+
+
+@functools.cache
+def _launchers() -> tuple[Launcher, Launcher]:
+    from . import _dropout_add_triton as k
+
+    return Launcher(k.bias_dropout_add_fwd_kernel), Launcher(k.bias_dropout_add_bwd_kernel)
 
 
 def _forward(x, bias, residual, p, seed):
-    """(y, keep bytes or an empty tensor)."""
-    from . import _dropout_add_triton
-
+    """(y, keep bytes or None): the 1-byte mask only in MASK_MODE "byte"."""
     y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
     byte_mask = p > 0 and MASK_MODE == "byte"
-    keep = torch.empty(x.shape if byte_mask else (0,), dtype=torch.uint8, device=x.device)
+    keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None
     if x.numel() == 0:
         return y, keep
     _backend.check_launch(x)
@@ -107,11 +134,12 @@ def _forward(x, bias, residual, p, seed):
         plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
     grid, ints, meta = plan
     k0, k1, stream = seed
-    _dropout_add_triton.bias_dropout_add_fwd_kernel[grid](
-        x, bias if bias is not None else x, residual, y, keep if byte_mask else y, *ints,
-        _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
-        HAS_BIAS=bias is not None, DROPOUT=p > 0, BYTE_MASK=byte_mask,
-        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(y), **meta,
+    _launchers()[0](
+        grid,
+        (x, bias if bias is not None else x, residual, y, keep if byte_mask else y, *ints,
+         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+        {"HAS_BIAS": bias is not None, "DROPOUT": p > 0, "BYTE_MASK": byte_mask,
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), **meta},
     )  # fmt: skip
     return y, keep
 
@@ -136,13 +164,15 @@ def _bwd_plan(shape, dy_strides, tile, programs):
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     row_progs = triton_cdiv(n_rows, rows_per_prog)
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
-    return (row_progs, col_blocks), ints, {"ROWS": rows, "BLOCK": block, "num_warps": warps}
+    i64 = layout.needs_int64(shape, [dy_strides])
+    return (row_progs, col_blocks), ints, {"ROWS": rows, "BLOCK": block, "I64": i64, "num_warps": warps}
 
 
 def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
-    """(dx, dbias in float32 or None) for a dropout forward: per-program column sums, then one sum."""
-    from . import _dropout_add_triton
+    """(dx, dbias in float32 or None) for a dropout forward: per-program column sums, then one sum.
 
+    `keep`: the forward's 1-byte mask, or None / an empty tensor when the mask is recomputed from `seed`."""
+    byte_mask = keep is not None and keep.numel() > 0
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, (dy.new_zeros(dy.shape[-1], dtype=torch.float32) if need_dbias else None)
@@ -156,11 +186,12 @@ def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
         torch.empty((grid[0], dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
     )
     k0, k1, stream = seed
-    _dropout_add_triton.bias_dropout_add_bwd_kernel[grid](
-        dy, dx, partial if partial is not None else dx, keep if keep.numel() else dx, *ints,
-        _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
-        HAS_BIAS=need_dbias, BYTE_MASK=keep.numel() > 0,
-        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(dx), **meta,
+    _launchers()[1](
+        grid,
+        (dy, dx, partial if partial is not None else dx, keep if byte_mask else dx, *ints,
+         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+        {"HAS_BIAS": need_dbias, "BYTE_MASK": byte_mask, "INTERLEAVE": RNG_INTERLEAVE,
+         "RNE": _backend.emulate_rne(dx), **meta},
     )  # fmt: skip
     return dx, (partial.sum(0) if partial is not None else None)
 
@@ -168,7 +199,7 @@ def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
 def _grads(dy, x_dtype, bias, residual_dtype, needs, p, run_kernel):
     """(dx, dbias, dresidual) for the inputs that need them; `run_kernel(need_dbias)` -> (dx, dbias f32)."""
     need_dx, need_db, need_dr = needs
-    dres = dy.to(residual_dtype) if need_dr else None
+    dres = (dy if dy.dtype == residual_dtype else dy.to(residual_dtype)) if need_dr else None
     if p > 0 and (need_dx or need_db):
         dx, dbias = run_kernel(need_db)
     else:
@@ -216,6 +247,8 @@ def bias_dropout_add_fwd_op(
     """(y, keep bytes or empty, seed as a CPU int64 tensor [3])."""
     seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
     y, keep = _forward(x, bias, residual, p, seed)
+    if keep is None:
+        keep = torch.empty(0, dtype=torch.uint8, device=x.device)
     return y, keep, torch.tensor(seed, dtype=torch.int64)
 
 
@@ -295,8 +328,11 @@ def bias_dropout_add(
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"p must be in [0, 1], got {p}")
     p_eff = float(p) if training else 0.0
-    if bias_dropout_add_backend(x) == _backend.REFERENCE:
+    backend = bias_dropout_add_backend(x)
+    if backend == _backend.REFERENCE:
         return reference_bias_dropout_add(x, bias, residual, p_eff)
+    if backend == _backend.EAGER or (torch.compiler.is_compiling() and COMPILE_PATH == "chain"):
+        return eager_bias_dropout_add(x, bias, residual, p_eff)
     if torch.compiler.is_compiling():
         return bias_dropout_add_fwd_op(x, bias, residual, p_eff)[0]
     return BiasDropoutAddFunction.apply(x, bias, residual, p_eff)

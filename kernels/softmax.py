@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import _backend, _rng
 from . import _layout as layout
+from ._launch import Launcher
 
 # Rows up to MAX_BLOCK columns are held in registers by one program (one read of x); longer rows loop
 # over tiles of LOOP_BLOCK columns (two reads of x; the second mostly from L2). On an H200, bf16 rows of
@@ -38,7 +39,8 @@ _NO_SEED = (0, 0, 0)
 
 
 def masked_softmax_backend(x: torch.Tensor) -> str:
-    """Which implementation `masked_softmax(x, ...)` runs: "triton", "interpreter" or "reference"."""
+    """Which implementation `masked_softmax(x, ...)` runs: "triton", "interpreter", "reference", or "eager"
+    (small CUDA tensors; the reference then runs: the chains it replaces differ in their NaN rows)."""
     return _backend.for_tensor(x, SMALL_NUMEL)
 
 
@@ -142,7 +144,8 @@ def _plan(shape, strides, mask_meta, dim, max_block, loop_block):
         return None
     n_rows, n_cols, (_, d1, d2), (s_in, s_mask, s_out) = got
     rows, block, looped, warps = _config(n_cols, max_block, loop_block)
-    meta = {"ROWS": rows, "BLOCK": block, "LOOPED": looped, "num_warps": warps}
+    i64 = layout.needs_int64(shape, [strides, mask_strides, out])
+    meta = {"ROWS": rows, "BLOCK": block, "LOOPED": looped, "I64": i64, "num_warps": warps}
     return (triton_cdiv(n_rows, rows),), (n_rows, n_cols, d1, d2, *s_in, *s_mask, *s_out), meta
 
 
@@ -156,10 +159,15 @@ def _plan_for(x: torch.Tensor, mask: torch.Tensor | None, dim: int):
     return plan, x, mask
 
 
+@functools.cache
+def _launchers() -> tuple[Launcher, Launcher]:
+    from . import _softmax_triton as k
+
+    return Launcher(k.masked_softmax_fwd_kernel), Launcher(k.masked_softmax_bwd_kernel)
+
+
 def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     """Launch the forward kernel: (y, saved) where saved holds p before dropout (empty without dropout)."""
-    from . import _softmax_triton
-
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     saved = torch.empty_like(y) if p > 0 else y.new_empty(0)
     if x.numel() == 0:
@@ -169,20 +177,19 @@ def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     n_rows, n_cols, d1, d2, *strides = ints
     s_x, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
     k0, k1, stream = seed
-    _softmax_triton.masked_softmax_fwd_kernel[grid](
-        x, _mask_arg(mask, x), y, saved if p > 0 else y,
-        n_rows, n_cols, d1, d2, *s_x, *s_mask, *s_out,
-        scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
-        MASK=_mask_kind(mask), ZERO_MASKED=zero_masked and mask is not None, DROPOUT=p > 0,
-        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(y), **meta,
+    _launchers()[0](
+        grid,
+        (x, _mask_arg(mask, x), y, saved if p > 0 else y,
+         n_rows, n_cols, d1, d2, *s_x, *s_mask, *s_out,
+         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+        {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), **meta},
     )  # fmt: skip
     return y, saved
 
 
 def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
     """Launch the backward kernel: dx (gradient w.r.t. x times `scale`)."""
-    from . import _softmax_triton
-
     dx = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     if dx.numel() == 0:
         return dx
@@ -191,12 +198,13 @@ def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
     n_rows, n_cols, d1, d2, *strides = ints
     s_dy, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
     k0, k1, stream = seed
-    _softmax_triton.masked_softmax_bwd_kernel[grid](
-        saved, dy, _mask_arg(mask, dy), dx,
-        n_rows, n_cols, d1, d2, *s_out, *s_dy, *s_mask, *s_out,
-        scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream,
-        MASK=_mask_kind(mask), ZERO_MASKED=zero_masked and mask is not None, DROPOUT=p > 0,
-        INTERLEAVE=RNG_INTERLEAVE, RNE=_backend.emulate_rne(dx), **meta,
+    _launchers()[1](
+        grid,
+        (saved, dy, _mask_arg(mask, dy), dx,
+         n_rows, n_cols, d1, d2, *s_out, *s_dy, *s_mask, *s_out,
+         scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+        {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(dx), **meta},
     )  # fmt: skip
     return dx
 
@@ -356,7 +364,7 @@ def masked_softmax(
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     p = float(dropout_p) if training else 0.0
-    if masked_softmax_backend(x) == _backend.REFERENCE:
+    if masked_softmax_backend(x) in (_backend.REFERENCE, _backend.EAGER):
         return reference_masked_softmax(
             x, mask, dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p
         )

@@ -297,6 +297,8 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
             where = f"{display_path(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
             if f.source_status != "ok":
                 where += f"\n({'file changed' if f.source_status == 'changed' else 'file gone'})"
+            if len(profiles) > 1 and f.ranks:
+                where += f"\n{'rank' if len(f.ranks) == 1 else 'ranks'} {', '.join(map(str, f.ranks))}"
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")

@@ -19,7 +19,9 @@ Fix and its safety
     `opadvisor apply --rule fused_dropout_add` rewrites the expression to
     `opadvisor.kernels.bias_dropout_add(...)` (the bias moves out of the linear into the fused kernel when
     there is one). Safe: the same function up to rounding; dropout draws its own random mask, so losses
-    agree in distribution, not bit for bit.
+    agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than `KERNEL_MIN_NUMEL`
+    elements is reported without a fix: at that size the bundled function runs this same chain (a fused
+    call costs more host time than the kernel saves on the GPU; measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections import defaultdict
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._attention import DROPOUT_OPS, dropout_active
-from opadvisor.rules._chains import Chain, Link, names, out_shape, scalar_float, shape
+from opadvisor.rules._chains import Chain, Link, names, numel, out_shape, scalar_float, shape
 from opadvisor.rules._chains import find_chains as _find
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
@@ -40,6 +42,10 @@ TITLE = "Bias + dropout + residual as separate kernels"
 FIX = "safe"
 
 LABELS = ("bias", "dropout", "residual")
+
+# opadvisor.kernels.dropout_add.SMALL_NUMEL, which the kernels package owns (importing it here would import
+# torch into every `suggest`); tests/rules/test_chain_rules.py checks the two agree.
+KERNEL_MIN_NUMEL = 1 << 25
 
 
 def _bias(op: Op, bound: dict[str, Op]) -> bool:
@@ -116,6 +122,8 @@ def detect(profile: Profile) -> list[Finding]:
             saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (
                 1 - 1 / n_fwd
             )
+        size = numel(shape(first["dropout"], 0))
+        too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
         residual = first["residual"]
         head = " -> ".join(
             w
@@ -131,7 +139,7 @@ def detect(profile: Profile) -> list[Finding]:
             build_finding(
                 ix,
                 rule=ID,
-                fix=FIX,
+                fix="none" if too_small else FIX,
                 path=path,
                 line=line,
                 end_line=end,
@@ -139,8 +147,15 @@ def detect(profile: Profile) -> list[Finding]:
                 occurrences=occurrences,
                 head=head,
                 fused_kernels=1,
-                est_saving_ms=saving,
-                advice="one fused kernel: opadvisor.kernels.bias_dropout_add (opadvisor apply --rule fused_dropout_add)",
+                est_saving_ms=0.0 if too_small else saving,
+                advice=(
+                    f"nothing to apply at this size ({size:,} elements): under {KERNEL_MIN_NUMEL:,} "
+                    "opadvisor.kernels.bias_dropout_add runs this same chain, because a fused call costs "
+                    "more host time than it saves"
+                    if too_small
+                    else "one fused kernel: opadvisor.kernels.bias_dropout_add "
+                    "(opadvisor apply --rule fused_dropout_add)"
+                ),
                 details={
                     "bias": bias_kind if has_bias else None,
                     "producer": "linear" if bias_kind == "linear" else None,

@@ -107,6 +107,7 @@ def test_suggest_on_the_multi_rank_run(ddp_run) -> None:
     table = opadvisor(cwd, "suggest", timeout=120)
     assert table.returncode == 0, table.stderr
     assert "[straggler] rank 1" in table.stdout and "gloo" in table.stdout
+    assert "ranks 0, 1" in table.stdout  # each merged finding says which ranks it holds for
     as_json = opadvisor(cwd, "suggest", "--format", "json", timeout=120)
     assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)

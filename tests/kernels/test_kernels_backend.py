@@ -44,12 +44,27 @@ def test_small_cuda_tensors_go_to_eager(monkeypatch):
     monkeypatch.setattr(_backend, "HAS_TRITON", True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(_backend, "backend", lambda device: "triton")  # as on a GPU
-    small = torch.empty(softmax.SMALL_NUMEL - 1)
-    large = torch.empty(max(softmax.SMALL_NUMEL, dropout_add.SMALL_NUMEL))
-    assert masked_softmax_backend(small) == "reference"
+    small = torch.empty(softmax.SMALL_NUMEL - 1, device="meta")
+    large = torch.empty(max(softmax.SMALL_NUMEL, dropout_add.SMALL_NUMEL), device="meta")
+    assert masked_softmax_backend(small) == "eager"
     assert masked_softmax_backend(large) == "triton"
-    assert bias_dropout_add_backend(torch.empty(dropout_add.SMALL_NUMEL - 1)) == "reference"
+    assert bias_dropout_add_backend(torch.empty(dropout_add.SMALL_NUMEL - 1, device="meta")) == "eager"
     assert bias_dropout_add_backend(large) == "triton"
+
+
+def test_eager_dispatch_runs_the_replaced_chain(monkeypatch):
+    """A small tensor on the GPU runs `residual + dropout(x + bias)` in its own dtype: the same ops and
+    random draws as the chain the rewrite replaced, so such a rewrite cannot make a step slower."""
+    monkeypatch.setattr(_backend, "backend", lambda device: "triton")  # as on a GPU
+    x, r = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(4, 64, dtype=torch.bfloat16)
+    b = torch.randn(64, dtype=torch.bfloat16)
+    assert bias_dropout_add_backend(x) == "eager"
+    torch.manual_seed(3)
+    ours = dropout_add.bias_dropout_add(x, b, r, 0.25)
+    torch.manual_seed(3)
+    chain = r + torch.nn.functional.dropout(x + b, 0.25)
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, chain)
 
 
 def test_philox_matches_known_answer():

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from opadvisor.kernels import _rng, bias_dropout_add, masked_softmax
+from opadvisor.kernels import _rng, bias_dropout_add, dropout_add, masked_softmax
 
 FIXED_SEED = (7, 8, 9)
 
 pytestmark = pytest.mark.usefixtures("kernels_everywhere")
 
 
-def _block(scores, mask, x, bias, residual):
+def _block(scores, mask, x, bias, residual, bda_p=0.1):
     probs = masked_softmax(scores, mask, scale=0.125, zero_masked=True, dropout_p=0.1)
-    return probs.sum(-1).mean() + bias_dropout_add(x, bias, residual, 0.1).sum()
+    return probs.sum(-1).mean() + bias_dropout_add(x, bias, residual, bda_p).sum()
+
+
+def _block_bda_no_dropout(scores, mask, x, bias, residual):
+    return _block(scores, mask, x, bias, residual, bda_p=0.0)
 
 
 def _inputs(device):
@@ -33,25 +37,34 @@ def _fwd_bwd(fn, inputs):
     return out.detach(), [t.grad for t in inputs if t.requires_grad]
 
 
-def _check(device, backend, monkeypatch):
+def _check(device, backend, monkeypatch, compile_path):
+    """One graph, no break, compiled == eager. With bias_dropout_add traced as its PyTorch chain
+    ("chain"), its dropout draws from torch's generator under compile: compared without dropout there."""
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    monkeypatch.setattr(dropout_add, "COMPILE_PATH", compile_path)
+    block = _block if compile_path == "custom_op" else _block_bda_no_dropout
     inputs = _inputs(device)
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(_block)(*inputs)
+    explanation = torch._dynamo.explain(block)(*inputs)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    compiled = torch.compile(_block, fullgraph=True, backend=backend)
+    ops = {str(n.target) for g in explanation.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("masked_softmax_fwd" in o for o in ops)
+    assert any("bias_dropout_add_fwd" in o for o in ops) == (compile_path == "custom_op")
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
     out_c, grads_c = _fwd_bwd(compiled, inputs)
-    out_e, grads_e = _fwd_bwd(_block, inputs)
+    out_e, grads_e = _fwd_bwd(block, inputs)
     torch.testing.assert_close(out_c, out_e)
     for g_c, g_e in zip(grads_c, grads_e, strict=True):
         torch.testing.assert_close(g_c, g_e)
 
 
-def test_compile_cpu_no_graph_break(monkeypatch):
-    _check(torch.device("cpu"), "aot_eager", monkeypatch)
+@pytest.mark.parametrize("compile_path", ["chain", "custom_op"])
+def test_compile_cpu_no_graph_break(monkeypatch, compile_path):
+    _check(torch.device("cpu"), "aot_eager", monkeypatch, compile_path)
 
 
 @pytest.mark.gpu
-def test_compile_gpu_inductor(monkeypatch):
-    _check(torch.device("cuda"), "inductor", monkeypatch)
+@pytest.mark.parametrize("compile_path", ["chain", "custom_op"])
+def test_compile_gpu_inductor(monkeypatch, compile_path):
+    _check(torch.device("cuda"), "inductor", monkeypatch, compile_path)

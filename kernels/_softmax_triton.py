@@ -24,18 +24,41 @@ from ._common_triton import row_offsets as _row_offsets
 
 
 @triton.jit
-def _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK: tl.constexpr, I64: tl.constexpr):
+def _load_mask(M, mo, cols, ok, n_cols, smc, other, I64: tl.constexpr, MASK_SHARED: tl.constexpr):
+    """The mask values of one [ROWS, BLOCK] tile (`other` outside it). MASK_SHARED: every row of the
+    program reads the same mask row (a [B,1,1,S] padding mask, say; the launcher checks), `mo` is that
+    row's offset and the row is loaded once instead of once per row."""
+    c = widen(cols, I64)
+    if MASK_SHARED:
+        v = tl.load(M + mo + c * smc, mask=cols < n_cols, other=other)
+        return tl.where(ok, v[None, :], other)
+    else:
+        return tl.load(M + mo[:, None] + c[None, :] * smc, mask=ok, other=other)
+
+
+@triton.jit
+def _mask_row_offsets(rows, first_row, D1, D2, sm0, sm1, sm2, MASK_SHARED: tl.constexpr):
+    if MASK_SHARED:
+        return _row_offsets(first_row, D1, D2, sm0, sm1, sm2)
+    else:
+        return _row_offsets(rows, D1, D2, sm0, sm1, sm2)
+
+
+@triton.jit
+def _scores(
+    X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill,
+    MASK: tl.constexpr, I64: tl.constexpr, MASK_SHARED: tl.constexpr,
+):  # fmt: skip
     """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile."""
     c = widen(cols, I64)[None, :]
     x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
     s = x * scale
     masked = ok & False
     if MASK == 1:
-        mv = tl.load(M + mo[:, None] + c * smc, mask=ok, other=0)
-        masked = mv != 0
+        masked = _load_mask(M, mo, cols, ok, n_cols, smc, 0, I64, MASK_SHARED) != 0
         s = tl.where(masked, fill, s)
     if MASK == 2:
-        s = s + tl.load(M + mo[:, None] + c * smc, mask=ok, other=0.0).to(tl.float32)
+        s = s + _load_mask(M, mo, cols, ok, n_cols, smc, 0.0, I64, MASK_SHARED).to(tl.float32)
     return tl.where(ok, s, float("-inf")), masked
 
 
@@ -77,11 +100,12 @@ def masked_softmax_fwd_kernel(
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
     I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
 ):
     rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
-    mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)
+    mo = _mask_row_offsets(rows, widen(tl.program_id(0), I64) * ROWS, D1, D2, sm0, sm1, sm2, MASK_SHARED)
     yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
     if LOOPED:
         # Pass 1: running max and sum per lane (online softmax), merged across lanes at the end.
@@ -90,7 +114,7 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
+            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
             m_new = tl.maximum(m_i, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(s - m_safe)
@@ -103,7 +127,7 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
+            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
             p = tl.exp(s - m[:, None]) * inv[:, None]
             if ZERO_MASKED:
                 p = tl.where(masked, 0.0, p)
@@ -116,7 +140,7 @@ def masked_softmax_fwd_kernel(
     else:
         cols = tl.arange(0, BLOCK)
         ok = row_ok[:, None] & (cols < n_cols)[None, :]
-        s, masked = _scores(X, M, xo, mo, cols, ok, sxc, smc, scale, fill, MASK, I64)
+        s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
         m = tl.max(s, axis=1)
         m = tl.where(m == float("-inf"), 0.0, m)
         e = tl.exp(s - m[:, None])
@@ -142,6 +166,7 @@ def _grad_terms(
     mo,
     cols,
     ok,
+    n_cols,
     spc,
     sdyc,
     smc,
@@ -159,6 +184,7 @@ def _grad_terms(
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
 ):
     """(P, dp, bool mask) for one tile: dp is the gradient reaching the softmax output."""
     c = widen(cols, I64)[None, :]
@@ -166,7 +192,7 @@ def _grad_terms(
     dp = tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
     masked = ok & False
     if MASK == 1:
-        masked = tl.load(M + mo[:, None] + c * smc, mask=ok, other=0) != 0
+        masked = _load_mask(M, mo, cols, ok, n_cols, smc, 0, I64, MASK_SHARED) != 0
     if DROPOUT:
         keep = keep_mask(k0, k1, stream, threshold, rows, c0, ROWS, BLOCK, INTERLEAVE)
         dp = tl.where(keep, dp * keep_scale, 0.0)
@@ -216,12 +242,13 @@ def masked_softmax_bwd_kernel(
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
     I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
 ):
     rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     po = _row_offsets(rows, D1, D2, sp0, sp1, sp2)
     dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
-    mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)
+    mo = _mask_row_offsets(rows, widen(tl.program_id(0), I64) * ROWS, D1, D2, sm0, sm1, sm2, MASK_SHARED)
     dxo = _row_offsets(rows, D1, D2, sdx0, sdx1, sdx2)
     if LOOPED:
         acc = tl.zeros((ROWS, BLOCK), tl.float32)
@@ -237,6 +264,7 @@ def masked_softmax_bwd_kernel(
                 mo,
                 cols,
                 ok,
+                n_cols,
                 spc,
                 sdyc,
                 smc,
@@ -254,6 +282,7 @@ def masked_softmax_bwd_kernel(
                 BLOCK,
                 INTERLEAVE,
                 I64,
+                MASK_SHARED,
             )
             acc += p * dp
         dot = tl.sum(acc, axis=1)
@@ -269,6 +298,7 @@ def masked_softmax_bwd_kernel(
                 mo,
                 cols,
                 ok,
+                n_cols,
                 spc,
                 sdyc,
                 smc,
@@ -286,6 +316,7 @@ def masked_softmax_bwd_kernel(
                 BLOCK,
                 INTERLEAVE,
                 I64,
+                MASK_SHARED,
             )
             ds = p * (dp - dot[:, None])
             if MASK == 1:
@@ -304,6 +335,7 @@ def masked_softmax_bwd_kernel(
             mo,
             cols,
             ok,
+            n_cols,
             spc,
             sdyc,
             smc,
@@ -321,6 +353,7 @@ def masked_softmax_bwd_kernel(
             BLOCK,
             INTERLEAVE,
             I64,
+            MASK_SHARED,
         )
         dot = tl.sum(p * dp, axis=1)
         ds = p * (dp - dot[:, None])

@@ -145,7 +145,17 @@ def _plan(shape, strides, mask_meta, dim, max_block, loop_block):
     n_rows, n_cols, (_, d1, d2), (s_in, s_mask, s_out) = got
     rows, block, looped, warps = _config(n_cols, max_block, loop_block)
     i64 = layout.needs_int64(shape, [strides, mask_strides, out])
-    meta = {"ROWS": rows, "BLOCK": block, "LOOPED": looped, "I64": i64, "num_warps": warps}
+    # A program's rows lie in one run of D2 rows when ROWS divides D2; if the mask does not move along D2
+    # (a [B,1,1,S] padding mask), they all read one mask row, which the kernel then loads once.
+    shared = mask_meta is not None and rows > 1 and s_mask[2] == 0 and d2 % rows == 0
+    meta = {
+        "ROWS": rows,
+        "BLOCK": block,
+        "LOOPED": looped,
+        "I64": i64,
+        "MASK_SHARED": shared,
+        "num_warps": warps,
+    }
     return (triton_cdiv(n_rows, rows),), (n_rows, n_cols, d1, d2, *s_in, *s_mask, *s_out), meta
 
 

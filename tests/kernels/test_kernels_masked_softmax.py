@@ -127,6 +127,25 @@ def test_masks(mask_shape, kind, dtype, device):
         _check_low_precision(x, mask, dy, **kw)
 
 
+@pytest.mark.parametrize("kind", ["bool", "add"])
+def test_padding_mask_row_shared_by_a_program(kind, device):
+    """[B,1,1,S] masks whose rows a whole program shares are loaded once per program (MASK_SHARED):
+    the same results as the reference, forward and backward, for both mask kinds."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 8, 96, device=device) * 2
+    keep = torch.rand(2, 1, 1, 96, device=device) < 0.7
+    keep[..., 0] = True
+    mask = ~keep if kind == "bool" else torch.where(keep, 0.0, -10000.0)
+    (_, _, meta), _, _ = softmax._plan_for(x, mask, 3)
+    assert meta["MASK_SHARED"] and meta["ROWS"] > 1
+    kw = dict(scale=0.5, zero_masked=kind == "bool")
+    dy = torch.randn_like(x)
+    y, (dx,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
+    y_ref, dx_ref = _ref64(x, mask, dy, **kw)
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-5, atol=1e-6)
+
+
 def test_additive_mask_gets_its_gradient(device):
     torch.manual_seed(1)
     x = torch.randn(2, 3, 6, 9, device=device)

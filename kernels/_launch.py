@@ -75,7 +75,8 @@ class Launcher:
         if not (self.direct and first.is_cuda and direct_launch_available()) or _hooks_installed():
             self.kernel[grid](*args, **meta)
             return
-        key = self._key(first.get_device(), args, meta)
+        device = first.get_device()
+        key = self._key(device, args, meta)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[grid](*args, **meta)
@@ -83,7 +84,7 @@ class Launcher:
                 self.compiled[key] = compiled
             return
         g = (*grid, 1, 1)
-        stream = torch._C._cuda_getCurrentRawStream(first.get_device())
+        stream = torch._C._cuda_getCurrentRawStream(device)
         constexprs = [meta[name] for name in self.constexpr_names]
         compiled.run(
             g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None,

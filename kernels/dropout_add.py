@@ -1,8 +1,10 @@
 """`bias_dropout_add`: ``residual + dropout(x + bias)`` in one kernel, forward and backward.
 
-Layers: `_dropout_add_triton` kernels -> `_forward` / `_backward_kernel` (launchers) ->
-`BiasDropoutAddFunction` (eager autograd) and the custom ops `opadvisor::bias_dropout_add_fwd` / `_bwd`
-(torch.compile) -> `bias_dropout_add`. `reference_bias_dropout_add` is the PyTorch version and the oracle.
+Layers: `_dropout_add_triton` kernels -> `_forward` / `_backward_kernel` (launchers, through
+`_launch.Launcher`) -> `BiasDropoutAddFunction` (eager autograd) and the custom ops
+`opadvisor::bias_dropout_add_fwd` / `_bwd` (torch.compile with COMPILE_PATH "custom_op") ->
+`bias_dropout_add`, which runs `eager_bias_dropout_add` (the plain chain) for small CUDA tensors and, by
+default, under torch.compile. `reference_bias_dropout_add` is the PyTorch version and the oracle.
 
 Backward saves no mask: the keep mask is recomputed from the seed (Philox, see `_rng`), so the only state
 kept between forward and backward is three integers. `MASK_MODE = "byte"` instead stores a 1-byte mask
@@ -319,7 +321,8 @@ def bias_dropout_add(
 
     Returns a tensor of x's shape in the promoted dtype of the inputs. Backward gives dx, dbias and
     dresidual and keeps no mask: the dropout mask is recomputed from a seed that follows
-    torch.manual_seed.
+    torch.manual_seed. CUDA tensors under SMALL_NUMEL elements, and calls traced by torch.compile (see
+    COMPILE_PATH), run the plain PyTorch chain instead (`bias_dropout_add_backend` says which).
     """
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} differs from x's {tuple(x.shape)}")

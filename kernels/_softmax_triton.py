@@ -3,7 +3,8 @@
 Layout: the softmax dimension is the row; the other dimensions are merged into at most three batch
 dimensions (sizes D0 x D1 x D2, any strides, 0 for broadcast masks), so broadcast masks and
 non-contiguous inputs are read in place. Offsets are int64 where a tensor reaches 2**31 elements (I64), int32
-otherwise. Math is float32 whatever the storage dtype.
+otherwise. A mask row that all ROWS rows of a program share ([B,1,1,S] padding masks) is loaded once
+(MASK_SHARED, decided by the launcher). Math is float32 whatever the storage dtype.
 
 Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
                    p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)

@@ -6,6 +6,7 @@ layout: a training step that repeats its shapes pays for this arithmetic once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 # Kernels index in int32 below this many elements (a margin under 2**31 covers the last program's rows
@@ -80,10 +81,7 @@ def row_layout(shape: Sequence[int], strides: Sequence[Sequence[int]], dim: int)
 def needs_int64(shape: Sequence[int], strides: Sequence[Sequence[int]]) -> bool:
     """Whether a kernel over tensors of `shape` with these strides (0 for broadcast dims) must compute
     offsets in int64: the element count or some tensor's furthest element reaches INT32_SAFE."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel >= INT32_SAFE:
+    if math.prod(shape) >= INT32_SAFE:
         return True
     return any(
         sum((n - 1) * abs(st) for n, st in zip(shape, s, strict=True) if n > 0) >= INT32_SAFE for s in strides

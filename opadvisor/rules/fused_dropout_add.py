@@ -117,13 +117,15 @@ def detect(profile: Profile) -> list[Finding]:
         n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
         if ix.gpu and n_fwd < 2:
             continue
+        size = numel(shape(first["dropout"], 0))
+        too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
         saving = None
-        if ix.gpu:
+        if too_small:
+            saving = 0.0  # the bundled function runs this same chain at this size
+        elif ix.gpu:
             saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (
                 1 - 1 / n_fwd
             )
-        size = numel(shape(first["dropout"], 0))
-        too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
         residual = first["residual"]
         head = " -> ".join(
             w
@@ -147,7 +149,7 @@ def detect(profile: Profile) -> list[Finding]:
                 occurrences=occurrences,
                 head=head,
                 fused_kernels=1,
-                est_saving_ms=0.0 if too_small else saving,
+                est_saving_ms=saving,
                 advice=(
                     f"nothing to apply at this size ({size:,} elements): under {KERNEL_MIN_NUMEL:,} "
                     "opadvisor.kernels.bias_dropout_add runs this same chain, because a fused call costs "

@@ -13,7 +13,9 @@ twice (an untouched original, and a working copy), then in the working copy runs
 and times four variants, each in a fresh process under verify's harness (`opadvisor.verify.harness`, timing
 mode: CUDA synchronised at each optimizer step, the first --warmup steps dropped, median of --steps):
 original eager, original with --compile (torch.compile of the model), rewritten eager, rewritten with
---compile. The table (markdown) goes to stdout and to --out, with the device, the versions and the command.
+--compile. With --graphs it then applies sparse_launch's unsafe fix on top (`opadvisor apply --rule
+sparse_launch --unsafe`: the model in `opadvisor.kernels.cuda_graphed`), verifies it, and times two more.
+The table (markdown) goes to stdout and to --out, with the device, the versions and the command.
 """
 
 from __future__ import annotations
@@ -137,44 +139,70 @@ def bench_example(name: str, tmp: Path, opts: argparse.Namespace, log: list[str]
             )
             info["applied"] += applied_lines(proc.stdout + "\n" + proc.stderr)
         if opts.parity and info["applied"]:
-            proc = opadvisor(
-                work_dir,
-                "verify",
-                "--steps",
-                "5",
-                "--no-timing",
-                "--no-reprofile",
-                "--format",
-                "json",
-                timeout=opts.timeout,
-            )
-            try:
-                report = json.loads(proc.stdout)
-                p = report["parity"]
-                info["parity"] = f"{'passed' if p['ok'] else 'FAILED'} ({p['message']})"
-            except (json.JSONDecodeError, KeyError):
-                info["parity"] = (
-                    f"verify exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
-                )
+            info["parity"] = parity(work_dir, opts)
             log.append(f"[{name}] verify: {info['parity']}")
 
     rows = []
-    for variant, script, extra in (
+    variants = [
         ("original, eager", orig, []),
         ("original, torch.compile", orig, ["--compile"]),
         ("opadvisor apply, eager", work, []),
         ("opadvisor apply, torch.compile", work, ["--compile"]),
-    ):
-        if script is work and not info["applied"]:
-            rows.append(Row(name, variant, None, "nothing applied"))
-            continue
-        t0 = time.perf_counter()
-        times, error = time_variant(script, [*sizes, *extra], opts)
-        log.append(
-            f"[{name}] {variant}: {times.median_ms if times else error} ({time.perf_counter() - t0:.0f} s)"
-        )
-        rows.append(Row(name, variant, times, error))
+    ]
+    graph_variants = [
+        ("apply + CUDA graphs (sparse_launch, unsafe), eager", work, []),
+        ("apply + CUDA graphs (sparse_launch, unsafe), torch.compile", work, ["--compile"]),
+    ]
+    for variant, script, extra in variants:
+        rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log, info, work))
+    # on top of the timed rewrite, in the same folder (the run's paths): the model in cuda_graphed
+    if opts.graphs and info["applied"] and _apply_cuda_graphs(work_dir, opts, log, info):
+        for variant, script, extra in graph_variants:
+            rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log, info, work))
     return rows, info
+
+
+def _timed_row(
+    name: str, variant: str, script: Path, args: list[str], opts: argparse.Namespace, log: list[str], info: dict,
+    work: Path,
+) -> Row:  # fmt: skip
+    if script is work and not info["applied"]:
+        return Row(name, variant, None, "nothing applied")
+    t0 = time.perf_counter()
+    times, error = time_variant(script, args, opts)
+    log.append(
+        f"[{name}] {variant}: {times.median_ms if times else error} ({time.perf_counter() - t0:.0f} s)"
+    )
+    return Row(name, variant, times, error)
+
+
+def parity(work_dir: Path, opts: argparse.Namespace) -> str:
+    """`opadvisor verify`'s parity verdict for the rewrite in `work_dir` (5 steps, dropout off)."""
+    proc = opadvisor(
+        work_dir, "verify", "--steps", "5", "--no-timing", "--no-reprofile", "--format", "json",
+        timeout=opts.timeout,
+    )  # fmt: skip
+    try:
+        p = json.loads(proc.stdout)["parity"]
+        return f"{'passed' if p['ok'] else 'FAILED'} ({p['message']})"
+    except (json.JSONDecodeError, KeyError):
+        return f"verify exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}"
+
+
+def _apply_cuda_graphs(work_dir: Path, opts: argparse.Namespace, log: list[str], info: dict) -> bool:
+    """sparse_launch's unsafe fix (the model wrapped in `cuda_graphed`) on top of the rewrite in `work_dir`;
+    True when apply wrote it."""
+    proc = opadvisor(work_dir, "apply", "--rule", "sparse_launch", "--unsafe", timeout=opts.timeout)
+    lines = applied_lines(proc.stdout + "\n" + proc.stderr)
+    log.append(
+        f"[graphs] apply --rule sparse_launch --unsafe: exit {proc.returncode}\n{proc.stdout[-2000:]}"
+        f"{proc.stderr[-1000:]}"
+    )
+    info["graphs_applied"] = lines
+    if opts.parity and lines:
+        info["graphs_parity"] = parity(work_dir, opts)
+        log.append(f"[graphs] verify: {info['graphs_parity']}")
+    return bool(lines)
 
 
 def markdown(
@@ -206,6 +234,13 @@ def markdown(
         out += [f"  - `{line}`" for line in info["applied"]]
         if info["parity"]:
             out.append(f"- loss parity (opadvisor verify, 5 steps, dropout off): {info['parity']}")
+        if info.get("graphs_applied"):
+            out.append("- then, for the CUDA-graphs rows (`apply --rule sparse_launch --unsafe`):")
+            out += [f"  - `{line}`" for line in info["graphs_applied"]]
+        if info.get("graphs_parity"):
+            out.append(
+                f"- loss parity of that rewrite (all of it against the original): {info['graphs_parity']}"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -225,6 +260,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (compilation, autotuning)")
     parser.add_argument("--no-parity", dest="parity", action="store_false", help="skip opadvisor verify")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also time the rewrite with sparse_launch's unsafe fix (the model in cuda_graphed), eager and compiled",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per subprocess")
     parser.add_argument("--log", type=Path, help="write what each step printed here")
     parser.add_argument(

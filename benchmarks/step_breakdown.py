@@ -149,9 +149,10 @@ def gpu_tables(prof, walls: list[float], top: int) -> list[str]:
         and not (getattr(e, "is_user_annotation", False) or "#" in e.name)  # annotations: not kernels
     ]
     busy = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / len(walls)
+    total = sum(e.time_range.elapsed_us() for e in kernels) / 1000 / len(walls)
     lines = [
         f"- GPU busy per step (union of kernels): {busy:.2f} ms = {100 * busy / wall:.0f}% of the wall time "
-        f"(light profiler on: ops and kernels, no stacks)",
+        f"(light profiler on: ops and kernels, no stacks); kernel durations summed: {total:.2f} ms",
         f"- kernels per step: {len(kernels) / len(walls):.0f}",
         "",
         "| op (self GPU time) | calls/step | GPU ms/step | share of busy |",

@@ -4,6 +4,7 @@
   dropout_p=0.0, training=True)``: scale -> mask -> softmax -> zero masked -> dropout, one kernel.
 - ``bias_dropout_add(x, bias, residual, p, training=True)``: ``residual + dropout(x + bias)``.
 - ``PaddedLinear`` / ``padded_linear``: ``nn.Linear`` whose GEMM runs on sizes padded to a multiple of 8.
+- ``cuda_graphed(module)``: the module's forward and backward replayed from CUDA graphs, per input shape.
 
 Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
 PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions. Importing this
@@ -12,6 +13,7 @@ package does not import Triton.
 
 from ._backend import backend
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
+from .graphs import cuda_graphed
 from .linear import PaddedLinear, padded_linear
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
@@ -20,6 +22,7 @@ __all__ = [
     "backend",
     "bias_dropout_add",
     "bias_dropout_add_backend",
+    "cuda_graphed",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",

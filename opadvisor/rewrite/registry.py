@@ -16,6 +16,7 @@ CODEMODS: dict[str, str] = {
     "dataloader_stall": "opadvisor.rewrite.dataloader_stall:DataLoaderCodemod",
     "manual_layernorm": "opadvisor.rewrite.manual_layernorm:ManualLayerNormCodemod",
     "fp32_gemm": "opadvisor.rewrite.fp32_gemm:Fp32GemmCodemod",
+    "sparse_launch": "opadvisor.rewrite.sparse_launch:CudaGraphsCodemod",
 }
 
 

@@ -19,9 +19,13 @@ Example
         p.data.add_(p.grad, alpha=-lr)
 
 Fix and its safety
-    Display-only: which remedy fits depends on the code. For an optimizer, `fused=True` (see
-    `fused_optimizer`); for a chain of small elementwise ops, one fused kernel or `torch.compile` on that
-    function; for a whole step of small kernels, CUDA graphs (`torch.compile(mode="reduce-overhead")`).
+    For launches in the model's forward and backward: CUDA graphs, unsafe (`opadvisor apply --rule
+    sparse_launch --unsafe` wraps the module the optimizer trains in `opadvisor.kernels.cuda_graphed`, which
+    captures its forward and backward once per input shape and replays them: the same values, but outputs
+    are overwritten by the next call and Python side effects in forward run only at capture; see
+    opadvisor/rewrite/sparse_launch.py). When the tiny kernels are an optimizer's, the fix is
+    `fused_optimizer`'s and this finding has none; `torch.compile` (mode="reduce-overhead" adds CUDA graphs)
+    is the other remedy the advice names.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from opadvisor.rules.finding import Evidence, Finding
 
 ID = "sparse_launch"
 TITLE = "GPU idle between short kernels"
-FIX = "none"
+FIX = "unsafe"
 
 IDLE_SHARE_MIN = 0.10  # report when the unexplained idle share of the median step is at least this
 FUNCTION_SHARE_MIN = 0.02  # ... and per function, when it causes at least this share of the step idle
@@ -152,6 +156,7 @@ def detect(profile: Profile) -> list[Finding]:
         tiny_per_step = round(site.tiny / ix.steps_recorded)
         kernels_per_step = round(site.kernels / ix.steps_recorded)
         remedies = _remedies(site)
+        fix = "none" if _optimizer_bound(site) else FIX
         where = site.function or "this code"
         message = (
             f"GPU idle while {where} launches kernels: {tiny_per_step} of its {kernels_per_step} kernels/step are "
@@ -165,7 +170,7 @@ def detect(profile: Profile) -> list[Finding]:
                 line=line,
                 end_line=end,
                 message=message,
-                fix="none",
+                fix=fix,  # type: ignore[arg-type]
                 function=site.function,
                 module=", ".join(sorted(site.modules)[:2]) or None,
                 evidence=Evidence(
@@ -240,11 +245,19 @@ def _lines(profile: Profile, site: _Site) -> tuple[int, int]:
     return 1, 1
 
 
+def _optimizer_bound(site: _Site) -> bool:
+    """Most of the site's tiny kernels run inside an optimizer step (fused_optimizer's fix, not graphs)."""
+    return bool(site.in_optimizer) and site.in_optimizer >= site.tiny / 2
+
+
 def _remedies(site: _Site) -> list[str]:
-    out = []
-    if site.in_optimizer and site.in_optimizer >= site.tiny / 2:
-        out.append("fused optimizer: pass fused=True to the torch.optim constructor (see fused_optimizer)")
-    else:
-        out.append(f"fuse the chain of small ops in {site.function or 'this code'} (or torch.compile it)")
-    out.append('CUDA graphs: torch.compile(mode="reduce-overhead") or torch.cuda.graphs on the step')
-    return out
+    if _optimizer_bound(site):
+        return [
+            "fused optimizer: pass fused=True to the torch.optim constructor (see fused_optimizer)",
+            'CUDA graphs: torch.compile(mode="reduce-overhead") or torch.cuda.graphs on the step',
+        ]
+    return [
+        "CUDA graphs over the model's forward and backward: `opadvisor apply --rule sparse_launch --unsafe` "
+        "wraps it in opadvisor.kernels.cuda_graphed",
+        f"or fuse the chain of small ops in {site.function or 'this code'} (or torch.compile it)",
+    ]

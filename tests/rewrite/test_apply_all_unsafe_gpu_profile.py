@@ -73,6 +73,7 @@ def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> Non
     assert "fused=True" in rewritten  # fused_optimizer
     assert "pin_memory=True" in rewritten and "non_blocking=True" in rewritten  # dataloader_stall
     assert "PaddedLinear(" in rewritten  # gemm_align on the 30522-wide head
+    assert "model = cuda_graphed(model)" in rewritten  # sparse_launch (a pass-through on the CPU)
     assert "scaled_dot_product_attention" in rewritten or "masked_softmax(" in rewritten
     # the profile's dropout-adds are small (the example's default sizes): the kernel would run the same chain, so the
     # finding offers no fix and apply says so instead of rewriting

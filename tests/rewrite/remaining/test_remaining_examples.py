@@ -1,7 +1,8 @@
-"""The bundled examples after the fused_optimizer, dataloader_stall, manual_layernorm and fp32_gemm
-codemods (static mode, on copies): the expected sites change, and the scripts still train for 2 steps on
-CPU. On CPU, `fused=True` AdamW runs (torch >= 2.4 has fused CPU kernels), `pin_memory=True` only warns,
-the TF32 flags do nothing, and the loaders use worker processes.
+"""The bundled examples after the fused_optimizer, dataloader_stall, manual_layernorm, fp32_gemm and
+sparse_launch codemods (static mode, on copies): the expected sites change, and the scripts still train for 2
+steps on CPU. On CPU, `fused=True` AdamW runs (torch >= 2.4 has fused CPU kernels), `pin_memory=True` only
+warns, the TF32 flags do nothing, the loaders use worker processes, and `cuda_graphed` runs the original
+forward (CPU tensors; the GPU side is tests/kernels/test_kernels_graphs.py and test_sparse_launch_gpu.py).
 """
 
 from __future__ import annotations
@@ -23,15 +24,33 @@ STEP_LINE = re.compile(r"^step (\d+) loss (\S+)$")
 CASES = {
     "bert_train.py": (
         SMALL,
-        {"fused_optimizer": 1, "dataloader_stall": 4, "manual_layernorm": 0, "fp32_gemm": 1},
+        {
+            "fused_optimizer": 1,
+            "dataloader_stall": 4,
+            "manual_layernorm": 0,
+            "fp32_gemm": 1,
+            "sparse_launch": 1,
+        },
     ),
     "gpt_train.py": (
         SMALL,
-        {"fused_optimizer": 1, "dataloader_stall": 0, "manual_layernorm": 0, "fp32_gemm": 1},
+        {
+            "fused_optimizer": 1,
+            "dataloader_stall": 0,
+            "manual_layernorm": 0,
+            "fp32_gemm": 1,
+            "sparse_launch": 1,
+        },
     ),
     "ddp_train.py": (
         ["--device", "cpu", "--hidden", "32"],
-        {"fused_optimizer": 1, "dataloader_stall": 3, "manual_layernorm": 0, "fp32_gemm": 1},
+        {
+            "fused_optimizer": 1,
+            "dataloader_stall": 3,
+            "manual_layernorm": 0,
+            "fp32_gemm": 1,
+            "sparse_launch": 0,
+        },
     ),
 }
 

@@ -46,6 +46,6 @@ def test_fixture(case: Path) -> None:
 
 def test_every_rule_has_fixtures() -> None:
     rules = {case.parent.name for case in cases()}
-    assert rules == {"fused_optimizer", "dataloader_stall", "manual_layernorm", "fp32_gemm"}
+    assert rules == {"fused_optimizer", "dataloader_stall", "manual_layernorm", "fp32_gemm", "sparse_launch"}
     for case in cases():
         assert expected_path(case).exists(), f"{case} has no .out.py"

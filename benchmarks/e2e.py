@@ -154,20 +154,20 @@ def bench_example(name: str, tmp: Path, opts: argparse.Namespace, log: list[str]
         ("apply + CUDA graphs (sparse_launch, unsafe), torch.compile", work, ["--compile"]),
     ]
     for variant, script, extra in variants:
-        rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log, info, work))
+        if script is work and not info["applied"]:
+            rows.append(Row(name, variant, None, "nothing applied"))
+            continue
+        rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log))
     # on top of the timed rewrite, in the same folder (the run's paths): the model in cuda_graphed
     if opts.graphs and info["applied"] and _apply_cuda_graphs(work_dir, opts, log, info):
         for variant, script, extra in graph_variants:
-            rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log, info, work))
+            rows.append(_timed_row(name, variant, script, [*sizes, *extra], opts, log))
     return rows, info
 
 
 def _timed_row(
-    name: str, variant: str, script: Path, args: list[str], opts: argparse.Namespace, log: list[str], info: dict,
-    work: Path,
-) -> Row:  # fmt: skip
-    if script is work and not info["applied"]:
-        return Row(name, variant, None, "nothing applied")
+    name: str, variant: str, script: Path, args: list[str], opts: argparse.Namespace, log: list[str]
+) -> Row:
     t0 = time.perf_counter()
     times, error = time_variant(script, args, opts)
     log.append(

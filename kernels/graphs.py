@@ -37,6 +37,7 @@ parameter's `.grad` never aliases the graph's memory and gradient accumulation a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import Any
@@ -176,19 +177,11 @@ def _hooks_in(module: nn.Module) -> str | None:
     return None
 
 
-class _autocast_without_cache:
+def _autocast_without_cache() -> contextlib.AbstractContextManager:
     """The caller's autocast state with its weight-cast cache off (captured casts must not be cached)."""
-
-    def __enter__(self) -> None:
-        self.ctx = None
-        if torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-            self.ctx = torch.autocast("cuda", dtype=dtype, cache_enabled=False)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
 
 
 def _backward_pending(graph: _Graph) -> bool:

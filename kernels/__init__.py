@@ -3,6 +3,8 @@
 - ``masked_softmax(x, mask=None, *, dim=-1, scale=None, fill_value=-inf, zero_masked=False,
   dropout_p=0.0, training=True)``: scale -> mask -> softmax -> zero masked -> dropout, one kernel.
 - ``bias_dropout_add(x, bias, residual, p, training=True)``: ``residual + dropout(x + bias)``.
+- ``cross_entropy(input, target, ...)``: ``F.cross_entropy``'s drop-in; 16-bit logits read once per
+  direction, in place (a column slice of a padded LM-head output included), without float32 copies.
 - ``PaddedLinear`` / ``padded_linear``: ``nn.Linear`` whose GEMM runs on sizes padded to a multiple of 8.
 - ``cuda_graphed(module)``: the module's forward and backward replayed from CUDA graphs, per input shape.
 
@@ -12,6 +14,7 @@ package does not import Triton.
 """
 
 from ._backend import backend
+from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
 from .linear import PaddedLinear, padded_linear
@@ -22,10 +25,13 @@ __all__ = [
     "backend",
     "bias_dropout_add",
     "bias_dropout_add_backend",
+    "cross_entropy",
+    "cross_entropy_backend",
     "cuda_graphed",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",
     "reference_bias_dropout_add",
+    "reference_cross_entropy",
     "reference_masked_softmax",
 ]

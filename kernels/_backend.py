@@ -9,7 +9,8 @@ test or a user can ask which code path a call will take before making it:
 - everything else (CPU without the interpreter, no Triton, other devices) -> ``"reference"`` (plain
   PyTorch, also the test oracle)
 - CUDA tensors too small for a kernel to pay for its launch -> ``"eager"``: `bias_dropout_add` runs the
-  chain it replaces in the inputs' dtype, `masked_softmax` its reference
+  chain it replaces in the inputs' dtype, `masked_softmax` its reference. Not while a CUDA graph is being
+  captured: a replay costs no host time per kernel, so there the kernel's GPU saving is all that counts
 
 Per op, shapes and dtypes the kernels do not cover (float64, empty tensors) or where they measured slower
 than eager PyTorch on the GPU (tiny tensors: launch overhead dominates) also give ``"reference"``; see
@@ -58,15 +59,20 @@ def backend(device: torch.device | str | torch.Tensor) -> str:
 def for_tensor(x: torch.Tensor, small_numel: int) -> str:
     """`backend(x)` narrowed per tensor: "reference" for dtypes and shapes the kernels do not cover
     (float64, 0-d, empty) and "eager" on the GPU for tensors under `small_numel` elements (launch-bound
-    work: each op says what it runs then)."""
+    work: each op says what it runs then) unless the current stream is capturing a CUDA graph."""
     be = backend(x)
     if be == REFERENCE:
         return be
     if x.dtype not in KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
         return REFERENCE
-    if be == TRITON and x.numel() < small_numel:
+    if be == TRITON and x.numel() < small_numel and not cuda_graph_capturing():
         return EAGER
     return be
+
+
+def cuda_graph_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False on builds without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def emulate_rne(t: torch.Tensor) -> bool:

@@ -27,6 +27,16 @@ def philox4x32(c0, c1, c2, c3, k0, k1):
 
 
 @triton.jit
+def seed_words(SEED, k0, k1, stream, SEED_PTR: tl.constexpr):
+    """(k0, k1, stream): the launch's integer arguments, or with SEED_PTR the three int32 words at SEED
+    (a seed drawn on the device while a CUDA graph was captured, fresh at every replay; see `_rng`)."""
+    if SEED_PTR:
+        return tl.load(SEED), tl.load(SEED + 1), tl.load(SEED + 2)
+    else:
+        return k0, k1, stream
+
+
+@triton.jit
 def keep_mask(
     k0, k1, stream, threshold, rows, col0, ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr
 ):

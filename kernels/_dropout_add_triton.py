@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_triton import keep_mask, rne_bf16, widen
+from ._common_triton import keep_mask, rne_bf16, seed_words, widen
 from ._common_triton import row_offsets as _row_offsets
 
 
@@ -39,6 +39,7 @@ def bias_dropout_add_fwd_kernel(
     k0,
     k1,
     stream,
+    SEED,
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     BYTE_MASK: tl.constexpr,
@@ -47,7 +48,9 @@ def bias_dropout_add_fwd_kernel(
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
     I64: tl.constexpr,
+    SEED_PTR: tl.constexpr,
 ):
+    k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
@@ -89,6 +92,7 @@ def bias_dropout_add_bwd_kernel(
     k0,
     k1,
     stream,
+    SEED,
     HAS_BIAS: tl.constexpr,
     BYTE_MASK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -96,8 +100,10 @@ def bias_dropout_add_bwd_kernel(
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
     I64: tl.constexpr,
+    SEED_PTR: tl.constexpr,
 ):
     """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program."""
+    k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     pid_r = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)

@@ -12,13 +12,19 @@ ops: it is the oracle that the kernels' masks are tested against, bit for bit.
 
 Seeds follow `torch.manual_seed`. For CUDA tensors the key is the device generator's seed and the stream
 its Philox offset, which each call advances by 4 (as PyTorch's own dropout advances it): no kernel runs
-and nothing synchronises. For CPU tensors one 62-bit value is drawn from the default CPU generator. A
-seed read while a CUDA graph is being captured is frozen into the graph (every replay repeats the mask).
+and nothing synchronises. For CPU tensors one 62-bit value is drawn from the default CPU generator.
+
+While a CUDA graph is being captured, a seed read on the host would be frozen into the graph (every replay
+would repeat the mask). There the seed is drawn on the device instead: three int32 words from
+`torch.randint`, which PyTorch's generator advances on every replay, and the kernels load them through a
+pointer (`SEED_PTR`). The backward reads the same three words, saved with the forward's tensors.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._backend import cuda_graph_capturing
 
 _M32 = 0xFFFFFFFF
 _M31 = 0x7FFFFFFF
@@ -29,8 +35,30 @@ PHILOX_ROUND_B = 0xCD9E8D57
 PHILOX_ROUNDS = 10
 
 
-def draw_seed(device: torch.device) -> tuple[int, int, int]:
-    """(k0, k1, stream) for one dropout call, each in [0, 2**31) so kernel arguments keep one type."""
+Seed = tuple[int, int, int] | torch.Tensor
+
+
+def draw_seed(device: torch.device) -> Seed:
+    """(k0, k1, stream) for one dropout call, each in [0, 2**31) so kernel arguments keep one type; an
+    int32 device tensor holding the three words while the current CUDA stream is being captured."""
+    if device.type == "cuda" and cuda_graph_capturing():
+        return torch.randint(0, _M31, (3,), dtype=torch.int32, device=device)
+    return draw_host_seed(device)
+
+
+def draw_op_seed(device: torch.device, op: str) -> Seed:
+    """`draw_seed` for the custom ops, whose seed travels as a CPU tensor: refused while a CUDA graph
+    is being captured, where it would be frozen (torch.compile's default path traces the plain chains)."""
+    if device.type == "cuda" and cuda_graph_capturing():
+        raise RuntimeError(
+            f"{op} with dropout cannot be captured in a CUDA graph (its seed would repeat at every replay); "
+            "keep the kernels' COMPILE_PATH at its default, or call the op outside torch.compile"
+        )
+    return draw_seed(device)
+
+
+def draw_host_seed(device: torch.device) -> tuple[int, int, int]:
+    """`draw_seed` as host integers (right only when no CUDA graph is being captured)."""
     if device.type == "cuda" and hasattr(torch.Generator, "get_offset"):  # torch >= 2.1
         index = device.index if device.index is not None else torch.cuda.current_device()
         gen = torch.cuda.default_generators[index]
@@ -40,6 +68,24 @@ def draw_seed(device: torch.device) -> tuple[int, int, int]:
         return seed & _M31, (seed >> 31) & _M31, (offset // 4) & _M31
     seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())  # the CPU generator: no sync
     return seed & _M31, (seed >> 31) & _M31, 0
+
+
+def seed_launch_args(seed: Seed, placeholder: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:
+    """(SEED pointer, k0, k1, stream, SEED_PTR): the kernels' seed arguments for either kind of seed.
+
+    `placeholder` fills the pointer slot when the seed travels as integers (the kernel never reads it)."""
+    if isinstance(seed, torch.Tensor):
+        return seed, 0, 0, 0, True
+    k0, k1, stream = seed
+    return placeholder, k0, k1, stream, False
+
+
+def host_seed(seed: Seed) -> tuple[int, int, int]:
+    """The three integers of `seed` (reads a device seed back: a sync; for tests and oracles)."""
+    if isinstance(seed, torch.Tensor):
+        k0, k1, stream = (int(v) for v in seed.tolist())
+        return k0, k1, stream
+    return seed
 
 
 def threshold(p: float) -> int:

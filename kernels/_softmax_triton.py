@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common_triton import keep_mask, rne_bf16, widen
+from ._common_triton import keep_mask, rne_bf16, seed_words, widen
 from ._common_triton import row_offsets as _row_offsets
 
 
@@ -92,6 +92,7 @@ def masked_softmax_fwd_kernel(
     k0,
     k1,
     stream,
+    SEED,
     MASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -102,7 +103,9 @@ def masked_softmax_fwd_kernel(
     RNE: tl.constexpr,
     I64: tl.constexpr,
     MASK_SHARED: tl.constexpr,
+    SEED_PTR: tl.constexpr,
 ):
+    k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
@@ -234,6 +237,7 @@ def masked_softmax_bwd_kernel(
     k0,
     k1,
     stream,
+    SEED,
     MASK: tl.constexpr,
     ZERO_MASKED: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -244,7 +248,9 @@ def masked_softmax_bwd_kernel(
     RNE: tl.constexpr,
     I64: tl.constexpr,
     MASK_SHARED: tl.constexpr,
+    SEED_PTR: tl.constexpr,
 ):
+    k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
     po = _row_offsets(rows, D1, D2, sp0, sp1, sp2)

@@ -35,6 +35,7 @@ RNG_INTERLEAVE = False
 # hops to the autograd thread): in a step bound by its host (BERT-base, [8192, 768] x 24 calls) the kernel
 # made the step slower (37.8 vs 30.0 ms), so only tensors from 2^25 elements, where the GPU saving covers
 # that host cost, take it. See benchmarks/RESULTS.md, "Dispatch".
+# While a CUDA graph is being captured every size takes the kernel (a replay has no per-kernel host cost).
 SMALL_NUMEL = 1 << 25
 # Under torch.compile: "chain" traces `residual + dropout(x + bias)` so that inductor fuses it with its
 # neighbours (the LayerNorm after a residual add, say), which the opaque custom op prevents; "custom_op"
@@ -81,10 +82,12 @@ def reference_bias_dropout_add(
     return (residual.to(compute) + v).to(out_dtype)
 
 
-def philox_keep_like(x: torch.Tensor, seed: tuple[int, int, int], p: float) -> torch.Tensor:
+def philox_keep_like(x: torch.Tensor, seed: _rng.Seed, p: float) -> torch.Tensor:
     """The keep mask the kernels draw for `x` (rows of its last dimension) and `seed`."""
     n_cols = x.shape[-1]
-    return _rng.philox_keep_mask(seed, x.numel() // max(n_cols, 1), n_cols, p, x.device).reshape(x.shape)
+    return _rng.philox_keep_mask(
+        _rng.host_seed(seed), x.numel() // max(n_cols, 1), n_cols, p, x.device
+    ).reshape(x.shape)
 
 
 def _out_dtype(x, bias, residual):
@@ -135,13 +138,13 @@ def _forward(x, bias, residual, p, seed):
         x, residual = x.contiguous(), residual.contiguous()
         plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
     grid, ints, meta = plan
-    k0, k1, stream = seed
+    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, y)
     _launchers()[0](
         grid,
         (x, bias if bias is not None else x, residual, y, keep if byte_mask else y, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
         {"HAS_BIAS": bias is not None, "DROPOUT": p > 0, "BYTE_MASK": byte_mask,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), **meta},
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), "SEED_PTR": from_ptr, **meta},
     )  # fmt: skip
     return y, keep
 
@@ -187,13 +190,13 @@ def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
     partial = (
         torch.empty((grid[0], dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
     )
-    k0, k1, stream = seed
+    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, dx)
     _launchers()[1](
         grid,
         (dy, dx, partial if partial is not None else dx, keep if byte_mask else dx, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
         {"HAS_BIAS": need_dbias, "BYTE_MASK": byte_mask, "INTERLEAVE": RNG_INTERLEAVE,
-         "RNE": _backend.emulate_rne(dx), **meta},
+         "RNE": _backend.emulate_rne(dx), "SEED_PTR": from_ptr, **meta},
     )  # fmt: skip
     return dx, (partial.sum(0) if partial is not None else None)
 
@@ -247,7 +250,7 @@ def bias_dropout_add_fwd_op(
     x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, keep bytes or empty, seed as a CPU int64 tensor [3])."""
-    seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
+    seed = _rng.draw_op_seed(x.device, "opadvisor::bias_dropout_add_fwd") if p > 0 else _NO_SEED
     y, keep = _forward(x, bias, residual, p, seed)
     if keep is None:
         keep = torch.empty(0, dtype=torch.uint8, device=x.device)

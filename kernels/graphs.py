@@ -13,9 +13,7 @@ which is always correct, unless all of these hold:
 
 - gradients are enabled, every positional argument is a CUDA tensor, no keyword arguments, and neither
   torch.compile is tracing nor another graph capturing (torch.compile traces the original forward; the
-  tested order is the other one, `cuda_graphed(torch.compile(model))`, which captures the compiled code:
-  in a process that had already captured other graphs, inductor raised "Offset increment outside graph
-  capture" while compiling, on torch 2.11: the test runs it in a fresh process, as a script would);
+  tested order is the other one, `cuda_graphed(torch.compile(model))`, which captures the compiled code);
 - the module has no forward/backward hooks on any submodule and no global module hooks (they would run
   only at capture);
 - the parameters are the ones captured (same storage, dtype and requires_grad), the autocast state is the
@@ -29,7 +27,8 @@ need after the next step); Python side effects inside forward (prints, counters,
 happen only during capture; dropout draws different (but equally distributed) masks than the eager run;
 the capture itself runs the forward and backward 4 extra times once per input signature (buffers such as
 BatchNorm statistics are restored afterwards). A capture that fails (a host synchronisation or a data-
-dependent shape in forward) warns once and leaves the module eager.
+dependent shape in forward) warns once and leaves the module eager, with the device's random generator
+taken out of the capture mode the failed capture left it in (`_release_rng_capture`).
 
 Gradients are returned in fresh memory when a parameter's `.grad` is None (the usual `zero_grad()`), so a
 parameter's `.grad` never aliases the graph's memory and gradient accumulation adds what it should.
@@ -125,6 +124,7 @@ class GraphedForward:
                     surface, sample, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
                 )
         except Exception as exc:  # the forward cannot be captured: say so once, stay eager
+            _release_rng_capture(args[0].device)
             self._disable(f"capture failed ({type(exc).__name__}: {exc})")
             return None
         finally:
@@ -142,6 +142,22 @@ class GraphedForward:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def _release_rng_capture(device: torch.device) -> None:
+    """Take the device's default generator out of capture mode after a capture that failed.
+
+    Every capture registers the default CUDA generator, and only a capture that ends cleanly takes it out
+    of capture mode again (torch 2.11: when cudaStreamEndCapture fails on an invalidated capture, the
+    generator's epilogue never runs). Left so, every later random op on the device fails with "Offset
+    increment outside graph capture encountered unexpectedly". A tiny capture that ends cleanly runs that
+    epilogue on the same generator state (so graphs captured before keep advancing the same offsets)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scratch = torch.zeros(1, device=device)
+        with torch.cuda.graph(graph):
+            scratch.add_(1)
 
 
 def _graphable_call(args: tuple) -> bool:

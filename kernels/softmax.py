@@ -88,11 +88,11 @@ def reference_masked_softmax(
     return p.to(x.dtype)
 
 
-def philox_keep_like(x: torch.Tensor, dim: int, seed: tuple[int, int, int], p: float) -> torch.Tensor:
+def philox_keep_like(x: torch.Tensor, dim: int, seed: _rng.Seed, p: float) -> torch.Tensor:
     """The keep mask the kernels draw for `x` (softmax over `dim`) and `seed`, as a bool tensor like x."""
     moved = x.movedim(dim, -1).shape
     n_cols = moved[-1]
-    keep = _rng.philox_keep_mask(seed, x.numel() // max(n_cols, 1), n_cols, p, x.device)
+    keep = _rng.philox_keep_mask(_rng.host_seed(seed), x.numel() // max(n_cols, 1), n_cols, p, x.device)
     return keep.reshape(moved).movedim(-1, dim)
 
 
@@ -186,14 +186,14 @@ def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     (grid, ints, meta), x, mask = _plan_for(x, mask, dim)
     n_rows, n_cols, d1, d2, *strides = ints
     s_x, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
-    k0, k1, stream = seed
+    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, y)
     _launchers()[0](
         grid,
         (x, _mask_arg(mask, x), y, saved if p > 0 else y,
          n_rows, n_cols, d1, d2, *s_x, *s_mask, *s_out,
-         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
         {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), **meta},
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), "SEED_PTR": from_ptr, **meta},
     )  # fmt: skip
     return y, saved
 
@@ -207,14 +207,14 @@ def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
     (grid, ints, meta), dy, mask = _plan_for(dy, mask, dim)
     n_rows, n_cols, d1, d2, *strides = ints
     s_dy, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
-    k0, k1, stream = seed
+    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, dx)
     _launchers()[1](
         grid,
         (saved, dy, _mask_arg(mask, dy), dx,
          n_rows, n_cols, d1, d2, *s_out, *s_dy, *s_mask, *s_out,
-         scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream),
+         scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
         {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(dx), **meta},
+         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(dx), "SEED_PTR": from_ptr, **meta},
     )  # fmt: skip
     return dx
 
@@ -271,7 +271,7 @@ def masked_softmax_fwd_op(
     dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, saved p or empty, seed as a CPU int64 tensor [3])."""
-    seed = _rng.draw_seed(x.device) if dropout_p > 0 else _NO_SEED
+    seed = _rng.draw_op_seed(x.device, "opadvisor::masked_softmax_fwd") if dropout_p > 0 else _NO_SEED
     y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, dropout_p, seed)
     return y, saved, torch.tensor(seed, dtype=torch.int64)
 

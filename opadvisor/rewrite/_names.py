@@ -16,8 +16,6 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from opadvisor.rewrite._match import names_in
-
 
 def _dotted(name: str) -> cst.BaseExpression:
     parts = name.split(".")
@@ -33,6 +31,37 @@ def _top_level_imports(module: cst.Module) -> list[cst.Import | cst.ImportFrom]:
         if isinstance(stmt, cst.SimpleStatementLine):
             out.extend(s for s in stmt.body if isinstance(s, cst.Import | cst.ImportFrom))
     return out
+
+
+class _UsedNames(cst.CSTVisitor):
+    """Names a module binds or reads: not attribute names (`F.cross_entropy`), keyword names (`dim=`) or
+    the original name of an aliased import (`import x as y` binds only y)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.add(node.value)
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_ImportAlias(self, node: cst.ImportAlias) -> bool:
+        local = node.evaluated_alias or (get_full_name_for_node(node.name) or "").split(".")[0]
+        self.names.add(local)
+        return False
+
+
+def names_used(module: cst.Module) -> set[str]:
+    """Every name `module` binds or reads anywhere (see `_UsedNames`)."""
+    visitor = _UsedNames()
+    module.visit(visitor)
+    return visitor.names
 
 
 def reference(context: CodemodContext, module: cst.Module, qualified_name: str) -> cst.BaseExpression:
@@ -72,7 +101,7 @@ def reference(context: CodemodContext, module: cst.Module, qualified_name: str) 
         return cst.Attribute(value=cst.Name(module_alias), attr=cst.Name(obj))
     if bound_root:
         return _dotted(qualified_name)
-    if not any(n.value == obj for n in names_in(module)):
+    if obj not in names_used(module):
         AddImportsVisitor.add_needed_import(context, module_path, obj)
         return cst.Name(obj)
     AddImportsVisitor.add_needed_import(context, module_path)

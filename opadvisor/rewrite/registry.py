@@ -11,6 +11,7 @@ CODEMODS: dict[str, str] = {
     "fused_softmax": "opadvisor.rewrite.fused_softmax:FusedSoftmaxCodemod",
     "sdpa_attention": "opadvisor.rewrite.sdpa_attention:SdpaAttentionCodemod",
     "fused_dropout_add": "opadvisor.rewrite.fused_dropout_add:FusedDropoutAddCodemod",
+    "fused_cross_entropy": "opadvisor.rewrite.fused_cross_entropy:FusedCrossEntropyCodemod",
     "gemm_align": "opadvisor.rewrite.gemm_align:GemmAlignCodemod",
     "fused_optimizer": "opadvisor.rewrite.fused_optimizer:FusedOptimizerCodemod",
     "dataloader_stall": "opadvisor.rewrite.dataloader_stall:DataLoaderCodemod",

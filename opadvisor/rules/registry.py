@@ -16,6 +16,7 @@ RULE_MODULES: tuple[str, ...] = (
     "fused_softmax",
     "sdpa_attention",
     "fused_dropout_add",
+    "fused_cross_entropy",
     "gemm_align",
     "sparse_launch",
     "host_sync",

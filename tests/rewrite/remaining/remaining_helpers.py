@@ -25,7 +25,14 @@ from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rewrite.registry import get_codemod
 
 FIXTURES = Path(__file__).parent / "fixtures"
-RULES = ("fused_optimizer", "dataloader_stall", "manual_layernorm", "fp32_gemm", "sparse_launch")
+RULES = (
+    "fused_optimizer",
+    "dataloader_stall",
+    "manual_layernorm",
+    "fp32_gemm",
+    "sparse_launch",
+    "fused_cross_entropy",
+)
 _HEADER = re.compile(r"^# (codemod-args|rerun-targets|expect-changes|expect-skipped): (.*)$")
 
 

@@ -1,5 +1,5 @@
-"""The bundled examples after the fused_optimizer, dataloader_stall, manual_layernorm, fp32_gemm and
-sparse_launch codemods (static mode, on copies): the expected sites change, and the scripts still train for 2
+"""The bundled examples after the fused_optimizer, dataloader_stall, manual_layernorm, fp32_gemm,
+sparse_launch and fused_cross_entropy codemods (static mode, on copies): the expected sites change, and the scripts still train for 2
 steps on CPU. On CPU, `fused=True` AdamW runs (torch >= 2.4 has fused CPU kernels), `pin_memory=True` only
 warns, the TF32 flags do nothing, the loaders use worker processes, and `cuda_graphed` runs the original
 forward (CPU tensors; the GPU side is tests/kernels/test_kernels_graphs.py and test_sparse_launch_gpu.py).
@@ -30,6 +30,7 @@ CASES = {
             "manual_layernorm": 0,
             "fp32_gemm": 1,
             "sparse_launch": 1,
+            "fused_cross_entropy": 1,
         },
     ),
     "gpt_train.py": (
@@ -40,6 +41,7 @@ CASES = {
             "manual_layernorm": 0,
             "fp32_gemm": 1,
             "sparse_launch": 1,
+            "fused_cross_entropy": 1,
         },
     ),
     "ddp_train.py": (
@@ -50,6 +52,7 @@ CASES = {
             "manual_layernorm": 0,
             "fp32_gemm": 1,
             "sparse_launch": 0,
+            "fused_cross_entropy": 1,
         },
     ),
 }

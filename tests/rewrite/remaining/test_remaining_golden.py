@@ -1,4 +1,5 @@
-"""Golden tests of the fused_optimizer, dataloader_stall, manual_layernorm and fp32_gemm codemods.
+"""Golden tests of the codemods in `remaining_helpers.RULES` (fused_optimizer, dataloader_stall,
+manual_layernorm, fp32_gemm, sparse_launch, fused_cross_entropy).
 
 One parametrized test over `fixtures/<rule>/<case>.in.py`: the output must equal `<case>.out.py` byte for
 byte, parse again (libcst and Python's own parser), and be a fixed point (the codemod run on its own
@@ -13,7 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
-from remaining_helpers import cases, expected_path, options, run
+from remaining_helpers import RULES, cases, expected_path, options, run
 
 REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"
 
@@ -46,6 +47,6 @@ def test_fixture(case: Path) -> None:
 
 def test_every_rule_has_fixtures() -> None:
     rules = {case.parent.name for case in cases()}
-    assert rules == {"fused_optimizer", "dataloader_stall", "manual_layernorm", "fp32_gemm", "sparse_launch"}
+    assert rules == set(RULES)
     for case in cases():
         assert expected_path(case).exists(), f"{case} has no .out.py"

@@ -1,0 +1,336 @@
+"""`cross_entropy`: a drop-in for `torch.nn.functional.cross_entropy` that reads 16-bit logits in place.
+
+Why: an LM head under bf16 autocast gives logits [tokens, vocab] (often a column slice of a GEMM output
+padded to a multiple of 8, row stride 30528 for BERT's 30522 classes). `F.cross_entropy` there costs
+2.8 ms fwd+bwd on an H200 at [8192, 30522]: log_softmax writes 16-bit log-probabilities, autocast copies
+them to float32 (1 GB) for nll_loss, and the backward writes float32 gradients (zeros, then a scatter),
+casts them back and runs log_softmax's backward. The kernels
+here read the 16-bit logits once forward (per-row log-sum-exp in float32, loss = lse - x[target]) and once
+backward (grad = (softmax - onehot) * g, written in the logits' dtype), saving only lse (float32 [N]).
+The input is never modified (unlike Liger-Kernel's in-place gradient: the logits may be used elsewhere).
+
+Layers: `_cross_entropy_triton` kernels -> `_forward` / `_backward` (launchers, through
+`_launch.Launcher`) -> `CrossEntropyFunction` (eager autograd) and the custom ops
+`opadvisor::cross_entropy_fwd` / `_bwd` (torch.compile with COMPILE_PATH "custom_op") -> `cross_entropy`.
+`reference_cross_entropy` is the PyTorch version computed in float32 and the tests' oracle.
+
+Semantics (those of `F.cross_entropy` with class-index targets): loss_i = logsumexp(x_i) - x_i[t_i];
+rows with t_i == ignore_index give loss 0 and gradient 0; "mean" divides the sum by the number of rows
+not ignored (NaN when there are none, as PyTorch), "sum" sums, "none" returns [N]. Dtypes: under autocast
+for the input's device type the loss is float32 (autocast's policy for cross_entropy); otherwise it has
+the input's dtype (computed in float32, rounded once). Values: float32 accurate, where eager PyTorch
+(torch 2.11, CUDA, also under autocast) rounds the log-probabilities to the logits' 16-bit dtype first. The gradient has the input's dtype and shape, and
+its row stride when the input's rows do not overlap (`grad_row_stride`), else it is contiguous. A target
+outside [0, C) that is not ignore_index gives a NaN loss (and NaN gradients) on the kernel path instead of
+PyTorch's error or device assert: checking would cost a host sync; the kernels never read out of bounds.
+
+Dispatch (`cross_entropy_backend` says which, before the call):
+- "triton" / "interpreter": input 2-D [N, C] float32/float16/bfloat16 with N, C > 0 and unit column
+  stride (any row stride, read in place; another column stride is made contiguous first), target 1-D
+  int64 or int32 [N] on the same device, weight None, label_smoothing 0, size_average and reduce None,
+  reduction "mean", "sum" or "none". Int32 targets work here only: PyTorch's own path rejects them.
+- "eager": CUDA inputs with fewer than SMALL_CLASSES classes: `F.cross_entropy` itself (launch-bound).
+- "reference": everything else (weights, label smoothing, legacy arguments, class-probability targets,
+  other ranks, float64, empty inputs, CPU without the interpreter, no Triton): `F.cross_entropy` with the
+  arguments unchanged, so it behaves (and raises) exactly as PyTorch.
+Under torch.compile, COMPILE_PATH "native" traces `F.cross_entropy` (inductor fuses it with its neighbours),
+"custom_op" traces the custom op (the kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import _backend
+from . import _layout as layout
+from ._launch import Launcher
+from .softmax import triton_next_power_of_2
+
+# CUDA inputs with fewer classes run F.cross_entropy ("eager"): at small C a row's work is too small for
+# the kernel's host cost (autograd.Function, two launches, the reductions) to pay back. Measured on an
+# H200 (bf16 under autocast, fwd+bwd per call from Python, synchronised; RESULTS.md "Fused cross-entropy"):
+# ours 0.39-0.82 ms against eager's 0.22-0.45 ms up to 4096 classes, 0.77 vs 0.89 ms at [8192, 8192].
+# The interpreter ignores it.
+SMALL_CLASSES = 8192
+# Classes per loop iteration of a program (at most): 4096 16-bit values, 16 per thread at 8 warps.
+MAX_BLOCK = 4096
+# Under torch.compile: "native" traces F.cross_entropy, which inductor fuses and schedules with the
+# surrounding graph; "custom_op" traces opadvisor::cross_entropy_fwd (the kernels, opaque to inductor).
+COMPILE_PATH = "native"
+
+REDUCTIONS = ("mean", "sum", "none")
+_TARGET_DTYPES = (torch.int64, torch.int32)
+
+
+def cross_entropy_backend(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> str:
+    """Which implementation `cross_entropy` runs for these arguments: "triton", "interpreter", "eager"
+    (F.cross_entropy, CUDA inputs under SMALL_CLASSES classes) or "reference" (F.cross_entropy, for
+    everything the kernels do not cover). See the module docstring."""
+    args = (weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+    if not _kernel_arguments(input, target, *args):
+        return _backend.REFERENCE
+    # for_tensor's size rule on numel N * C, with the threshold N * SMALL_CLASSES, is the rule C <
+    # SMALL_CLASSES (N > 0 here), and keeps whatever else for_tensor decides (dtype, device, emptiness).
+    return _backend.for_tensor(input, SMALL_CLASSES * input.shape[0])
+
+
+def _kernel_arguments(
+    input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+) -> bool:
+    """Whether the arguments (all but the dtype and device rules of `_backend`) are the kernels' case."""
+    if weight is not None or size_average is not None or reduce is not None or label_smoothing != 0:
+        return False
+    if reduction not in REDUCTIONS or not isinstance(ignore_index, int):
+        return False
+    if input.dim() != 2 or target.dim() != 1 or target.dtype not in _TARGET_DTYPES:
+        return False
+    return target.shape[0] == input.shape[0] and target.device == input.device
+
+
+def loss_dtype(input: torch.Tensor) -> torch.dtype:
+    """The dtype F.cross_entropy's loss has: float32 under autocast for the input's device type (autocast
+    runs cross_entropy in float32), else the input's."""
+    if input.dtype != torch.float64 and torch.is_autocast_enabled(input.device.type):
+        return torch.float32
+    return input.dtype
+
+
+def reference_cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """F.cross_entropy on the input (and weight, and class-probability target) cast to float32 (float64
+    for float64 input); the loss is returned in `loss_dtype(input)`, as `cross_entropy` returns it.
+    Int32 class targets are widened to int64 (PyTorch rejects them; the kernels take them)."""
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    if target.is_floating_point():
+        target = target.to(compute)
+    elif target.dtype == torch.int32:
+        target = target.long()
+    w = None if weight is None else weight.to(compute)
+    loss = F.cross_entropy(
+        input.to(compute), target, w, size_average, ignore_index, reduce, reduction, label_smoothing
+    )
+    return loss.to(loss_dtype(input))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _config(n_cols: int, max_block: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a row of n_cols classes: one compiled variant per power of two."""
+    block = min(max(16, triton_next_power_of_2(n_cols)), max_block)
+    return block, min(8, max(1, block // 512))
+
+
+def grad_row_stride(shape: tuple[int, ...], x_strides: tuple[int, ...]) -> int:
+    """Row stride of the gradient w.r.t. logits of `shape` [N, C] with row stride x_strides[0]: the
+    logits' own when their rows do not overlap (a column slice of a padded GEMM output gives a gradient
+    laid out like it, rows 16-byte aligned, so its stores vectorise), else C (contiguous)."""
+    return x_strides[0] if x_strides[0] >= shape[1] else shape[1]
+
+
+def _empty_grad(x: torch.Tensor) -> torch.Tensor:
+    stride = grad_row_stride(tuple(x.shape), x.stride())
+    return torch.empty_strided(x.shape, (stride, 1), dtype=x.dtype, device=x.device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(shape, x_strides, t_stride, max_block):
+    """(grid, (n_cols, sx0, sdx0, st0), meta) for logits of `shape` [N, C], row stride x_strides[0]."""
+    n_rows, n_cols = shape
+    block, warps = _config(n_cols, max_block)
+    sdx0 = grad_row_stride(shape, x_strides)
+    i64 = layout.needs_int64(shape, [x_strides, (sdx0, 1)]) or layout.needs_int64((n_rows,), [(t_stride,)])
+    ints = (n_cols, x_strides[0], sdx0, t_stride)
+    return (n_rows,), ints, {"BLOCK": block, "I64": i64, "num_warps": warps}
+
+
+@functools.cache
+def _launchers() -> tuple[Launcher, Launcher]:
+    from . import _cross_entropy_triton as k
+
+    return Launcher(k.cross_entropy_fwd_kernel), Launcher(k.cross_entropy_bwd_kernel)
+
+
+def _forward(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per row, lse per row), both float32 [N]. x: [N, C] with unit column stride, N, C > 0."""
+    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    lse = torch.empty_like(loss)
+    _backend.check_launch(x)
+    grid, (n_cols, sx0, _, st0), meta = _plan(tuple(x.shape), x.stride(), target.stride(0), MAX_BLOCK)
+    _launchers()[0](grid, (x, target, loss, lse, n_cols, sx0, st0, ignore_index), meta)
+    return loss, lse
+
+
+def _backward(
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """dx [N, C] in x's dtype (row stride `grad_row_stride`); g: the gradient per row, [N] (any stride)
+    or 0-d (shared by all rows)."""
+    dx = _empty_grad(x)
+    _backend.check_launch(x)
+    grid, ints, meta = _plan(tuple(x.shape), x.stride(), target.stride(0), MAX_BLOCK)
+    sg0 = g.stride(0) if g.dim() == 1 else 0
+    _launchers()[1](
+        grid,
+        (x, target, lse, g, dx, *ints, sg0, ignore_index),
+        {"RNE": _backend.emulate_rne(dx), **meta},
+    )
+    return dx
+
+
+def _reduce(
+    rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss in out_dtype, the count of rows not ignored as float32 for "mean", else an empty tensor).
+    Sums run in float32 and round once; no host sync (0 / 0 gives "mean"'s NaN for all-ignored)."""
+    if reduction == "none":
+        return rows.to(out_dtype), rows.new_empty(0)
+    if reduction == "sum":
+        return rows.sum().to(out_dtype), rows.new_empty(0)
+    count = (target != ignore_index).sum(dtype=torch.float32)
+    return (rows.sum() / count).to(out_dtype), count
+
+
+def _row_grads(dloss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    """The upstream gradient per row, [N] for "none", else one 0-d value that every row shares."""
+    if reduction == "mean":
+        return dloss.float() / count
+    return dloss
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd (eager) and custom ops (torch.compile)
+# ---------------------------------------------------------------------------------------------------
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Eager-mode autograd around the kernels."""
+
+    @staticmethod
+    def forward(ctx, x, target, ignore_index, reduction, out_dtype):
+        rows, lse = _forward(x, target, ignore_index)
+        loss, count = _reduce(rows, target, ignore_index, reduction, out_dtype)
+        ctx.save_for_backward(x, target, lse, count)
+        ctx.args = (ignore_index, reduction)
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        x, target, lse, count = ctx.saved_tensors
+        ignore_index, reduction = ctx.args
+        dx = _backward(x, target, lse, _row_grads(dloss, count, reduction), ignore_index)
+        return dx, None, None, None, None
+
+
+@torch.library.custom_op("opadvisor::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd_op(
+    x: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse float32 [N], count of rows not ignored: float32 0-d for "mean", else empty).
+
+    out_dtype is an argument, decided where the call is traced: autocast is not in effect where the
+    compiled graph later runs the op."""
+    rows, lse = _forward(x, target, ignore_index)
+    loss, count = _reduce(rows, target, ignore_index, reduction, out_dtype)
+    return loss, lse, count
+
+
+@cross_entropy_fwd_op.register_fake
+def _(x, target, ignore_index, reduction, out_dtype):
+    n = x.shape[0]
+    loss = x.new_empty((n,) if reduction == "none" else (), dtype=out_dtype)
+    count = x.new_empty(() if reduction == "mean" else (0,), dtype=torch.float32)
+    return loss, x.new_empty((n,), dtype=torch.float32), count
+
+
+@torch.library.custom_op("opadvisor::cross_entropy_bwd", mutates_args=())
+def cross_entropy_bwd_op(
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """dx in x's dtype; g as `_backward` takes it."""
+    return _backward(x, target, lse, g, ignore_index)
+
+
+@cross_entropy_bwd_op.register_fake
+def _(x, target, lse, g, ignore_index):
+    return _empty_grad(x)
+
+
+def _setup_context(ctx, inputs, output):
+    x, target, ignore_index, reduction, _ = inputs
+    _, lse, count = output
+    ctx.save_for_backward(x, target, lse, count)
+    ctx.args = (ignore_index, reduction)
+
+
+def _op_backward(ctx, dloss, _dlse, _dcount):
+    x, target, lse, count = ctx.saved_tensors
+    ignore_index, reduction = ctx.args
+    dx = cross_entropy_bwd_op(x, target, lse, _row_grads(dloss, count, reduction), ignore_index)
+    return dx, None, None, None, None
+
+
+torch.library.register_autograd(cross_entropy_fwd_op, _op_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public function
+# ---------------------------------------------------------------------------------------------------
+
+
+def cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    size_average: bool | None = None,
+    ignore_index: int = -100,
+    reduce: bool | None = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """`F.cross_entropy(input, target, ...)`, same arguments and results; fused kernels for class-index
+    targets on 2-D float32/float16/bfloat16 logits.
+
+    Args: as `torch.nn.functional.cross_entropy`. The kernels take input [N, C] with any row stride (a
+    column slice of a padded tensor is read in place) and target [N] int64 or int32; other cases run
+    `F.cross_entropy` itself (`cross_entropy_backend` says which, see the module docstring).
+
+    Returns the loss: [] for "mean" / "sum", [N] for "none"; float32 under autocast, else input's dtype.
+    On the kernel path a target outside [0, C) (other than ignore_index) gives NaN instead of an error.
+    """
+    backend = cross_entropy_backend(
+        input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+    )
+    native = backend in (_backend.REFERENCE, _backend.EAGER)
+    if native or (torch.compiler.is_compiling() and COMPILE_PATH == "native"):
+        return F.cross_entropy(
+            input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+        )
+    x = input if input.stride(1) == 1 or input.shape[1] == 1 else input.contiguous()
+    out_dtype = loss_dtype(input)
+    if torch.compiler.is_compiling():
+        return cross_entropy_fwd_op(x, target, ignore_index, reduction, out_dtype)[0]
+    return CrossEntropyFunction.apply(x, target, ignore_index, reduction, out_dtype)

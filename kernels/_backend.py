@@ -59,14 +59,17 @@ def backend(device: torch.device | str | torch.Tensor) -> str:
 def for_tensor(x: torch.Tensor, small_numel: int) -> str:
     """`backend(x)` narrowed per tensor: "reference" for dtypes and shapes the kernels do not cover
     (float64, 0-d, empty) and "eager" on the GPU for tensors under `small_numel` elements (launch-bound
-    work: each op says what it runs then) unless the current stream is capturing a CUDA graph."""
+    work: each op says what it runs then) unless the current stream is capturing a CUDA graph. Under
+    torch.compile small tensors always go to "eager": the traced graph must not depend on the capture state
+    of the stream it was traced on, and asking dynamo about it breaks the graph."""
     be = backend(x)
     if be == REFERENCE:
         return be
     if x.dtype not in KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
         return REFERENCE
-    if be == TRITON and x.numel() < small_numel and not cuda_graph_capturing():
-        return EAGER
+    if be == TRITON and x.numel() < small_numel:
+        if torch.compiler.is_compiling() or not cuda_graph_capturing():
+            return EAGER
     return be
 
 

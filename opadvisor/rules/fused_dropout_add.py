@@ -20,8 +20,10 @@ Fix and its safety
     `opadvisor.kernels.bias_dropout_add(...)` (the bias moves out of the linear into the fused kernel when
     there is one). Safe: the same function up to rounding; dropout draws its own random mask, so losses
     agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than `KERNEL_MIN_NUMEL`
-    elements is reported without a fix: at that size the bundled function runs this same chain (a fused
-    call costs more host time than the kernel saves on the GPU; measured in benchmarks/RESULTS.md).
+    elements keeps the fix with no saving estimated: at that size the bundled function runs this same chain
+    (a fused call costs more host time than the kernel saves on the GPU) except inside a CUDA graph
+    (sparse_launch's fix, `opadvisor.kernels.cuda_graphed`), where no host time is spent per call and the
+    fused kernel runs (measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def detect(profile: Profile) -> list[Finding]:
         too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
         saving = None
         if too_small:
-            saving = 0.0  # the bundled function runs this same chain at this size
+            saving = 0.0  # outside CUDA graphs the bundled function runs this same chain at this size
         elif ix.gpu:
             saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (
                 1 - 1 / n_fwd
@@ -141,7 +143,7 @@ def detect(profile: Profile) -> list[Finding]:
             build_finding(
                 ix,
                 rule=ID,
-                fix="none" if too_small else FIX,
+                fix=FIX,
                 path=path,
                 line=line,
                 end_line=end,
@@ -151,9 +153,11 @@ def detect(profile: Profile) -> list[Finding]:
                 fused_kernels=1,
                 est_saving_ms=saving,
                 advice=(
-                    f"nothing to apply at this size ({size:,} elements): under {KERNEL_MIN_NUMEL:,} "
-                    "opadvisor.kernels.bias_dropout_add runs this same chain, because a fused call costs "
-                    "more host time than it saves"
+                    f"fused only inside CUDA graphs at this size ({size:,} elements): under "
+                    f"{KERNEL_MIN_NUMEL:,} opadvisor.kernels.bias_dropout_add runs this same chain, because a "
+                    "fused call costs more host time than it saves, except while a CUDA graph is captured "
+                    "(opadvisor apply --rule sparse_launch --unsafe), where it runs the fused kernel "
+                    "(opadvisor apply --rule fused_dropout_add)"
                     if too_small
                     else "one fused kernel: opadvisor.kernels.bias_dropout_add "
                     "(opadvisor apply --rule fused_dropout_add)"

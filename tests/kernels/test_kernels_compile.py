@@ -68,3 +68,46 @@ def test_compile_cpu_no_graph_break(monkeypatch, compile_path):
 @pytest.mark.parametrize("compile_path", ["chain", "custom_op"])
 def test_compile_gpu_inductor(monkeypatch, compile_path):
     _check(torch.device("cuda"), "inductor", monkeypatch, compile_path)
+
+
+def _small_sizes(monkeypatch):
+    """Undo kernels_everywhere: the default size dispatch, where these tensors are small."""
+    from opadvisor.kernels import softmax
+
+    monkeypatch.setattr(softmax, "SMALL_NUMEL", 1 << 22)
+    monkeypatch.setattr(dropout_add, "SMALL_NUMEL", 1 << 25)
+
+
+def test_compile_never_asks_whether_a_graph_is_captured(monkeypatch):
+    """Small tensors on the kernels' backend: eager code asks whether a CUDA graph is being captured (the
+    kernels run inside one at every size); traced code must not, or dynamo breaks the graph at each call.
+    Here the question itself breaks the graph, so one break would show."""
+    from opadvisor.kernels import _backend
+
+    _small_sizes(monkeypatch)
+    monkeypatch.setattr(_backend, "backend", lambda device: _backend.TRITON)
+    asked = []
+
+    def capturing():
+        asked.append(torch.compiler.is_compiling())
+        torch._dynamo.graph_break()
+        return False
+
+    monkeypatch.setattr(_backend, "cuda_graph_capturing", capturing)
+    inputs = _inputs(torch.device("cpu"))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_block_bda_no_dropout)(*inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert True not in asked
+    assert _backend.for_tensor(inputs[2], 1 << 25) == _backend.EAGER and asked == [False]
+
+
+@pytest.mark.gpu
+def test_compile_gpu_small_tensors_one_graph(monkeypatch):
+    """The sizes a BERT-base step feeds bias_dropout_add (under SMALL_NUMEL): one graph under torch.compile."""
+    _small_sizes(monkeypatch)
+    inputs = _inputs(torch.device("cuda"))
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(_block_bda_no_dropout)(*inputs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1

@@ -75,10 +75,7 @@ def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> Non
     assert "PaddedLinear(" in rewritten  # gemm_align on the 30522-wide head
     assert "model = cuda_graphed(model)" in rewritten  # sparse_launch (a pass-through on the CPU)
     assert "scaled_dot_product_attention" in rewritten or "masked_softmax(" in rewritten
-    # the profile's dropout-adds are small (the example's default sizes): the kernel would run the same chain, so the
-    # finding offers no fix and apply says so instead of rewriting
-    assert "bias_dropout_add(" not in rewritten
-    assert "fused_dropout_add: note: no automatic fix" in done.stdout + done.stderr
-    assert "nothing to apply at this size" in done.stdout + done.stderr
+    # the profile's dropout-adds are small: rewritten all the same (the kernel runs inside the CUDA graph)
+    assert rewritten.count("bias_dropout_add(") == 2
     before, after = losses(tmp_path, original), losses(tmp_path, script)
     assert after == pytest.approx(before, rel=1e-4, abs=1e-5)

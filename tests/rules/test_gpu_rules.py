@@ -98,21 +98,24 @@ def _sha(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_dropout_add_under_the_kernel_size_has_no_fix(monkeypatch):
+def test_dropout_add_under_the_kernel_size_is_fixed_without_a_saving(monkeypatch):
     """The examples' GPU profiles run the chain on small tensors: below the size where
-    opadvisor.kernels.bias_dropout_add fuses (it runs the same chain there), the finding stays, with its
-    measured time, but offers nothing to apply; over that size it is the safe fix with a saving."""
+    opadvisor.kernels.bias_dropout_add fuses outside CUDA graphs (it runs the same chain there), the finding
+    keeps its measured time and the safe fix but claims no saving, and says the kernel runs only inside a
+    CUDA graph; over that size the saving is estimated from the profile."""
     from opadvisor.rules import fused_dropout_add
 
     small = [f for f in run("gpt_train", ["fused_dropout_add"]).findings]
     assert len(small) == 2
     for f in small:
-        assert f.fix == "none" and f.est_saving_ms_per_step == 0.0 and f.time_ms_per_step > 0
-        assert "nothing to apply at this size" in f.advice
+        assert f.fix == "safe" and f.est_saving_ms_per_step == 0.0 and f.time_ms_per_step > 0
+        assert "fused only inside CUDA graphs at this size" in f.advice
+        assert "sparse_launch" in f.advice
     monkeypatch.setattr(fused_dropout_add, "KERNEL_MIN_NUMEL", 1)
     large = run("gpt_train", ["fused_dropout_add"]).findings
     assert [f.fix for f in large] == ["safe", "safe"]
     assert all(0 < f.est_saving_ms_per_step <= f.time_ms_per_step for f in large)
+    assert all("CUDA graphs" not in f.advice for f in large)
 
 
 def test_rule_threshold_is_the_kernels_dispatch_size():

@@ -454,7 +454,8 @@ def profile_host(masked_softmax, bias_dropout_add) -> None:
     y = torch.empty_like(x)
     launch = functools.partial(
         _softmax_triton.masked_softmax_fwd_kernel[grid], x, x, y, y, *ints[:8], *ints[8:12], *ints[12:16],
-        1.0, 0.0, 1.0, 0, 0, 0, 0, MASK=0, ZERO_MASKED=False, DROPOUT=False, INTERLEAVE=False, RNE=False, **meta,
+        1.0, 0.0, 1.0, 0, 0, 0, 0, y, MASK=0, ZERO_MASKED=False, DROPOUT=False, INTERLEAVE=False, RNE=False,
+        SEED_PTR=False, **meta,
     )  # fmt: skip
     for _ in range(20):
         launch()

@@ -460,6 +460,10 @@ def apply_findings(
     refused: list[str] = []
     applicable = []
     withheld = []
+    if explicit_rule is not None and not any(f.rule == explicit_rule for f in findings):
+        messages.append(
+            f"{explicit_rule}: no findings in this run, so nothing to fix (`opadvisor suggest` lists what it found)"
+        )
     for f in findings:
         if f.rule not in rules:
             continue

@@ -228,6 +228,14 @@ def test_skipped_site_says_why(project):
     assert project["model"].read_bytes() == source
 
 
+def test_rule_without_findings_says_so(project):
+    result = cli("--rule", "sparse_launch", "--unsafe")
+    assert result.exit_code == 0
+    assert "sparse_launch: no findings in this run, so nothing to fix" in result.stderr
+    assert "nothing to rewrite" in result.stderr
+    assert project["model"].read_bytes() == MODEL
+
+
 # ---- refusals -------------------------------------------------------------------------------------------------
 def test_refuses_stale_hash_unless_forced(project):
     model: Path = project["model"]

@@ -301,6 +301,8 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
                 where += f"\n{'rank' if len(f.ranks) == 1 else 'ranks'} {', '.join(map(str, f.ranks))}"
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
+            if cmd and f.advice and f.est_saving_ms_per_step == 0:
+                fix += f" (no saving claimed: {f.advice})"  # why a fix is offered that saves nothing here
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")
             table.add_row(
                 str(i),

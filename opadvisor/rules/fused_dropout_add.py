@@ -153,11 +153,10 @@ def detect(profile: Profile) -> list[Finding]:
                 fused_kernels=1,
                 est_saving_ms=saving,
                 advice=(
-                    f"fused only inside CUDA graphs at this size ({size:,} elements): under "
-                    f"{KERNEL_MIN_NUMEL:,} opadvisor.kernels.bias_dropout_add runs this same chain, because a "
-                    "fused call costs more host time than it saves, except while a CUDA graph is captured "
-                    "(opadvisor apply --rule sparse_launch --unsafe), where it runs the fused kernel "
-                    "(opadvisor apply --rule fused_dropout_add)"
+                    f"at this size ({size:,} elements) the fused kernel runs only inside CUDA graphs "
+                    "(opadvisor apply --rule sparse_launch --unsafe); elsewhere "
+                    "opadvisor.kernels.bias_dropout_add runs this same chain, because under "
+                    f"{KERNEL_MIN_NUMEL:,} elements a fused call costs more host time than it saves"
                     if too_small
                     else "one fused kernel: opadvisor.kernels.bias_dropout_add "
                     "(opadvisor apply --rule fused_dropout_add)"

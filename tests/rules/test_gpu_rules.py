@@ -109,13 +109,32 @@ def test_dropout_add_under_the_kernel_size_is_fixed_without_a_saving(monkeypatch
     assert len(small) == 2
     for f in small:
         assert f.fix == "safe" and f.est_saving_ms_per_step == 0.0 and f.time_ms_per_step > 0
-        assert "fused only inside CUDA graphs at this size" in f.advice
+        assert "the fused kernel runs only inside CUDA graphs" in f.advice
         assert "sparse_launch" in f.advice
     monkeypatch.setattr(fused_dropout_add, "KERNEL_MIN_NUMEL", 1)
     large = run("gpt_train", ["fused_dropout_add"]).findings
     assert [f.fix for f in large] == ["safe", "safe"]
     assert all(0 < f.est_saving_ms_per_step <= f.time_ms_per_step for f in large)
     assert all("CUDA graphs" not in f.advice for f in large)
+
+
+def test_suggest_table_says_why_a_fix_claims_no_saving(tmp_path, monkeypatch):
+    """A fix offered with no saving (the small dropout-adds) shows its reason next to the apply command."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from opadvisor.cli import app
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(REPO / "tests" / "data" / "gpt_train.profile.json", run_dir / "profile.json")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("COLUMNS", "400")
+    res = CliRunner().invoke(app, ["suggest", str(run_dir), "--select", "fused_dropout_add"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.count("fix: opadvisor apply --rule fused_dropout_add") == 2
+    assert res.stdout.count("(no saving claimed: at this size") == 2
 
 
 def test_rule_threshold_is_the_kernels_dispatch_size():

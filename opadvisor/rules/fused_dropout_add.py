@@ -19,8 +19,8 @@ Fix and its safety
     `opadvisor apply --rule fused_dropout_add` rewrites the expression to
     `opadvisor.kernels.bias_dropout_add(...)` (the bias moves out of the linear into the fused kernel when
     there is one). Safe: the same function up to rounding; dropout draws its own random mask, so losses
-    agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than `KERNEL_MIN_NUMEL`
-    elements keeps the fix with no saving estimated: at that size the bundled function runs this same chain
+    agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than 2^25 elements
+    (`KERNEL_MIN_NUMEL`) keeps the fix with no saving estimated: at that size the bundled function runs this same chain
     (a fused call costs more host time than the kernel saves on the GPU) except inside a CUDA graph
     (sparse_launch's fix, `opadvisor.kernels.cuda_graphed`), where no host time is spent per call and the
     fused kernel runs (measured in benchmarks/RESULTS.md).

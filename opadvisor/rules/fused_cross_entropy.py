@@ -24,8 +24,9 @@ Fix and its safety
     computes log-sum-exp per row in float32 and writes the gradient once, in the logits' dtype; rows
     whose target is ignore_index are not read at all. Safe: the same function, computed more precisely
     (eager rounds the log-probabilities to the logits' 16-bit dtype before the loss, even under autocast
-    on CUDA: losses differ by up to half a bf16 step of the loss value). Arguments it does not fuse (class weights, label smoothing, other ranks) make it call
-    `F.cross_entropy` itself, so the rewrite never changes what is computed. On a CPU profile the rule
+    on CUDA: losses differ by up to half a bf16 step of the loss value). Arguments it does not fuse (class
+    weights, label smoothing, other ranks) make it call `F.cross_entropy` itself, so the rewrite never
+    changes what is computed. On a CPU profile the rule
     reports nothing: the bundled kernel runs on CUDA only, and its saving is GPU time.
 """
 
@@ -116,7 +117,7 @@ def detect(profile: Profile) -> list[Finding]:
             build_finding(
                 ix,
                 rule=ID,
-                fix="safe",
+                fix=FIX,
                 path=path,
                 line=line,
                 end_line=line,

@@ -41,6 +41,21 @@ def profile(
         typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0),
     ] = 5.0,
     window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory",
+            help="Ask for memory advice: suggest reports the modules holding the most activation memory, "
+            "with the checkpointing fix, whatever the step's peak.",
+        ),
+    ] = False,
+    activations: Annotated[
+        bool,
+        typer.Option(
+            "--activations/--no-activations",
+            help="Measure the activation memory each module saves for backward (saved-tensor hooks).",
+        ),
+    ] = True,
     # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, opadvisor/cli/_distributed.py)
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
@@ -81,6 +96,8 @@ def profile(
         run_to_end=run_to_end,
         window_after_seconds=window_after,
         window_seconds=window,
+        activations=activations,
+        memory_requested=memory,
     )
     with _Progress(steps) as progress:
         outcome = run_script(script, list(ctx.args), config, out=out, on_progress=progress.update)

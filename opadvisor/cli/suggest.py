@@ -15,6 +15,7 @@ import typer
 
 from opadvisor.cli.common import EXIT_FINDINGS, user_errors, warn
 
+MEMORY_HOLDERS = 10  # the largest activation holders listed in the JSON
 SARIF_SCHEMA_URI = "https://json.schemastore.org/sarif-2.1.0.json"
 TOOL_URI = "https://github.com/opadvisor/opadvisor"
 
@@ -155,7 +156,39 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "notes": [{"rule": n.rule, "message": n.message, "ranks": n.ranks} for n in report.notes],
         "breakdown": breakdown(first),
         "rules_run": report.rules_run,
+        "memory": memory_entry(first),
         **extra,
+    }
+
+
+def memory_entry(profile) -> dict[str, Any] | None:
+    """The run's memory (schema: suggest_schema.MEMORY_SCHEMA); None for a run that measured none."""
+    from opadvisor.profile.memory import activation_holders, saved_per_step
+
+    allocated, reserved = profile.peak_memory()
+    saved = saved_per_step(profile)
+    if allocated is None and reserved is None and saved is None:
+        return None
+    starts = [s.allocated_at_start_bytes for s in profile.steps if s.allocated_at_start_bytes is not None]
+    device = profile.environment.gpu_memory_bytes
+    return {
+        "peak_allocated_bytes": allocated,
+        "peak_reserved_bytes": reserved,
+        "device_bytes": device,
+        "peak_share_of_device": _round(reserved / device, 4) if reserved is not None and device else None,
+        "allocated_at_start_bytes": max(starts) if starts else None,
+        "saved_bytes_per_step": None if saved is None else round(saved),
+        "holders": [
+            {
+                "name": h.name,
+                "module_class": h.module_class,
+                "modules": h.modules,
+                "saved_bytes": round(h.saved_bytes),
+                "share": _round(h.saved_bytes / saved, 4) if saved else None,
+            }
+            for h in activation_holders(profile)[:MEMORY_HOLDERS]
+        ],
+        "notes": list(profile.memory_notes),
     }
 
 
@@ -264,6 +297,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from opadvisor.profile.summary import memory_text
     from opadvisor.rules._breakdown import breakdown
     from opadvisor.rules._findings import fmt_ms, fmt_share
 
@@ -283,6 +317,9 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
     )
     console.print(f"Step ({basis}): {parts}")
+    memory = memory_text(first)
+    if memory is not None:
+        console.print(memory)
     if not report.findings:
         console.print("No findings." + (" (rules run: " + ", ".join(report.rules_run) + ")"))
     else:

@@ -29,10 +29,43 @@ Profile
     constructions     [Construction]  where the script built its optimizers, DataLoaders and the
                       nn.Linear / nn.Embedding modules (file:line of the constructor call, settings)
     rank / world_size distributed rank of this profile (0 / 1 for a single process)
+    module_calls      [ModuleCall]  every module called inside the window (where from, how often, the
+                      activation memory it saved for backward); added with issue 22, [] in older runs
+    memory_notes      [str]  why some memory could not be measured (e.g. the script's own saved-tensor
+                      hooks were active)
+    memory_requested  True when the run was profiled with `--memory` (report memory findings whatever
+                      the peak)
 
 On disk, op and kernel fields equal to their default are left out, and each kernel's `name` is an index
 into the top-level `kernel_names` list; `load_profile` restores both. Non-finite scalars are strings
 ("inf", "-inf", "nan"). Read profile.json through `load_profile`, not as raw JSON.
+
+Step (one recorded training step)
+    index, start_us, end_us, wall_ms, gpu_busy_ms, gpu_span_ms, kernel_count, idle_gaps: see `Step`.
+    Memory (issue 22; None where not measured, as in older runs):
+    peak_allocated_bytes   CUDA: the allocator's peak of bytes in live tensors during the step (the peak
+                           counter is reset when the step starts)
+    peak_reserved_bytes    CUDA: the peak of bytes the allocator held from the device (what an
+                           out-of-memory error runs out of)
+    allocated_at_start_bytes  CUDA: bytes in live tensors when the step started (weights, gradients,
+                           optimizer state, whatever the script keeps between steps)
+    saved_bytes            any device: bytes of the distinct storages autograd saved for backward during
+                           the step (parameters and buffers left out; see opadvisor/profile/memory.py)
+
+ModuleCall (one module called inside the window)
+    module (path in the model, "" the model itself), module_class (qualified, "torch.nn.LSTMCell",
+    "__main__.Block"), calls (forward calls in the whole window), file / line / function (where its first
+    call in the window came from: the calling line when that is user code, else the innermost user frame,
+    and attrs["caller"] names the library or torch frame that made the call), input_bytes (bytes of the
+    tensor arguments of that first call), saved_bytes / saved_tensors (activation memory: mean bytes and
+    storages per step first saved for backward while this module was the innermost one running; its
+    children's are theirs; None when not measured), attrs (facts of its class: for nn.LSTM / nn.GRU /
+    nn.RNN `kind`, sizes, `calls_not_flat` (calls whose weights were not one contiguous buffer),
+    `weight_dtype`, `input_dtype`, `input_shape`, `autocast`, `device`; for nn.LSTMCell / nn.GRUCell /
+    nn.RNNCell `kind`, sizes, `bias`, `nonlinearity`, `input_shape`, `input_dtype`, `weight_dtype`,
+    `state_given`; see opadvisor/profile/modules.py).
+    Activation memory saved outside every module (a loss computed in the training loop) is the step's
+    `saved_bytes` minus the modules' sum.
 
 Op (one aten op or autograd node; nested ops point at their parent)
     id, name ("aten::softmax"), step (index into steps, None outside any step),
@@ -138,6 +171,10 @@ class Step:
     gpu_span_ms: float | None = None  # from the end of the previous step's GPU work to the end of this one's
     kernel_count: int | None = None
     idle_gaps: list[Gap] = field(default_factory=list)  # gaps of at least IDLE_GAP_MIN_US
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    allocated_at_start_bytes: int | None = None
+    saved_bytes: int | None = None
 
 
 @dataclass
@@ -197,6 +234,22 @@ class Construction:
 
 
 @dataclass
+class ModuleCall:
+    """A module called inside the recorded window (see the field reference above)."""
+
+    module: str
+    module_class: str
+    calls: int = 0
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    input_bytes: int | None = None
+    saved_bytes: float | None = None
+    saved_tensors: float | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Profile:
     schema: int = SCHEMA_VERSION
     run_id: str = ""
@@ -218,6 +271,9 @@ class Profile:
     constructions: list[Construction] = field(default_factory=list)
     rank: int = 0
     world_size: int = 1
+    module_calls: list[ModuleCall] = field(default_factory=list)
+    memory_notes: list[str] = field(default_factory=list)
+    memory_requested: bool = False
 
     # ---- queries the rules share -------------------------------------------------------------
     @property
@@ -234,6 +290,12 @@ class Profile:
             return None
         mid = len(walls) // 2
         return walls[mid] if len(walls) % 2 else (walls[mid - 1] + walls[mid]) / 2
+
+    def peak_memory(self) -> tuple[int | None, int | None]:
+        """(allocated, reserved): the largest per-step CUDA peaks of the window; None where not measured."""
+        alloc = [s.peak_allocated_bytes for s in self.steps if s.peak_allocated_bytes is not None]
+        reserved = [s.peak_reserved_bytes for s in self.steps if s.peak_reserved_bytes is not None]
+        return (max(alloc) if alloc else None), (max(reserved) if reserved else None)
 
     def op(self, op_id: int) -> Op:
         return self.ops[op_id]
@@ -338,6 +400,7 @@ def profile_from_dict(data: Any) -> Profile:
         prof.syncs = [_build(SyncEvent, s) for s in data.get("syncs", [])]
         prof.memcpys = [_build(Memcpy, m) for m in data.get("memcpys", [])]
         prof.constructions = [_build(Construction, c) for c in data.get("constructions", [])]
+        prof.module_calls = [_build(ModuleCall, m) for m in data.get("module_calls", [])]
     except (TypeError, IndexError, AttributeError) as exc:  # a required field missing, a bad reference
         raise ProfileFormatError(f"profile.json is malformed: {exc}") from None
     for i, o in enumerate(prof.ops):

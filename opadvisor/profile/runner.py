@@ -27,6 +27,7 @@ from pathlib import Path
 from opadvisor.errors import UserError
 from opadvisor.profile import runs
 from opadvisor.profile.events import TreeReader, assign_steps
+from opadvisor.profile.memory import attach_memory
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
 from opadvisor.profile.userframes import set_search_path
@@ -121,8 +122,11 @@ def build_profile(
         ((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)
     ]
     assign_steps(extracted, marks_us, cuda)
+    module_calls = session.module_calls.results()
+    attach_memory(extracted.steps, module_calls, session.step_memory)
     files = set(extracted.user_files) | {str(script.resolve())}
     files |= {c.file for c in session.constructions if c.file}
+    files |= {c.file for c in module_calls if c.file}
     return Profile(
         run_id="",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -141,6 +145,9 @@ def build_profile(
         syncs=extracted.syncs,
         memcpys=extracted.memcpys,
         constructions=session.constructions,
+        module_calls=module_calls,
+        memory_notes=list(session.memory.notes),
+        memory_requested=session.config.memory_requested,
     )
 
 

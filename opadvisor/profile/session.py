@@ -6,7 +6,10 @@ One `Session` is active while `opadvisor profile` runs a script. It installs, fo
 - global module forward hooks: NVTX ranges named by module path (readable in Nsight Systems), the map
   from module objects to their paths, and the time-window fallback for scripts that never step;
 - wrappers around the constructors of optimizers, DataLoaders, nn.Linear and nn.Embedding that record
-  where the script built them (the fixes go there).
+  where the script built them (the fixes go there);
+- inside the window, per step: CUDA peak memory and the activation memory each module saves for
+  backward (`memory.MemoryRecorder`, fed the module stack by the forward hooks), and where each module
+  was called from (`modules.ModuleCalls`).
 
 The profiler runs only inside the window: after `warmup` steps it starts, records `steps` steps, stops,
 and the session raises `WindowComplete` from the step boundary so a script meant to train for hours ends
@@ -21,7 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Construction
+from opadvisor.profile.modules import ModuleCalls
 from opadvisor.profile.userframes import innermost_user_frame
 
 
@@ -42,6 +47,8 @@ class SessionConfig:
     window_after_seconds: float = 5.0
     window_seconds: float = 2.0
     cuda: bool = False
+    activations: bool = True  # measure the activation memory modules save for backward (saved-tensor hooks)
+    memory_requested: bool = False  # `profile --memory`: the rules report memory findings whatever the peak
 
 
 @dataclass
@@ -94,6 +101,10 @@ class Session:
         self.warnings: list[str] = []
         self._nvtx: Any = None
         self._nvtx_step: Any = None
+        self.memory = MemoryRecorder(cuda=config.cuda, activations=config.activations)
+        self.step_memory: list[StepMemory] = []
+        self.module_calls = ModuleCalls()
+        self._class_names: dict[type, str] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -204,10 +215,12 @@ class Session:
         self._step_fn.__enter__()
         if self._nvtx is not None:
             self._nvtx_step = self._nvtx.start_range(message=f"step {index}", domain="opadvisor")
+        self.memory.start_step()
         self._step_start_ns = time.perf_counter_ns()
 
     def _end_step_range(self, now_ns: int) -> None:
         assert self.recording is not None and self._step_start_ns is not None
+        self.step_memory.append(self.memory.end_step())
         if self._step_fn is not None:
             self._step_fn.__exit__(None, None, None)
             self._step_fn = None
@@ -224,6 +237,7 @@ class Session:
         if self._step_fn is not None:  # a step left open by a failure or the end of the script
             self._step_fn.__exit__(None, None, None)
             self._step_fn = None
+            self.memory.abort()
         if self.config.cuda:
             torch.cuda.synchronize()
         self._profiler.stop()
@@ -239,20 +253,31 @@ class Session:
         key = id(module)
         if key not in self.module_paths:
             self._register_paths(module)
+        path = self.module_paths.get(key, "")
         if self._nvtx is not None:
-            self._nvtx.push_range(
-                message=self.module_paths.get(key) or type(module).__name__, domain="opadvisor"
-            )
+            self._nvtx.push_range(message=path or type(module).__name__, domain="opadvisor")
+        cls = self._class_name(type(module))
+        self.memory.enter((path, cls))  # always paired with the post hook's exit, window or not
+        if self._profiler is not None:
+            self.module_calls.on_call(module, path, cls, args)
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:
         if _compiling():
             return
+        self.memory.exit()
         if self._nvtx is not None:
             self._nvtx.pop_range(domain="opadvisor")
 
+    def _class_name(self, cls: type) -> str:
+        name = self._class_names.get(cls)
+        if name is None:
+            name = self._class_names[cls] = _public_name(cls, "torch.nn")
+        return name
+
     def _register_paths(self, root: Any) -> None:
         """Name every submodule of the first unknown module called: it is the outermost one."""
+        self.memory.add_root(root)
         for name, sub in root.named_modules():
             # torch.compile(model) wraps the model: name its modules as the user's model names them
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")

@@ -1,4 +1,5 @@
-"""The short summary `opadvisor profile` prints at the end: device, steps, step time, GPU busy, top ops."""
+"""The short summary `opadvisor profile` prints at the end: device, steps, step time, GPU busy, top ops,
+and memory (the step's CUDA peak against the device, and who holds the activations saved for backward)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from opadvisor.profile.memory import Holder, activation_holders, fmt_bytes, saved_per_step
 from opadvisor.profile.model import Profile
 
 
@@ -25,6 +27,7 @@ class Summary:
     gpu_busy_share: float | None
     top_ops: list[OpTotal]
     time_basis: str  # "GPU" or "CPU"
+    memory: str | None = None  # the memory line (`memory_text`), None when nothing was measured
 
     def render(self, run_dir: Path | None):
         from rich.console import Group
@@ -47,7 +50,38 @@ class Summary:
         for op in self.top_ops:
             table.add_row(op.name, f"{op.calls_per_step:.0f}", f"{op.ms_per_step:.2f}")
         tail = Text(f"Run written to {run_dir}\nNext: opadvisor suggest" if run_dir else "")
-        return Group(head, table, tail)
+        if self.memory is None:
+            return Group(head, table, tail)
+        return Group(head, table, Text(self.memory), tail)
+
+
+def memory_text(profile: Profile, holders: int = 3) -> str | None:
+    """ "Memory: peak 10.2 GiB allocated, 11.0 GiB reserved of 80 GiB (14%); saved for backward
+    2.6 GiB/step, most by blocks.0-11 (Block x12) 2.4 GiB, ..." (None when nothing was measured)."""
+    allocated, reserved = profile.peak_memory()
+    device = profile.environment.gpu_memory_bytes
+    parts = []
+    if allocated is not None:
+        peak = f"peak {fmt_bytes(allocated)} allocated"
+        if reserved is not None:
+            peak += f", {fmt_bytes(reserved)} reserved"
+            if device:
+                peak += f" of {fmt_bytes(device)} ({reserved / device:.0%})"
+        parts.append(peak)
+    saved = saved_per_step(profile)
+    if saved is not None:
+        text = f"saved for backward {fmt_bytes(saved)}/step"
+        top = activation_holders(profile)[:holders]
+        if top:
+            text += ", most by " + ", ".join(_holder_words(h) for h in top)
+        parts.append(text)
+    return "Memory: " + "; ".join(parts) if parts else None
+
+
+def _holder_words(h: Holder) -> str:
+    cls = (h.module_class or "").rpartition(".")[2]
+    what = f"{cls} x{len(h.modules)}" if h.repeated else cls
+    return f"{h.name}{f' ({what})' if what else ''} {fmt_bytes(h.saved_bytes)}"
 
 
 def summarize(profile: Profile, top: int = 8) -> Summary:
@@ -74,4 +108,5 @@ def summarize(profile: Profile, top: int = 8) -> Summary:
         gpu_busy_share=busy,
         top_ops=[OpTotal(n, calls[n] / steps, t / steps / 1000.0) for n, t in ranked],
         time_basis="GPU" if gpu else "CPU",
+        memory=memory_text(profile),
     )

@@ -76,11 +76,64 @@ FINDING_SCHEMA: dict[str, Any] = {
     },
 }
 
+_BYTES_OR_NULL: dict[str, Any] = {"type": ["integer", "null"], "minimum": 0}
+
+# The run's memory (issue 22): CUDA peaks of the step against the device, and who holds the activation
+# memory saved for backward (opadvisor/profile/memory.py). null for a run that measured none.
+MEMORY_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": [
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "device_bytes",
+        "peak_share_of_device",
+        "allocated_at_start_bytes",
+        "saved_bytes_per_step",
+        "holders",
+        "notes",
+    ],
+    "additionalProperties": False,
+    "properties": {
+        "peak_allocated_bytes": _BYTES_OR_NULL,  # the largest per-step peak of bytes in live tensors (CUDA)
+        "peak_reserved_bytes": _BYTES_OR_NULL,  # ... of bytes the allocator held from the device
+        "device_bytes": _BYTES_OR_NULL,  # the GPU's memory
+        "peak_share_of_device": _NUM_OR_NULL,  # peak_reserved_bytes / device_bytes
+        "allocated_at_start_bytes": _BYTES_OR_NULL,  # bytes live when a step starts (weights, optimizer)
+        "saved_bytes_per_step": _BYTES_OR_NULL,  # activation memory saved for backward, mean per step
+        "holders": {  # largest first: groups of repeated blocks, single modules, "(outside modules)"
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "module_class", "modules", "saved_bytes", "share"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string"},
+                    "module_class": {"type": ["string", "null"]},
+                    "modules": {"type": "array", "items": {"type": "string"}},
+                    "saved_bytes": {"type": "integer", "minimum": 0},
+                    "share": _NUM_OR_NULL,  # of saved_bytes_per_step
+                },
+            },
+        },
+        "notes": {"type": "array", "items": {"type": "string"}},  # why something was not measured
+    },
+}
+
 SUGGEST_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "opadvisor suggest --format json",
     "type": "object",
-    "required": ["schema", "run", "device", "step_ms", "findings", "notes", "breakdown", "rules_run"],
+    "required": [
+        "schema",
+        "run",
+        "device",
+        "step_ms",
+        "findings",
+        "notes",
+        "breakdown",
+        "rules_run",
+        "memory",
+    ],
     "additionalProperties": False,
     "properties": {
         # ---- DESIGN.md's contract
@@ -131,5 +184,6 @@ SUGGEST_SCHEMA: dict[str, Any] = {
             },
         },
         "rules_run": {"type": "array", "items": {"type": "string"}},
+        "memory": MEMORY_SCHEMA,
     },
 }

@@ -9,7 +9,9 @@ from __future__ import annotations
 import typer
 
 from opadvisor.cli import apply as _apply
+from opadvisor.cli import diff as _diff
 from opadvisor.cli import profile as _profile
+from opadvisor.cli import report as _report
 from opadvisor.cli import suggest as _suggest
 from opadvisor.cli import verify as _verify
 
@@ -20,7 +22,8 @@ app = typer.Typer(
         "  opadvisor profile train.py      measure a few steps\n\n"
         "  opadvisor suggest               findings ranked by measured time\n\n"
         "  opadvisor apply --rule RULE     rewrite the source (libcst), with a diff\n\n"
-        "  opadvisor verify                same losses? how much faster?"
+        "  opadvisor verify                same losses? how much faster?\n\n"
+        "  opadvisor report / diff         an HTML report; two runs compared"
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -35,7 +38,7 @@ def _root() -> None:
     pass
 
 
-for _module in (_profile, _suggest, _apply, _verify):
+for _module in (_profile, _suggest, _apply, _verify, _report, _diff):
     _module.register(app)
 
 

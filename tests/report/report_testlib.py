@@ -1,0 +1,54 @@
+"""Helpers of the report and diff tests: the bundled BERT example before and after `opadvisor apply` (CPU),
+and the GPU profiles kept under tests/data, written as run folders."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from opadvisor.profile.model import Profile, save_profile
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003".split()
+
+
+@dataclass
+class ExampleRuns:
+    project: Path  # a copy of the example, where apply rewrote it
+    before: Path  # run folder of the original (holds apply's backup)
+    after: Path  # run folder of the rewritten script
+
+
+def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m opadvisor ARGS` in `cwd`; the test fails with the output when it exits non-zero."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, (
+        f"opadvisor {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc
+
+
+def make_example_runs(project: Path) -> ExampleRuns:
+    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again."""
+    shutil.copy(REPO / "examples" / "bert_train.py", project / "bert_train.py")
+    profile = ["profile", "bert_train.py", "--steps", "2", "--warmup", "1"]
+    opadvisor(project, *profile, "--out", "before", "--", *SMALL)
+    opadvisor(project, "apply", "--rule", "fused_softmax", "before")
+    opadvisor(project, *profile, "--out", "after", "--", *SMALL)
+    return ExampleRuns(project, project / "before", project / "after")
+
+
+def write_run(folder: Path, profiles: list[Profile]) -> Path:
+    """A run folder holding `profiles` (one: profile.json; several: profile.rank<N>.json)."""
+    folder.mkdir(parents=True)
+    if len(profiles) == 1:
+        save_profile(profiles[0], folder / "profile.json")
+    else:
+        for p in profiles:
+            save_profile(p, folder / f"profile.rank{p.rank}.json")
+    return folder

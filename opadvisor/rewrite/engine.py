@@ -356,23 +356,21 @@ def _unmatched(
 
 
 # ---- profile mode ------------------------------------------------------------------------------------------------------
-def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> list[str]:
-    """The rules `--rule` names, with their codemods; refusals as UserError."""
+def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[list[str], list[str]]:
+    """(the rules `--rule` names, with their codemods; the unsafe ones `all` holds back without --unsafe).
+
+    Refusals are UserErrors. The held-back rules still run, so that only those that found something are
+    named (`_say_withheld`)."""
     if rule == "all":
-        chosen = []
+        chosen, withheld = [], []
         for rid in codemod_order(registry.CODEMODS):
             try:
                 cls = registry.get_codemod(rid)
             except ImportError as exc:  # a codemod module not written yet
                 messages.append(f"{rid}: no codemod available ({exc}); skipped")
                 continue
-            if cls.SAFETY == "unsafe" and not allow_unsafe:
-                messages.append(
-                    f"{rid}: not applied: its fix is marked unsafe; pass --unsafe to apply it too"
-                )
-                continue
-            chosen.append(rid)
-        return chosen
+            (withheld if cls.SAFETY == "unsafe" and not allow_unsafe else chosen).append(rid)
+        return chosen, withheld
     from opadvisor.rules import registry as rules_registry
 
     if rule not in rules_registry.RULE_MODULES and not registry.has_codemod(rule):
@@ -384,7 +382,14 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> list[
         raise UserError(
             f"the {rule} fix is marked unsafe (see `opadvisor explain {rule}`); pass --unsafe to apply it"
         )
-    return [rule]
+    return [rule], []
+
+
+def _say_withheld(withheld: Sequence[str], found: set[str], messages: list[str]) -> None:
+    """One line per held-back unsafe rule that would have had something to do (silence for the rest)."""
+    for rid in withheld:
+        if rid in found:
+            messages.append(f"{rid}: not applied: its fix is marked unsafe; pass --unsafe to apply it too")
 
 
 def load_applied(state: Path) -> dict[str, Any]:
@@ -421,9 +426,11 @@ def apply_run(
     from opadvisor.rules.engine import run_rules
 
     messages: list[str] = []
-    rules = _selected_rules(rule, allow_unsafe, messages)
+    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
     run_dir, profiles = load_run(run)
-    findings = run_rules(profiles, select=rules) if rules else []
+    findings = run_rules(profiles, select=rules + withheld) if rules or withheld else []
+    _say_withheld(withheld, {f.rule for f in findings}, messages)
+    findings = [f for f in findings if f.rule not in withheld]
     sources: dict[str, str] = {}
     for profile in profiles:
         sources.update(profile.sources)
@@ -582,7 +589,7 @@ def apply_files(
 ) -> ApplyResult:
     """Static mode: rewrite every match of `rule` (or "all") in the named files, without a profile."""
     messages: list[str] = []
-    rules = _selected_rules(rule, allow_unsafe, messages)
+    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
     root = project_root()
     jobs = []
     seen: set[Path] = set()
@@ -599,6 +606,9 @@ def apply_files(
         _check_writable(path)
         current = _read(path)
         jobs.append(FileJob(path, current, current, None, list(rules), allow_unsafe=allow_unsafe))
+    if withheld:  # a dry run: which held-back rules would have rewritten something
+        dry = [FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True) for j in jobs]
+        _say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
     state = static_state_dir()
     result = ApplyResult(_run_jobs(jobs, messages), messages, state)
     if write and result.changed:

@@ -169,6 +169,36 @@ def test_rule_all_applies_each_rule_once(project):
     assert "30528" in result.stderr  # the display-only note about the literal size
 
 
+def test_rule_all_names_held_back_unsafe_rules_only_when_they_found_something(project):
+    # the stubbed run has safe findings only: no line about the unsafe fixes it holds back
+    result = cli("--rule", "all", "--diff")
+    assert result.exit_code == 0, result.stderr
+    assert "unsafe" not in result.stderr, result.stderr
+    # an fp32_gemm finding (an unsafe fix) is named once, and its file is left alone
+    project["findings"].append(
+        Finding("fp32_gemm", str(project["model"]), LINEAR_LINE, LINEAR_LINE, "fp32 matmul", "unsafe")
+    )
+    result = cli("--rule", "all", "--diff")
+    assert result.exit_code == 0, result.stderr
+    unsafe = [ln for ln in result.stderr.splitlines() if "unsafe" in ln]
+    assert unsafe == ["fp32_gemm: not applied: its fix is marked unsafe; pass --unsafe to apply it too"]
+
+
+def test_rule_all_static_mode_names_only_unsafe_rules_that_would_rewrite(project):
+    def held_back(file: str) -> list[str]:
+        result = cli("--rule", "all", "--diff", file)
+        assert result.exit_code == 0, result.stderr
+        return [ln.split(":")[0] for ln in result.stderr.splitlines() if "marked unsafe" in ln]
+
+    # fp32_gemm's static fix (process-wide TF32 flags) rewrites any file; the other two need a match
+    (project["root"] / "plain.py").write_text("x = 1\n")
+    assert held_back("plain.py") == ["fp32_gemm"]
+    (project["root"] / "loader.py").write_text(
+        "import torch\n\ndata = torch.arange(8)\nloader = torch.utils.data.DataLoader(data, batch_size=2)\n"
+    )
+    assert sorted(held_back("loader.py")) == ["dataloader_stall", "fp32_gemm"]
+
+
 def test_undo_restores_byte_exact(project):
     model: Path = project["model"]
     assert cli("--rule", "all").exit_code == 0

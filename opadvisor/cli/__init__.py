@@ -6,6 +6,8 @@ happen inside the commands, so `opadvisor --help` and `opadvisor rules` answer a
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from opadvisor.cli import apply as _apply
@@ -19,10 +21,11 @@ app = typer.Typer(
     name="opadvisor",
     help=(
         "Find where a PyTorch training script loses GPU time, rewrite it to fused kernels, and prove it.\n\n"
-        "  opadvisor profile train.py      measure a few steps\n\n"
-        "  opadvisor suggest               findings ranked by measured time\n\n"
-        "  opadvisor apply --rule RULE     rewrite the source (libcst), with a diff\n\n"
-        "  opadvisor verify                same losses? how much faster?\n\n"
+        "\b\n"  # click keeps this paragraph's lines as they are
+        "  opadvisor profile train.py      measure a few steps\n"
+        "  opadvisor suggest               findings ranked by measured time\n"
+        "  opadvisor apply --rule RULE     rewrite the source (libcst), with a diff\n"
+        "  opadvisor verify                same losses? how much faster?\n"
         "  opadvisor report / diff         an HTML report; two runs compared"
     ),
     no_args_is_help=True,
@@ -32,8 +35,23 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from opadvisor import __version__
+
+        print(f"opadvisor {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print opadvisor's version and exit.", is_eager=True, callback=_print_version
+        ),
+    ] = False,
+) -> None:
     # A callback keeps `opadvisor` a group of commands, whatever number of commands is registered.
     pass
 

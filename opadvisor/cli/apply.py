@@ -84,10 +84,13 @@ def apply(
     after a byte-exact backup: in the run folder (backup/ and applied.json, which `opadvisor verify`
     reads), or for static mode in .opadvisor/static/. `opadvisor apply --undo` puts the files back.
 
-    Examples:  opadvisor apply --rule fused_softmax --diff
-               opadvisor apply --rule all
-               opadvisor apply --rule gemm_align model.py
-               opadvisor apply --undo
+    Examples:
+
+    \b
+      opadvisor apply --rule fused_softmax --diff
+      opadvisor apply --rule all
+      opadvisor apply --rule gemm_align model.py
+      opadvisor apply --undo
     """
     from opadvisor.rewrite import engine
 

@@ -376,7 +376,9 @@ def rules() -> None:
         except ImportError:
             print(f"{rid:<{width}}  (not available in this build)")
             continue
-        fix = mod.FIX if has_codemod(rid) or mod.FIX == "none" else f"{mod.FIX}, no codemod yet"
+        fix = registry.fix_safety(mod)
+        if not has_codemod(rid) and mod.FIX != "none":
+            fix += ", no codemod yet"
         print(f"{rid:<{width}}  {mod.TITLE} [fix: {fix}]")
     print("\n`opadvisor explain RULE` says what a rule finds, why it is slow, and how it is fixed.")
 
@@ -387,7 +389,7 @@ def explain(rule: Annotated[str, typer.Argument(help="A rule id (see `opadvisor 
     from opadvisor.rules import registry
 
     mod = registry.get_rule(rule)
-    print(f"{mod.ID}: {mod.TITLE} (fix: {mod.FIX})\n")
+    print(f"{mod.ID}: {mod.TITLE} (fix: {registry.fix_safety(mod)})\n")
     print(_dedent_doc(mod.__doc__ or ""))
 
 

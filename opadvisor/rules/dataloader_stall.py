@@ -46,6 +46,7 @@ from opadvisor.rules.finding import Evidence, Finding
 ID = "dataloader_stall"
 TITLE = "GPU idle while waiting for the next batch"
 FIX = "unsafe"
+FIX_CAVEAT = "none where the profile did not see the DataLoader built, or nothing is left to change"
 
 LOADER_PREFIX = "enumerate(DataLoader)#"
 MIN_SHARE = 0.02  # report when the GPU idles at least this share of the step waiting for data ...

@@ -39,6 +39,7 @@ from opadvisor.rules.finding import Finding
 ID = "gemm_align"
 TITLE = "Misaligned 16-bit matrix products"
 FIX = "safe"
+FIX_CAVEAT = "none for a vocabulary or batch size (display only)"
 
 ALIGN = 8
 MIN_ELEMENTS = 1 << 18  # batch*M*N*K below this: too small to matter, whatever the alignment

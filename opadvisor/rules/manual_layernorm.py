@@ -47,6 +47,7 @@ from opadvisor.rules.finding import Finding
 ID = "manual_layernorm"
 TITLE = "Layer norm written as mean/var/sqrt ops"
 FIX = "safe"
+FIX_CAVEAT = "unsafe where it is not the same function (unbiased variance, eps outside the root)"
 
 ANCHORS = names("mean", "var_mean", "std_mean")
 VAR_OPS = names("var", "std")

@@ -2,7 +2,9 @@
 
 A rule module has: a docstring in four parts (What it finds / Why it is slow / Example / Fix and its
 safety), `ID` (str), `TITLE` (str, a few words), `FIX` ("safe" | "unsafe" | "none": the safety of its
-usual fix), and `detect(profile: Profile) -> list[Finding]`. Adding a rule adds one line here.
+usual fix), optionally `FIX_CAVEAT` (str: where a finding's fix differs from FIX, e.g. "unsafe where
+masked rows are zeroed after softmax"; `opadvisor rules` shows it), and `detect(profile: Profile) ->
+list[Finding]`. Adding a rule adds one line here.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def get_rule(rule_id: str) -> ModuleType:
     if rule_id not in RULE_MODULES:
         raise UserError(f"unknown rule {rule_id!r}; known rules: {', '.join(RULE_MODULES)}")
     return importlib.import_module(f"opadvisor.rules.{rule_id}")
+
+
+def fix_safety(rule: ModuleType) -> str:
+    """The safety of a rule's fixes in words: FIX, and where findings differ from it ("safe; unsafe where ...")."""
+    caveat = getattr(rule, "FIX_CAVEAT", "")
+    return f"{rule.FIX}; {caveat}" if caveat else rule.FIX
 
 
 def all_rules() -> list[ModuleType]:

@@ -46,6 +46,7 @@ from opadvisor.rules.finding import Finding
 ID = "sdpa_attention"
 TITLE = "Hand-written attention"
 FIX = "safe"
+FIX_CAVEAT = "unsafe where masked rows are zeroed after softmax"
 ALTERNATIVES = ("fused_softmax",)
 
 

@@ -44,6 +44,7 @@ from opadvisor.rules.finding import Evidence, Finding
 ID = "sparse_launch"
 TITLE = "GPU idle between short kernels"
 FIX = "unsafe"
+FIX_CAVEAT = "none where the optimizer launches the kernels (fused_optimizer fixes that)"
 
 IDLE_SHARE_MIN = 0.10  # report when the unexplained idle share of the median step is at least this
 FUNCTION_SHARE_MIN = 0.02  # ... and per function, when it causes at least this share of the step idle

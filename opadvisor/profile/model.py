@@ -87,6 +87,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -368,14 +371,13 @@ def save_profile(profile: Profile, path: Path) -> None:
     tmp.replace(path)
 
 
-def _build(cls: type, data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise ProfileFormatError(f"expected an object for {cls.__name__}, got {type(data).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in known})
+# Keys every profile.json has had since schema 1 began (fields added later have defaults and may be absent).
+REQUIRED_KEYS = ("script", "argv", "cwd", "environment", "steps", "ops")
 
 
 def profile_from_dict(data: Any) -> Profile:
+    """The Profile of a JSON object; ProfileFormatError (one line) for anything this file does not describe:
+    every field is checked against its annotation as it is read."""
     if not isinstance(data, dict):
         raise ProfileFormatError("profile.json does not hold a JSON object")
     schema = data.get("schema")
@@ -383,30 +385,156 @@ def profile_from_dict(data: Any) -> Profile:
         raise ProfileFormatError(
             f"profile.json has schema version {schema!r}; this opadvisor reads version {SCHEMA_VERSION}"
         )
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ProfileFormatError(f"profile.json is malformed: it has no {', '.join(map(repr, missing))}")
     try:
-        prof: Profile = _build(Profile, data)
-        prof.environment = _build(Environment, data.get("environment", {}))
-        prof.steps = [_build(Step, s) for s in data.get("steps", [])]
-        for s in prof.steps:
-            s.idle_gaps = [_build(Gap, g) for g in s.idle_gaps]
-        prof.ops = [_build(Op, o) for o in data.get("ops", [])]
-        kernel_names = data.get("kernel_names", [])
-        for o in prof.ops:
-            o.kernels = [_build(Kernel, k) for k in o.kernels]
-            for k in o.kernels:
-                if isinstance(k.name, int):
-                    k.name = kernel_names[k.name]
-        prof.annotations = [_build(Annotation, a) for a in data.get("annotations", [])]
-        prof.syncs = [_build(SyncEvent, s) for s in data.get("syncs", [])]
-        prof.memcpys = [_build(Memcpy, m) for m in data.get("memcpys", [])]
-        prof.constructions = [_build(Construction, c) for c in data.get("constructions", [])]
-        prof.module_calls = [_build(ModuleCall, m) for m in data.get("module_calls", [])]
-    except (TypeError, IndexError, AttributeError) as exc:  # a required field missing, a bad reference
+        prof = _build_profile(data)
+    except _Malformed as exc:
         raise ProfileFormatError(f"profile.json is malformed: {exc}") from None
+    if not prof.script:
+        raise ProfileFormatError("profile.json is malformed: its 'script' is empty")
+    return prof
+
+
+class _Malformed(Exception):
+    """Where a profile.json departs from the model, in words (`profile_from_dict` words the rest)."""
+
+
+def _build_profile(data: dict[str, Any]) -> Profile:
+    prof: Profile = _build(Profile, data, "")
+    prof.environment = _build(Environment, prof.environment, "environment")
+    prof.steps = [_build(Step, s, f"steps[{i}]") for i, s in enumerate(prof.steps)]
+    for i, s in enumerate(prof.steps):
+        s.idle_gaps = [_build(Gap, g, f"steps[{i}].idle_gaps[{j}]") for j, g in enumerate(s.idle_gaps)]
+    prof.ops = [_build(Op, o, f"ops[{i}]") for i, o in enumerate(prof.ops)]
+    names = data.get("kernel_names", [])
+    if type(names) is not list or not all(type(n) is str for n in names):
+        raise _Malformed("kernel_names is not a list of strings")
     for i, o in enumerate(prof.ops):
         if o.id != i:
-            raise ProfileFormatError(f"profile.json is malformed: op {i} has id {o.id}")
+            raise _Malformed(f"op {i} has id {o.id}")
+        o.kernels = [_build(Kernel, k, f"ops[{i}].kernels[{j}]") for j, k in enumerate(o.kernels)]
+        for j, k in enumerate(o.kernels):
+            if type(k.name) is int:
+                if not 0 <= k.name < len(names):
+                    raise _Malformed(f"ops[{i}].kernels[{j}].name {k.name} is not an index into kernel_names")
+                k.name = names[k.name]
+    prof.annotations = [_build(Annotation, a, f"annotations[{i}]") for i, a in enumerate(prof.annotations)]
+    prof.syncs = [_build(SyncEvent, s, f"syncs[{i}]") for i, s in enumerate(prof.syncs)]
+    prof.memcpys = [_build(Memcpy, m, f"memcpys[{i}]") for i, m in enumerate(prof.memcpys)]
+    prof.constructions = [
+        _build(Construction, c, f"constructions[{i}]") for i, c in enumerate(prof.constructions)
+    ]
+    prof.module_calls = [_build(ModuleCall, m, f"module_calls[{i}]") for i, m in enumerate(prof.module_calls)]
     return prof
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """An instance of `cls` from a JSON object, each value checked against its field's annotation (nested
+    dataclasses stay raw: the caller builds them). Unknown keys are ignored (a newer writer's fields)."""
+    if type(data) is not dict:
+        raise _Malformed(f"{where or 'the top level'} is {_shown(data)}, not an object")
+    checks, required = _checks(cls)
+    kwargs = {}
+    for key, value in data.items():
+        entry = checks.get(key)
+        if entry is None:
+            continue
+        if not entry[0](value):
+            raise _Malformed(
+                f"{where}{'.' if where else ''}{key} is {_shown(value)}, not {_hint_words(entry[1])}"
+            )
+        kwargs[key] = value
+    for key in required:
+        if key not in kwargs:
+            raise _Malformed(f"{where} has no {key!r}")
+    return cls(**kwargs)
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value)[:40]
+
+
+# ---- the check of each field's JSON value against its annotation ------------------------------------------
+
+# As on disk, where that differs from the loaded model: a kernel's name is an index into `kernel_names`.
+_ON_DISK: dict[tuple[type, str], Any] = {(Kernel, "name"): int | str}
+_CHECKS: dict[type, tuple[dict[str, tuple[Callable[[Any], bool], Any]], list[str]]] = {}
+_SCALARS: dict[Any, tuple[type, ...]] = {
+    str: (str,),
+    bool: (bool,),
+    int: (int,),
+    float: (int, float),  # JSON writes 2.0 as 2
+    type(None): (type(None),),
+}
+
+
+def _checks(cls: type) -> tuple[dict[str, tuple[Callable[[Any], bool], Any]], list[str]]:
+    """({field: (check, annotation)}, required fields) of a dataclass, made once."""
+    if cls not in _CHECKS:
+        hints = typing.get_type_hints(cls)
+        checks = {}
+        for f in dataclasses.fields(cls):
+            hint = _ON_DISK.get((cls, f.name), hints[f.name])
+            checks[f.name] = (_json_check(hint), hint)
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        _CHECKS[cls] = (checks, required)
+    return _CHECKS[cls]
+
+
+def _json_check(hint: Any) -> Callable[[Any], bool]:
+    """A predicate telling whether a value loaded from JSON fits the annotation `hint`; a dataclass-typed
+    value need only be an object here (it is built, and checked, in turn). Exact types (`type(v) in ...`):
+    a bool is no int here, and the check stays cheap on large profiles."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return lambda v: True
+    if dataclasses.is_dataclass(hint):
+        return lambda v: type(v) is dict
+    scalar = _scalar_types(hint)
+    if scalar is not None:
+        return lambda v: type(v) in scalar
+    if origin in (typing.Union, types.UnionType):
+        alternatives = [_json_check(a) for a in args]
+        return lambda v: any(check(v) for check in alternatives)
+    if origin is list and dataclasses.is_dataclass(args[0]):
+        return lambda v: type(v) is list  # each item is built, and checked, in turn
+    if origin is list:
+        item_types = _scalar_types(args[0])
+        if item_types is not None:
+            return lambda v: type(v) is list and all(type(x) in item_types for x in v)
+        item = _json_check(args[0])
+        return lambda v: type(v) is list and all(item(x) for x in v)
+    if origin is dict:
+        key, value = _json_check(args[0]), _json_check(args[1])
+        return lambda v: type(v) is dict and all(key(k) and value(x) for k, x in v.items())
+    raise TypeError(f"no JSON check for {hint!r}")  # a new field type: teach this function about it
+
+
+def _scalar_types(hint: Any) -> frozenset[type] | None:
+    """The exact types a scalar annotation (`int`, `str | None`, ...) allows; None for anything else."""
+    if hint in _SCALARS:
+        return frozenset(_SCALARS[hint])
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        parts = [_scalar_types(a) for a in typing.get_args(hint)]
+        if all(p is not None for p in parts):
+            return frozenset().union(*parts)  # type: ignore[arg-type]
+    return None
+
+
+def _hint_words(hint: Any) -> str:
+    """An annotation as a reader writes it: `float`, `list[int] | None`, `dict[str, str]`."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(_hint_words(a) for a in args)
+    if args:
+        return f"{typing.get_origin(hint).__name__}[{', '.join(_hint_words(a) for a in args)}]"
+    return "None" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 def load_profile(path: Path) -> Profile:
@@ -417,10 +545,17 @@ def load_profile(path: Path) -> Profile:
         raise ProfileFormatError(f"{path} does not exist") from None
     except OSError as exc:
         raise ProfileFormatError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # opadvisor writes UTF-8: another file, or a damaged one
+        raise ProfileFormatError(f"{path} is not a profile.json (not UTF-8 text: byte {exc.start})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ProfileFormatError(
             f"{path} is corrupt or truncated (invalid JSON at line {exc.lineno}, column {exc.colno})"
         ) from None
-    return profile_from_dict(data)
+    except RecursionError:
+        raise ProfileFormatError(f"{path} is not a profile.json (its JSON nests too deeply)") from None
+    try:
+        return profile_from_dict(data)
+    except ProfileFormatError as exc:
+        raise ProfileFormatError(str(exc).replace("profile.json", str(path), 1)) from None

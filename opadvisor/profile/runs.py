@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import re
 from pathlib import Path
 
 from opadvisor.errors import UserError
@@ -19,6 +20,7 @@ from opadvisor.profile.model import Profile, ProfileFormatError, load_profile
 STATE_DIR = ".opadvisor"
 PROFILE_FILE = "profile.json"
 TRACE_FILE = "trace.json.gz"
+RANK_PROFILE = re.compile(r"profile\.rank(\d+)\.json")
 
 
 def state_dir(base: Path | None = None) -> Path:
@@ -63,9 +65,9 @@ def profile_paths(run_dir: Path) -> list[Path]:
     single = run_dir / PROFILE_FILE
     if single.is_file():
         return [single]
-    ranked = sorted(run_dir.glob("profile.rank*.json"), key=lambda p: int(p.stem.split("rank")[-1]))
+    ranked = {int(m.group(1)): p for p in run_dir.iterdir() if (m := RANK_PROFILE.fullmatch(p.name))}
     if ranked:
-        return ranked
+        return [ranked[r] for r in sorted(ranked)]
     raise UserError(f"{run_dir} has no profile.json (the profile did not finish?); profile again")
 
 

@@ -60,7 +60,9 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     model.write_bytes(MODEL)
     run_dir = tmp_path / ".opadvisor" / "runs" / "r1"
     run_dir.mkdir(parents=True)
-    save_profile(Profile(run_id="r1", sources={str(model): sha(MODEL)}), run_dir / "profile.json")
+    save_profile(
+        Profile(run_id="r1", script=str(model), sources={str(model): sha(MODEL)}), run_dir / "profile.json"
+    )
     mark_latest(run_dir)
     findings: list[Finding] = [
         Finding("fused_softmax", str(model), *SOFTMAX_LINES, "masked_fill -> softmax", "safe"),
@@ -236,7 +238,8 @@ def test_skipped_site_says_why(project):
     )
     project["run"].joinpath("profile.json").unlink()
     save_profile(
-        Profile(run_id="r1", sources={str(model): sha(model.read_bytes())}), project["run"] / "profile.json"
+        Profile(run_id="r1", script=str(model), sources={str(model): sha(model.read_bytes())}),
+        project["run"] / "profile.json",
     )
     result = cli("--rule", "fused_softmax")
     assert result.exit_code == 0

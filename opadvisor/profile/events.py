@@ -293,6 +293,23 @@ class TreeReader:
         self.out.ops[op_id].kernels.append(Kernel(name=name, start_us=start, duration_us=dur))
 
 
+def profiler_step_ranges(roots: list) -> dict[int, tuple[int, int]]:
+    """{i: (start_ns, end_ns)} of the `ProfilerStep#i` ranges in the event tree.
+
+    Only ops' names are read: torch 2.13's Python tracer sometimes names a Python event with bytes that
+    are not UTF-8 (reading it raises UnicodeDecodeError), and the step ranges are record_function ops.
+    """
+    found: dict[int, tuple[int, int]] = {}
+    stack = list(roots)
+    while stack:
+        event = stack.pop()
+        if _tag(event) == "TorchOp" and event.name.startswith(_ANNOTATION_PREFIX):
+            index = int(event.name.split("#", 1)[1])
+            found[index] = (event.start_time_ns, event.start_time_ns + event.duration_time_ns)
+        stack.extend(event.children)
+    return found
+
+
 def assign_steps(extracted: Extracted, marks: list[tuple[float, float]], cuda: bool) -> None:
     """Give every op, annotation, sync and copy its step (by CPU start); compute GPU busy time and gaps."""
     import bisect

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from opadvisor.errors import UserError
 from opadvisor.profile import runs
-from opadvisor.profile.events import TreeReader, assign_steps
+from opadvisor.profile.events import TreeReader, assign_steps, profiler_step_ranges
 from opadvisor.profile.memory import attach_memory
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
@@ -157,14 +157,7 @@ def _step_marks_in_tree(roots: list, marks_ns: list[tuple[int, int]]) -> list[tu
     The session also took perf_counter marks; the profiler's own clock is what ops are stamped with, so
     prefer the ranges it recorded and fall back to the marks only if a range is missing.
     """
-    found: dict[int, tuple[int, int]] = {}
-    stack = list(roots)
-    while stack:
-        event = stack.pop()
-        if event.name.startswith("ProfilerStep#"):
-            index = int(event.name.split("#", 1)[1])
-            found[index] = (event.start_time_ns, event.start_time_ns + event.duration_time_ns)
-        stack.extend(event.children)
+    found = profiler_step_ranges(roots)
     ordered = [found[i] for i in sorted(found) if i < len(marks_ns)]
     if len(ordered) != len(marks_ns):
         return marks_ns

@@ -102,3 +102,14 @@ def test_oddly_named_rank_files_are_not_ranks(project: Path) -> None:
     run = project / ".opadvisor" / "runs" / "r1"
     (run / "profile.rankX.json").write_text("{}")
     _assert_one_line(CliRunner().invoke(app, ["suggest"]), "has no profile.json")
+
+
+def test_every_model_field_has_a_json_check() -> None:
+    # a field of a type `_json_check` does not know would fail every load: caught here, not by users
+    import dataclasses
+
+    from opadvisor.profile import model
+
+    for cls in vars(model).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == model.__name__:
+            model._checks(cls)

@@ -158,7 +158,9 @@ def test_block_groups_and_holders():
 
 
 def test_older_profiles_load_with_memory_unmeasured():
-    prof = profile_from_dict({"schema": 1, "steps": [{"index": 0, "start_us": 0, "end_us": 1, "wall_ms": 1}]})
+    step = {"index": 0, "start_us": 0, "end_us": 1, "wall_ms": 1}
+    older = {"schema": 1, "script": "/p/train.py", "argv": [], "cwd": "/p", "environment": {}, "ops": []}
+    prof = profile_from_dict({**older, "steps": [step]})  # the keys every schema-1 profile has
     assert prof.module_calls == [] and prof.steps[0].saved_bytes is None
     assert prof.peak_memory() == (None, None) and not prof.memory_requested
 

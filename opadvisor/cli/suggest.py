@@ -58,6 +58,14 @@ def suggest(
     exit_code: Annotated[
         bool, typer.Option("--exit-code", help="Exit 1 when there are findings (for CI).")
     ] = False,
+    memory: Annotated[
+        bool,
+        typer.Option(
+            "--memory",
+            help="Report the modules holding the most activation memory, with the checkpointing fix, "
+            "whatever the step's peak (rules named by --select are asked the same way).",
+        ),
+    ] = False,
 ) -> None:
     """Explain where the run loses time: a breakdown of the step, then findings ranked by time per step.
 
@@ -74,7 +82,11 @@ def suggest(
     if sort not in ("time", "saving"):
         raise UserError(f"unknown sort {sort!r}; use time or saving")
     run_dir, profiles = load_run(run)
-    report = analyse(profiles, _split(select), _split(ignore), sort=sort)  # type: ignore[arg-type]
+    chosen = _split(select)
+    if memory and chosen is not None:
+        chosen.append("activation_checkpointing")
+    requested = [*(chosen or []), *(["activation_checkpointing"] if memory else [])]
+    report = analyse(profiles, chosen, _split(ignore), sort=sort, requested=requested)  # type: ignore[arg-type]
     _warn_sources(report.findings)
     if format == "json":
         print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))

@@ -61,9 +61,9 @@ ModuleCall (one module called inside the window)
     storages per step first saved for backward while this module was the innermost one running; its
     children's are theirs; None when not measured), attrs (facts of its class: for nn.LSTM / nn.GRU /
     nn.RNN `kind`, sizes, `calls_not_flat` (calls whose weights were not one contiguous buffer),
-    `weight_dtype`, `input_dtype`, `input_shape`, `autocast`, `device`; for nn.LSTMCell / nn.GRUCell /
-    nn.RNNCell `kind`, sizes, `bias`, `nonlinearity`, `input_shape`, `input_dtype`, `weight_dtype`,
-    `state_given`; see opadvisor/profile/modules.py).
+    `weight_dtype`, `input_dtype`, `input_shape`, `autocast`, `device`, `cudnn_enabled`, `cudnn_tf32`;
+    for nn.LSTMCell / nn.GRUCell / nn.RNNCell `kind`, sizes, `bias`, `nonlinearity`, `input_shape`,
+    `input_dtype`, `weight_dtype`, `state_given`; see opadvisor/profile/modules.py).
     Activation memory saved outside every module (a loss computed in the training loop) is the step's
     `saved_bytes` minus the modules' sum.
 

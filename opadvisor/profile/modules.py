@@ -9,7 +9,7 @@ bytes of its tensor arguments, and facts of its class that the rules check the s
   contiguous buffer cuDNN's fused path wants (the test cuDNN's `try_get_weight_buf` makes: every weight in
   one storage, each starting where the previous one ends; else every call compacts them and warns
   "RNN module weights are not part of single contiguous chunk of memory"), the weight and input dtypes,
-  autocast, the device;
+  autocast, the device, and torch.backends.cudnn's `enabled` and `allow_tf32`;
 - recurrent cells (`nn.LSTMCell`, `nn.GRUCell`, `nn.RNNCell`): sizes, bias, nonlinearity, the shape of the
   first input and whether a state was passed.
 """
@@ -172,6 +172,8 @@ def _update_rnn_facts(attrs: dict[str, Any], module: Any, args: tuple) -> None:
         input_shape=list(x.shape) if isinstance(x, torch.Tensor) else None,
         device=device,
         autocast=_autocast_dtype(device),
+        cudnn_enabled=bool(torch.backends.cudnn.enabled),
+        cudnn_tf32=bool(torch.backends.cudnn.allow_tf32),
     )
 
 

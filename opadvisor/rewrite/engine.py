@@ -428,7 +428,9 @@ def apply_run(
     messages: list[str] = []
     rules, withheld = _selected_rules(rule, allow_unsafe, messages)
     run_dir, profiles = load_run(run)
-    findings = run_rules(profiles, select=rules + withheld) if rules or withheld else []
+    # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
+    asked = [] if rule == "all" else rules
+    findings = run_rules(profiles, select=rules + withheld, requested=asked) if rules or withheld else []
     _say_withheld(withheld, {f.rule for f in findings}, messages)
     findings = [f for f in findings if f.rule not in withheld]
     sources: dict[str, str] = {}

@@ -59,6 +59,8 @@ def module_pattern(modules: Iterable[str | None]) -> str | None:
 def fmt_ms(ms: float | None) -> str:
     if ms is None:
         return "n/a"
+    if ms < 0:  # a cost (a fix that trades time for memory)
+        return "-" + fmt_ms(-ms)
     if ms >= 10:
         return f"{ms:.0f} ms"
     if ms >= 0.1:

@@ -237,6 +237,16 @@ class ProfileIndex:
         """True for ops inside a recorded step (every op when the profile has no steps)."""
         return self._in_window(op)
 
+    def module_ops(self, module: str, module_class: str) -> list[Op]:
+        """Forward root ops run while `module` (its path, and its class: two models may both have a
+        "cell") was the innermost module running; `module_class` qualified or short."""
+        short = module_class.rpartition(".")[2]
+        return [
+            op
+            for op in self.forward_root_ops
+            if op.module == module and (op.module_class is None or op.module_class == short)
+        ]
+
     def forward_roots(self, names: Sequence[str] | None = None) -> list[Op]:
         """Forward root ops in the window, optionally only those with one of `names`, in start order."""
         wanted = set(names) if names else None

@@ -12,6 +12,7 @@ frame, at or before the real one). This module turns those into the exact statem
     src.operators(10, 14)                 # [OperatorSite] of binary / augmented operators ("@", "/", "+=")
     src.statement_span(12)                # (first, last) line of the statement holding line 12
     src.enclosing_function(12)            # FunctionSpan(name, qualname, line, end_line) or None
+    src.enclosing_loop(12)                # (first, last) line of the innermost for / while, or None
     locate_each(src, ops)                 # each op's statement lines, for a chain that ran in this order
     locate_ops(src, ops)                  # (first, last) statement lines of the whole chain
     source_status(profile, path)          # "ok" | "changed" | "missing": the file now vs. at profile time
@@ -176,6 +177,7 @@ class _Collector(cst.CSTVisitor):
         self.operators: list[OperatorSite] = []
         self.statements: list[tuple[int, int]] = []
         self.functions: list[FunctionSpan] = []
+        self.loops: list[tuple[int, int]] = []  # (first, last) line of every for / while statement
         self._scope: list[str] = []
 
     def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -218,9 +220,11 @@ class _Collector(cst.CSTVisitor):
 
     def visit_For(self, node: cst.For) -> None:
         self._header(node, node.body)
+        self.loops.append(self._pos(node))
 
     def visit_While(self, node: cst.While) -> None:
         self._header(node, node.body)
+        self.loops.append(self._pos(node))
 
     def visit_With(self, node: cst.With) -> None:
         self._header(node, node.body)
@@ -260,6 +264,7 @@ class SourceFile:
         # innermost statement first when several contain a line: sort by start, then shortest
         self._stmts = sorted(set(col.statements), key=lambda s: (s[0], s[1] - s[0]))
         self._functions = col.functions
+        self._loops = col.loops
 
     def line_text(self, line: int) -> str:
         return self.lines[line - 1] if 1 <= line <= len(self.lines) else ""
@@ -292,6 +297,11 @@ class SourceFile:
             if best is not None and a < best[0] - 200:  # statements far above cannot be tighter
                 break
         return best or (line, line)
+
+    def enclosing_loop(self, line: int) -> tuple[int, int] | None:
+        """(first, last) line of the innermost for / while statement holding `line`, None outside loops."""
+        inside = [loop for loop in self._loops if loop[0] <= line <= loop[1]]
+        return max(inside, key=lambda loop: loop[0]) if inside else None
 
     def enclosing_function(self, line: int) -> FunctionSpan | None:
         """The innermost function whose body holds `line`."""

@@ -9,6 +9,10 @@ A rule that cannot judge a profile (sparse_launch on a CPU profile) raises `NotA
 its `detect`; the engine turns that into a `Note`, never into a finding. A rule that fails unexpectedly
 becomes a note too (its id and the error in one line), so one bad rule never hides the others' findings.
 
+A rule that holds findings back unless the user asks (the memory rule: it reports only when the step's
+peak is high against the device) sets `ON_REQUEST = True` and takes `detect(profile, requested=...)`: it
+is asked when its id is in `requested` (`suggest --memory`, or the rule named by `apply --rule R`).
+
 Multi-rank runs: every rule runs on every rank; findings at the same rule and lines merge into one, with
 `ranks` listing where they were found and the largest per-step time of any rank (the slowest rank sets
 the step). `source_status` is set per finding by hashing the file now against `profile.sources`.
@@ -99,8 +103,12 @@ def analyse(
     ignore: Sequence[str] | None = None,
     *,
     sort: SortKey = "time",
+    requested: Sequence[str] = (),
 ) -> Report:
-    """Run the selected rules on every profile; findings merged across ranks and ranked."""
+    """Run the selected rules on every profile; findings merged across ranks and ranked.
+
+    `requested`: rule ids the user asked for by name; a rule with `ON_REQUEST` reports then what it would
+    otherwise hold back."""
     rule_ids = select_rules(select, ignore)
     multi = len(profiles) > 1
     report = Report(rules_run=rule_ids)
@@ -110,7 +118,11 @@ def analyse(
         found: list[Finding] = []
         for rid in rule_ids:
             try:
-                found.extend(registry.get_rule(rid).detect(profile))
+                rule = registry.get_rule(rid)
+                if getattr(rule, "ON_REQUEST", False):
+                    found.extend(rule.detect(profile, requested=rid in requested))
+                else:
+                    found.extend(rule.detect(profile))
             except NotApplicable as exc:
                 _note(notes, rid, str(exc), profile.rank, multi)
             except Exception as exc:  # noqa: BLE001 - one failing rule must not hide the others
@@ -170,7 +182,10 @@ def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int,
 
 
 def run_rules(
-    profiles: list[Profile], select: list[str] | None = None, ignore: list[str] | None = None
+    profiles: list[Profile],
+    select: list[str] | None = None,
+    ignore: list[str] | None = None,
+    requested: Sequence[str] = (),
 ) -> list[Finding]:
     """Findings of the selected rules on all ranks, merged (equal findings get `ranks`), largest first."""
-    return analyse(profiles, select, ignore).findings
+    return analyse(profiles, select, ignore, requested=requested).findings

@@ -26,6 +26,9 @@ RULE_MODULES: tuple[str, ...] = (
     "fp32_gemm",
     "manual_layernorm",
     "fused_optimizer",
+    "activation_checkpointing",
+    "rnn_cell_loop",
+    "cudnn_rnn",
 )
 
 

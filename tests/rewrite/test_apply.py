@@ -78,7 +78,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ),
     ]
 
-    def run_rules(profiles, select=None, ignore=None):
+    def run_rules(profiles, select=None, ignore=None, requested=()):
         return [f for f in findings if select is None or f.rule in select]
 
     monkeypatch.setattr("opadvisor.rules.engine.run_rules", run_rules)

@@ -9,11 +9,14 @@
 - ``cuda_graphed(module)``: the module's forward and backward replayed from CUDA graphs, per input shape.
 
 Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
-PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions. Importing this
-package does not import Triton.
+PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions before a call;
+``dispatch_counts()`` says afterwards which path each op's calls took ("kernel", "chain", "reference"), and
+every fallback that is not the documented size dispatch warns once with its reason. Importing this package
+does not import Triton.
 """
 
 from ._backend import backend
+from ._dispatch import dispatch_counts, reset_dispatch_counts
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
@@ -28,10 +31,12 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_backend",
     "cuda_graphed",
+    "dispatch_counts",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",
     "reference_bias_dropout_add",
     "reference_cross_entropy",
     "reference_masked_softmax",
+    "reset_dispatch_counts",
 ]

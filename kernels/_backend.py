@@ -73,6 +73,28 @@ def for_tensor(x: torch.Tensor, small_numel: int) -> str:
     return be
 
 
+def fallback_reason(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot take `x` where they otherwise would, or None: None too where the reference is
+    the documented path (a CPU tensor without Triton's interpreter: the PyTorch ops are the CPU
+    implementation; an empty tensor: nothing to compute)."""
+    return fallback_reason_for(x.device.type, x.dtype, x.dim())
+
+
+def fallback_reason_for(device_type: str, dtype: torch.dtype, dim: int) -> str | None:
+    """`fallback_reason` for a tensor of this device type, dtype and rank."""
+    if not HAS_TRITON:
+        return "Triton is not installed: the PyTorch reference runs" if device_type == "cuda" else None
+    if device_type not in ("cpu", "cuda"):
+        return f"no kernels for {device_type} tensors: the PyTorch reference runs"
+    if device_type == "cpu" and not interpret_requested():
+        return None
+    if dtype not in KERNEL_DTYPES:
+        return f"the kernels take float32, float16 and bfloat16, not {dtype}: the PyTorch reference runs"
+    if dim == 0:
+        return "a 0-d tensor: the PyTorch reference runs"
+    return None
+
+
 def cuda_graph_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False on builds without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

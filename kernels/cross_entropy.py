@@ -44,7 +44,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import _backend
+from . import _backend, _dispatch
 from . import _layout as layout
 from ._launch import Launcher
 from .softmax import triton_next_power_of_2
@@ -62,6 +62,7 @@ MAX_BLOCK = 4096
 COMPILE_PATH = "native"
 
 REDUCTIONS = ("mean", "sum", "none")
+OP = "cross_entropy"  # its name in the dispatch record and in warnings
 _TARGET_DTYPES = (torch.int64, torch.int32)
 
 
@@ -78,25 +79,36 @@ def cross_entropy_backend(
     """Which implementation `cross_entropy` runs for these arguments: "triton", "interpreter", "eager"
     (F.cross_entropy, CUDA inputs under SMALL_CLASSES classes) or "reference" (F.cross_entropy, for
     everything the kernels do not cover). See the module docstring."""
-    args = (weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-    if not _kernel_arguments(input, target, *args):
+    issue = _argument_issue(
+        input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+    )
+    if issue is not None:
         return _backend.REFERENCE
     # for_tensor's size rule on numel N * C, with the threshold N * SMALL_CLASSES, is the rule C <
     # SMALL_CLASSES (N > 0 here), and keeps whatever else for_tensor decides (dtype, device, emptiness).
     return _backend.for_tensor(input, SMALL_CLASSES * input.shape[0])
 
 
-def _kernel_arguments(
+def _argument_issue(
     input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
-) -> bool:
-    """Whether the arguments (all but the dtype and device rules of `_backend`) are the kernels' case."""
-    if weight is not None or size_average is not None or reduce is not None or label_smoothing != 0:
-        return False
+) -> str | None:
+    """What in the arguments (all but the dtype and device rules of `_backend`) the kernels do not cover,
+    or None."""
+    if weight is not None:
+        return "class weights"
+    if label_smoothing != 0:
+        return "label smoothing"
+    if size_average is not None or reduce is not None:
+        return "the legacy size_average / reduce arguments"
     if reduction not in REDUCTIONS or not isinstance(ignore_index, int):
-        return False
-    if input.dim() != 2 or target.dim() != 1 or target.dtype not in _TARGET_DTYPES:
-        return False
-    return target.shape[0] == input.shape[0] and target.device == input.device
+        return f"reduction={reduction!r}, ignore_index={ignore_index!r}"
+    if input.dim() != 2:
+        return f"{input.dim()}-d logits (the kernels take [N, C])"
+    if target.dim() != 1 or target.dtype not in _TARGET_DTYPES:
+        return f"targets of shape {tuple(target.shape)} and dtype {target.dtype} (the kernels take class indices)"
+    if target.shape[0] != input.shape[0] or target.device != input.device:
+        return "targets whose length or device differ from the logits'"
+    return None
 
 
 def loss_dtype(input: torch.Tensor) -> torch.dtype:
@@ -324,12 +336,39 @@ def cross_entropy(
     backend = cross_entropy_backend(
         input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
     )
-    native = backend in (_backend.REFERENCE, _backend.EAGER)
-    if native or (torch.compiler.is_compiling() and COMPILE_PATH == "native"):
-        return F.cross_entropy(
-            input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+    if backend == _backend.REFERENCE:
+        _dispatch.record_reference(
+            OP,
+            _fallback_reason(
+                input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+            ),
         )
-    x = input if input.stride(1) == 1 or input.shape[1] == 1 else input.contiguous()
+    elif backend == _backend.EAGER or (torch.compiler.is_compiling() and COMPILE_PATH == "native"):
+        _dispatch.record(OP, _dispatch.CHAIN)
+    else:
+        _dispatch.record(OP, _dispatch.KERNEL)
+        return _run_kernel(input, target, ignore_index, reduction)
+    return F.cross_entropy(
+        input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing
+    )
+
+
+def _fallback_reason(input, target, *args) -> str | None:
+    """Why a call the kernels' backend could take runs F.cross_entropy instead (None: the documented CPU
+    path, or an empty input)."""
+    if _backend.backend(input) == _backend.REFERENCE:
+        return _backend.fallback_reason(input)
+    issue = _argument_issue(input, target, *args)
+    if issue is not None:
+        return f"{issue}: F.cross_entropy runs"
+    return _backend.fallback_reason(input)
+
+
+def _run_kernel(input, target, ignore_index, reduction):
+    x = input
+    if input.stride(1) != 1 and input.shape[1] != 1:
+        _dispatch.warn_fallback(OP, "logits whose column stride is not 1 are copied first")
+        x = input.contiguous()
     out_dtype = loss_dtype(input)
     if torch.compiler.is_compiling():
         return cross_entropy_fwd_op(x, target, ignore_index, reduction, out_dtype)[0]

@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import _backend, _rng
+from . import _backend, _dispatch, _rng
 from . import _layout as layout
 from ._launch import Launcher
 from .softmax import triton_cdiv, triton_next_power_of_2
@@ -44,6 +44,7 @@ SMALL_NUMEL = 1 << 25
 COMPILE_PATH = "chain"
 
 _NO_SEED = (0, 0, 0)
+OP = "bias_dropout_add"  # its name in the dispatch record and in warnings
 
 
 def bias_dropout_add_backend(x: torch.Tensor) -> str:
@@ -135,6 +136,7 @@ def _forward(x, bias, residual, p, seed):
     _backend.check_launch(x)
     plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
     if plan is None:
+        _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         x, residual = x.contiguous(), residual.contiguous()
         plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
     grid, ints, meta = plan
@@ -336,9 +338,12 @@ def bias_dropout_add(
     p_eff = float(p) if training else 0.0
     backend = bias_dropout_add_backend(x)
     if backend == _backend.REFERENCE:
+        _dispatch.record_reference(OP, _backend.fallback_reason(x))
         return reference_bias_dropout_add(x, bias, residual, p_eff)
     if backend == _backend.EAGER or (torch.compiler.is_compiling() and COMPILE_PATH == "chain"):
+        _dispatch.record(OP, _dispatch.CHAIN)
         return eager_bias_dropout_add(x, bias, residual, p_eff)
+    _dispatch.record(OP, _dispatch.KERNEL)
     if torch.compiler.is_compiling():
         return bias_dropout_add_fwd_op(x, bias, residual, p_eff)[0]
     return BiasDropoutAddFunction.apply(x, bias, residual, p_eff)

@@ -17,7 +17,9 @@ The cost is a copy of the weight (N x K, small next to the GEMM) each forward, a
 of x; the output is a view of the padded result ([..., :out_features], row stride padded).
 
 Padding happens only on CUDA tensors (on the CPU alignment does not matter) and only when a size is
-misaligned; otherwise it is exactly `F.linear`.
+misaligned; otherwise it is exactly `F.linear`. The dispatch record (`opadvisor.kernels.dispatch_counts()`)
+counts `padded_linear` calls as "kernel" (padded), "chain" (aligned already: `F.linear`) or "reference"
+(`PaddedLinear` on a CPU tensor: `F.linear`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from . import _dispatch
+
+OP = "padded_linear"  # its name in the dispatch record: "kernel" = the padded product ran
 
 
 def padded_linear(
@@ -35,7 +41,9 @@ def padded_linear(
     pad_out = -out_features % multiple
     pad_in = -in_features % multiple
     if pad_out == 0 and pad_in == 0:
+        _dispatch.record(OP, _dispatch.CHAIN)
         return F.linear(x, weight, bias)
+    _dispatch.record(OP, _dispatch.KERNEL)
     w = F.pad(weight, (0, pad_in, 0, pad_out))
     if pad_in:
         x = F.pad(x, (0, pad_in))
@@ -72,6 +80,7 @@ class PaddedLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not should_pad(input):
+            _dispatch.record(OP, _dispatch.REFERENCE)
             return F.linear(input, self.weight, self.bias)
         return padded_linear(input, self.weight, self.bias, multiple=self.multiple)
 

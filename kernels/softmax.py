@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _backend, _rng
+from . import _backend, _dispatch, _rng
 from . import _layout as layout
 from ._launch import Launcher
 
@@ -36,6 +36,7 @@ RNG_INTERLEAVE = True
 SMALL_NUMEL = 1 << 22
 
 _NO_SEED = (0, 0, 0)
+OP = "masked_softmax"  # its name in the dispatch record and in warnings
 
 
 def masked_softmax_backend(x: torch.Tensor) -> str:
@@ -163,6 +164,7 @@ def _plan_for(x: torch.Tensor, mask: torch.Tensor | None, dim: int):
     """The launch plan and the tensors to launch on (copies only for layouts with > 3 batch dims)."""
     plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
     if plan is None:
+        _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         x = x.contiguous()
         mask = None if mask is None else mask.expand(x.shape).contiguous()
         plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
@@ -374,10 +376,28 @@ def masked_softmax(
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     p = float(dropout_p) if training else 0.0
-    if masked_softmax_backend(x) in (_backend.REFERENCE, _backend.EAGER):
-        return reference_masked_softmax(
-            x, mask, dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p
-        )
+    backend = masked_softmax_backend(x)
+    if backend == _backend.EAGER:
+        _dispatch.record(OP, _dispatch.CHAIN)
+    elif backend == _backend.REFERENCE or _tensor_scale_with_grad(scale):
+        reason = _backend.fallback_reason(x) if backend == _backend.REFERENCE else _GRAD_SCALE
+        _dispatch.record_reference(OP, reason)
+    else:
+        _dispatch.record(OP, _dispatch.KERNEL)
+        return _run_kernel(x, mask, dim, scale, fill_value, zero_masked, p)
+    return reference_masked_softmax(
+        x, mask, dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p
+    )
+
+
+_GRAD_SCALE = "a tensor scale that requires grad: the PyTorch reference runs, so that it gets its gradient"
+
+
+def _tensor_scale_with_grad(scale) -> bool:
+    return isinstance(scale, torch.Tensor) and scale.requires_grad
+
+
+def _run_kernel(x, mask, dim, scale, fill_value, zero_masked, p):
     dim = dim % x.dim()
     scale_f = 1.0 if scale is None else float(scale)
     fill = float(fill_value)

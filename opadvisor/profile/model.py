@@ -16,7 +16,8 @@ Profile
     cwd               working directory of the profiled process
     environment       Environment
     sources           {absolute path: sha256 hex} of every user source file that appears in `ops`
-    step_detection    "optimizer_hook" | "explicit" | "time_window"
+    step_detection    "optimizer_hook" | "explicit" | "time_window" | "callback" (a Trainer's step events:
+                      opadvisor.integrations)
     warmup_steps      steps run before the window
     steps_requested   steps the window was asked to record
     complete          False when the script ended or failed before the window was recorded in full

@@ -109,7 +109,7 @@ def _sha256(path: str) -> str | None:
 
 
 def build_profile(
-    recording: Recording, session: Session, script: Path, argv: list[str], cuda: bool
+    recording: Recording, session: Session, script: Path | None, argv: list[str], cuda: bool
 ) -> Profile:
     """The Profile of a stopped recording (its profiler has exported nothing yet)."""
     results = recording.profiler.profiler.kineto_results
@@ -124,13 +124,14 @@ def build_profile(
     assign_steps(extracted, marks_us, cuda)
     module_calls = session.module_calls.results()
     attach_memory(extracted.steps, module_calls, session.step_memory)
-    files = set(extracted.user_files) | {str(script.resolve())}
+    # no script: recorded from a notebook or an interactive session (a Trainer callback there)
+    files = set(extracted.user_files) | ({str(script.resolve())} if script else set())
     files |= {c.file for c in session.constructions if c.file}
     files |= {c.file for c in module_calls if c.file}
     return Profile(
         run_id="",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        script=str(script.resolve()),
+        script=str(script.resolve()) if script else "",
         argv=argv,
         cwd=os.getcwd(),
         environment=environment(cuda),
@@ -181,7 +182,7 @@ def _export_trace(recording: Recording, dest: Path) -> None:
 def write_run(
     recording: Recording,
     session: Session,
-    script: Path,
+    script: Path | None,
     argv: list[str],
     cuda: bool,
     out: Path | None,
@@ -219,7 +220,7 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 def _write_rank_files(
     recording: Recording,
     session: Session,
-    script: Path,
+    script: Path | None,
     argv: list[str],
     cuda: bool,
     out: Path | None,
@@ -305,12 +306,29 @@ def run_script(
         sys.argv, sys.path[:] = saved_argv, saved_path
         recording = session.finish()
         session.uninstall()
+    return record_run(session, recording, status, script, argv, out, cwd, rank, exit_code, script_tb)
+
+
+def record_run(
+    session: Session,
+    recording: Recording | None,
+    status: str,
+    script: Path | None,
+    argv: list[str],
+    out: Path | None,
+    cwd: Path,
+    rank: tuple[int, int] | None = None,
+    exit_code: int | None = None,
+    script_tb: str | None = None,
+) -> RunOutcome:
+    """The outcome of a finished session (`finish()`ed and uninstalled), its run written when it recorded
+    at least one whole step. Shared by `run_script` and the in-process `WindowRecorder` (recorder.py)."""
     if recording is not None and recording.complete and status in ("ended_early", "complete"):
         status = "complete"  # --run-to-end, or a time window the script outlived
     outcome = RunOutcome(None, None, status, session.steps_seen, exit_code, script_tb, list(session.warnings))
     if recording is not None and recording.steps:
         outcome.run_dir, outcome.profile = write_run(
-            recording, session, script, argv, config.cuda, out, cwd, rank
+            recording, session, script, argv, session.config.cuda, out, cwd, rank
         )
     elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
         outcome.status = "no_steps"

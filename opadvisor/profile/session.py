@@ -14,6 +14,10 @@ One `Session` is active while `opadvisor profile` runs a script. It installs, fo
 The profiler runs only inside the window: after `warmup` steps it starts, records `steps` steps, stops,
 and the session raises `WindowComplete` from the step boundary so a script meant to train for hours ends
 (unless `run_to_end`).
+
+A training framework's callback (opadvisor/integrations, through `recorder.WindowRecorder`) drives a
+session with `step_source="callback"`: no optimizer hook and no time window; each of the framework's own
+step events calls `callback_step()`, and the framework, not an exception, decides whether training stops.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ class SessionConfig:
     cuda: bool = False
     activations: bool = True  # measure the activation memory modules save for backward (saved-tensor hooks)
     memory_requested: bool = False  # `profile --memory`: the rules report memory findings whatever the peak
+    # "script": steps found by the optimizer hook / opadvisor.step() / a time window (`opadvisor profile`);
+    # "callback": only `Session.callback_step()` ends a step (a Trainer's own step events, integrations/)
+    step_source: str = "script"
 
 
 @dataclass
@@ -84,7 +91,7 @@ class Session:
     def __init__(self, config: SessionConfig, on_progress: Callable[[int, int], None] | None = None):
         self.config = config
         self.on_progress = on_progress
-        self.detection = "optimizer_hook"
+        self.detection = "callback" if config.step_source == "callback" else "optimizer_hook"
         self.steps_seen = 0
         self.recording: Recording | None = None
         self.constructions: list[Construction] = []
@@ -128,10 +135,11 @@ class Session:
         # torch warns that a profiler without acc_events keeps one cycle only; ours records one window
         # and reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=r"(?s).*Profiler clears events at the end of each cycle")
-        h1 = register_optimizer_step_post_hook(self._optimizer_hook)
+        if self.config.step_source == "script":
+            self._undo.append(register_optimizer_step_post_hook(self._optimizer_hook).remove)
         h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
         h3 = module_mod.register_module_forward_hook(self._forward_post_hook, always_call=True)
-        self._undo += [h1.remove, h2.remove, h3.remove]
+        self._undo += [h2.remove, h3.remove]
         self._wrap_init(torch.optim.Optimizer, self._record_optimizer)
         self._wrap_init(torch.utils.data.DataLoader, self._record_dataloader)
         self._wrap_init(torch.nn.Linear, self._record_module)
@@ -165,12 +173,22 @@ class Session:
             return  # a second optimizer (e.g. a GAN's) steps inside the same training step
         self.on_step(explicit=False)
 
+    def callback_step(self) -> None:
+        """A step ended, as the training framework driving this session says (step_source "callback")."""
+        self._advance()
+
     def on_step(self, *, explicit: bool) -> None:
+        if self.config.step_source != "script":
+            return  # the framework's step events end steps; opadvisor.step() would count them twice
         if explicit and not self._explicit:
             self._explicit = True
             self.detection = "explicit"
         if self.detection == "time_window":
             return
+        self._advance()
+
+    def _advance(self) -> None:
+        """One step ended: open the window after the warm-up, close a recorded step, stop when done."""
         now = time.perf_counter_ns()
         self.steps_seen += 1
         if self._profiler is not None and self._step_start_ns is not None:
@@ -284,6 +302,8 @@ class Session:
             self.module_paths.setdefault(id(sub), name)
 
     def _check_time_window(self) -> None:
+        if self.config.step_source != "script":
+            return  # a framework's step events drive the window; its warm-up may be long, never a time window
         if self.steps_seen or self.recording is not None and self.detection != "time_window":
             return
         now = time.monotonic()

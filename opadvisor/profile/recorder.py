@@ -10,7 +10,8 @@ The same session and run-writing code as `opadvisor profile` (session.py, runner
 `step_source="callback"`: the framework's own step events end steps, never an exception, so training
 goes on after the window (the callback may ask its framework to stop). The run folder is the one
 `opadvisor profile` writes, so suggest, apply, verify, report and diff read it alike; its script is the
-process's `__main__` file (a notebook has none: verify then has nothing to rerun).
+process's `__main__` file (a notebook has none: it is recorded as "<interactive>", and verify has
+nothing to rerun).
 
 Multi-process runs (torch.distributed initialised, world size > 1): every rank records the same window;
 rank 0 names the run folder and tells the others (a broadcast), each writes profile.rank<N>.json and
@@ -26,9 +27,9 @@ import sys
 from pathlib import Path
 
 from opadvisor.profile import runs
-from opadvisor.profile.runner import RunOutcome, check_output_parent, record_run
+from opadvisor.profile.runner import NO_SCRIPT, RunOutcome, check_output_parent, record_run
 from opadvisor.profile.session import Session, SessionConfig, active
-from opadvisor.profile.userframes import set_search_path
+from opadvisor.profile.userframes import resolve_user_file, set_search_path
 
 __all__ = ["WindowRecorder"]
 
@@ -38,9 +39,11 @@ def _say(message: str) -> None:
 
 
 def _main_script() -> Path | None:
+    """The user's script this process runs, None for a notebook, `python -c` or a tool's own main."""
     main = sys.modules.get("__main__")
     file = getattr(main, "__file__", None)
-    return Path(file).resolve() if file and Path(file).is_file() else None
+    user = resolve_user_file(file) if file else None  # ipykernel's or pytest's main is not the user's
+    return Path(user) if user else None
 
 
 def _distributed() -> tuple[int, int] | None:
@@ -140,7 +143,7 @@ class WindowRecorder:
         recording = session.finish()
         session.uninstall()
         script = _main_script()
-        argv = [str(script) if script else "", *sys.argv[1:]]
+        argv = [str(script) if script else NO_SCRIPT, *sys.argv[1:]]
         dist = _distributed()
         if dist is None:
             self.outcome = record_run(session, recording, status, script, argv, self.out, self.cwd)

@@ -32,6 +32,8 @@ from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
 from opadvisor.profile.userframes import set_search_path
 
+NO_SCRIPT = "<interactive>"  # the script of a run recorded in a notebook or `python -c` (a Trainer callback)
+
 
 @dataclass
 class RunOutcome:
@@ -131,7 +133,7 @@ def build_profile(
     return Profile(
         run_id="",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        script=str(script.resolve()) if script else "",
+        script=str(script.resolve()) if script else NO_SCRIPT,
         argv=argv,
         cwd=os.getcwd(),
         environment=environment(cuda),

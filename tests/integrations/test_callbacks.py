@@ -184,6 +184,7 @@ def test_recorder_writes_the_window_and_training_goes_on(tmp_path) -> None:
     _, (profile,) = load_run(str(tmp_path / "run"))
     assert (len(profile.steps), profile.warmup_steps, profile.step_detection) == (3, 2, "callback")
     assert all(s.wall_ms > 0 for s in profile.steps)
+    assert profile.script == "<interactive>"  # pytest's own __main__ is not a user script
 
 
 def test_recorder_keeps_a_partial_window_as_incomplete(tmp_path, capsys) -> None:

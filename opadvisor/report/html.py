@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 from pathlib import Path
+from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Profile
@@ -143,7 +144,10 @@ def _breakdown_section(p: Profile) -> str:
 
 
 def _where(f: Finding, display: Callable[[str], str]) -> str:
-    return f"{display(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+    """file:line(-end); a library file by its path within site-packages."""
+    lib = _library(f)
+    path = str(lib["file"]) if lib else display(f.path)
+    return f"{path}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
 
 
 def _findings_section(
@@ -197,16 +201,11 @@ def _finding_card(
         parts.append(
             f"<p>Found on rank{'s' if len(f.ranks) > 1 else ''} {escape(', '.join(map(str, f.ranks)))}.</p>"
         )
-    library = _library_frame(f)
-    if library is not None:
-        path, line, function = library
-        parts.append(
-            f'<p class="lib">In library code: <code>{escape(function or "?")}</code> '
-            f"({escape(display(path))}:{line}), called from {escape(_where(f, display))}.</p>"
-        )
-        parts.append(_source_block(sources, path, line, line, "library source"))
-    label = "call site" if library is not None else "source"
-    parts.append(_source_block(sources, f.path, f.line, f.end_line, label))
+    library = _library(f)
+    if library is None:
+        parts.append(_source_block(sources, f.path, f.line, f.end_line, "source"))
+    else:
+        parts += _library_parts(f, library, sources, display)
     parts.append(_evidence(f))
     cmd = apply_command(f)
     if cmd:
@@ -221,16 +220,39 @@ def _finding_card(
     return f'<article class="finding" id="finding-{i}">{"".join(parts)}</article>'
 
 
-def _library_frame(f: Finding) -> tuple[str, int, str | None] | None:
-    """Where in an installed library the pattern is written, when the finding names it; else None.
+def _library(f: Finding) -> dict[str, Any] | None:
+    """The finding's `library` block when its pattern is written in an installed library, else None.
 
-    Library-frame attribution is optional: findings without it (older profiles, user code) show only
-    their source lines.
+    Then `f.path`/`f.line` are the library file's and the block names the package, the path within
+    site-packages, the function and module class, the user's call site and where the model is built
+    (opadvisor/rules/_library.py). Findings without it (user code, older runs) show their own lines.
     """
-    lib = getattr(f, "library", None) or f.details.get("library")
-    if not isinstance(lib, dict) or not lib.get("path") or not isinstance(lib.get("line"), int):
-        return None
-    return str(lib["path"]), lib["line"], lib.get("function")
+    lib = getattr(f, "library", None)
+    return lib if isinstance(lib, dict) and lib.get("file") else None
+
+
+def _library_parts(
+    f: Finding, lib: dict[str, Any], sources: Sources, display: Callable[[str], str]
+) -> list[str]:
+    """The library's lines where the pattern is written, then the user's line that called into it."""
+    package = " ".join(str(x) for x in (lib.get("package"), lib.get("version")) if x)
+    owner = f" of <code>{escape(str(lib['module_class']))}</code>" if lib.get("module_class") else ""
+    function = escape(str(lib.get("function") or f.function or "?"))
+    parts = [
+        f'<p class="lib">In library code: <code>{function}</code>{owner} in {escape(package)} '
+        f"({escape(_where(f, display))}).</p>",
+        _source_block(sources, f.path, f.line, f.end_line, "library source"),
+    ]
+    call = lib.get("called_from")
+    if isinstance(call, dict) and call.get("path") and isinstance(call.get("line"), int):
+        parts.append(
+            _source_block(sources, call["path"], call["line"], call["line"], "called from (your code)")
+        )
+    model = lib.get("model")
+    if isinstance(model, dict) and model.get("path") and isinstance(model.get("line"), int):
+        label = f"the model ({model.get('cls') or 'its class'}) is built here"
+        parts.append(_source_block(sources, model["path"], model["line"], model["line"], label))
+    return parts
 
 
 def _evidence(f: Finding) -> str:

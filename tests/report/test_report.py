@@ -159,17 +159,33 @@ def test_untrusted_text_is_escaped(browser, tmp_path) -> None:
 # ---- without a browser -----------------------------------------------------------------------------
 
 
-def test_library_frame_is_rendered_when_a_finding_has_one(gpu_run) -> None:
+def test_library_finding_shows_the_library_lines_and_the_call_site(gpu_run) -> None:
+    """A finding in library code (the `library` block issue 17's attribution gives it) shows the library's
+    lines where the pattern is written, the user's line that called it and where the model is built."""
     run_dir, profiles = load_run(str(gpu_run))
     report = analyse(profiles)
     f = report.findings[0]
-    library = REPO / "opadvisor" / "rules" / "engine.py"  # any readable file stands in for a library's
-    f.details["library"] = {"path": str(library), "line": 3, "function": "BertSelfAttention.forward"}
+    user_path, user_line = f.path, f.line
+    f.path, f.line, f.end_line = (
+        str(REPO / "opadvisor" / "rules" / "engine.py"),
+        3,
+        4,
+    )  # stands in for a library file
+    f.library = {
+        "package": "transformers",
+        "version": "5.0",
+        "file": "transformers/models/bert/modeling_bert.py",
+        "function": "BertSelfAttention.forward",
+        "module_class": "transformers.models.bert.modeling_bert.BertSelfAttention",
+        "called_from": {"path": user_path, "line": user_line},
+        "model": {"path": user_path, "line": 1, "cls": "BertForMaskedLM"},
+    }
     page = build_html(run_dir, profiles, report)
     assert "In library code: <code>BertSelfAttention.forward</code>" in page
-    assert "library source" in page and "call site" in page
-    # findings without one show their source as usual
-    assert page.count("In library code") == 1
+    assert "transformers/models/bert/modeling_bert.py:3-4" in page
+    for label in ("library source", "called from (your code)", "the model (BertForMaskedLM) is built here"):
+        assert page.count(label) == 1
+    assert page.count("In library code") == 1  # the other findings show their own source
 
 
 def test_report_defaults_to_the_run_folder_and_refuses_a_folder(gpu_run) -> None:

@@ -7,6 +7,9 @@
   direction, in place (a column slice of a padded LM-head output included), without float32 copies.
 - ``PaddedLinear`` / ``padded_linear``: ``nn.Linear`` whose GEMM runs on sizes padded to a multiple of 8.
 - ``cuda_graphed(module)``: the module's forward and backward replayed from CUDA graphs, per input shape.
+- ``cell_sequence(cell, inputs, state=None, *, time_dim=0)``: an ``nn.LSTMCell`` / ``nn.GRUCell`` /
+  ``nn.RNNCell`` run over a whole sequence in one call of the op ``nn.LSTM`` runs (cuDNN on CUDA), with
+  the cell's own parameters.
 
 Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
 PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions before a call;
@@ -21,6 +24,7 @@ from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
 from .linear import PaddedLinear, padded_linear
+from .rnn import cell_sequence
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
 __all__ = [
@@ -28,6 +32,7 @@ __all__ = [
     "backend",
     "bias_dropout_add",
     "bias_dropout_add_backend",
+    "cell_sequence",
     "cross_entropy",
     "cross_entropy_backend",
     "cuda_graphed",

@@ -21,12 +21,24 @@ def profile_ranks(
     steps: int,
     run_to_end: bool,
     out: Path | None,
+    memory: bool = False,
+    activations: bool = True,
 ) -> None:
     """Launch, wait, report: exit 0 with a summary, or one `opadvisor: error:` line naming the rank and exit 2."""
     world = spec.nproc_per_node * spec.nnodes
     node = f" (node {spec.node_rank} of {spec.nnodes})" if spec.nnodes > 1 else ""
     print(f"opadvisor: launching {world} rank(s){node} through torchrun", file=sys.stderr, flush=True)
-    outcome = launch(script, args, spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out)
+    outcome = launch(
+        script,
+        args,
+        spec,
+        warmup=warmup,
+        steps=steps,
+        run_to_end=run_to_end,
+        out=out,
+        memory=memory,
+        activations=activations,
+    )
     if not outcome.ok:
         trace, message = describe_failure(outcome, script)
         if trace:

@@ -84,7 +84,15 @@ def profile(
 
         spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
         profile_ranks(
-            script, list(ctx.args), spec, warmup=warmup, steps=steps, run_to_end=run_to_end, out=out
+            script,
+            list(ctx.args),
+            spec,
+            warmup=warmup,
+            steps=steps,
+            run_to_end=run_to_end,
+            out=out,
+            memory=memory,
+            activations=activations,
         )
         return
     from opadvisor.profile.runner import run_script

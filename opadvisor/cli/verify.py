@@ -27,6 +27,18 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _peak_words(before, after) -> str:
+    """ "peak memory per step (CUDA): allocated 12.3 GiB -> 8.1 GiB (-34%), reserved 13.0 GiB -> 9.0 GiB"."""
+    from opadvisor.profile.memory import fmt_bytes
+
+    change = after.allocated_bytes / before.allocated_bytes - 1 if before.allocated_bytes else 0.0
+    return (
+        f"peak memory per step (CUDA): allocated {fmt_bytes(before.allocated_bytes)} -> "
+        f"{fmt_bytes(after.allocated_bytes)} ({change:+.0%}), reserved {fmt_bytes(before.reserved_bytes)} -> "
+        f"{fmt_bytes(after.reserved_bytes)}"
+    )
+
+
 def render(report: VerifyReport) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -63,6 +75,8 @@ def render(report: VerifyReport) -> None:
         for name, st in (("before", t.before), ("after", t.after)):
             timing.add_row(name, f"{st.median_ms:.2f}", f"{st.p25_ms:.2f}", f"{st.p75_ms:.2f}", str(st.n))
         console.print(timing)
+        if t.memory_before is not None and t.memory_after is not None:
+            console.print(_peak_words(t.memory_before, t.memory_after))
         console.print(
             f"speedup: [bold]{t.speedup.factor:.2f}x[/] (spread {t.speedup.low:.2f}x .. "
             f"{t.speedup.high:.2f}x)"

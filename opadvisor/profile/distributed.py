@@ -164,6 +164,8 @@ def rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--run-to-end", action="store_true")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--no-activations", action="store_true")
     parser.add_argument("script", type=Path)
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -221,6 +223,8 @@ def _run_rank(
         steps=ns.steps,
         run_to_end=ns.run_to_end,
         window_after_seconds=float("inf"),  # no time-window fallback across ranks (see the module doc)
+        activations=not ns.no_activations,
+        memory_requested=ns.memory,
     )
     guard.script_path = str(ns.script)
     outcome = run_script(ns.script, args, config, out=ns.run_dir, rank=(rank, world_size))
@@ -398,6 +402,8 @@ def launch(
     steps: int,
     run_to_end: bool = False,
     out: Path | None = None,
+    memory: bool = False,
+    activations: bool = True,
 ) -> DistOutcome:
     """Profile `script args` on every rank through torchrun; how each rank ended, and their profiles."""
     from opadvisor.profile.runner import check_script
@@ -408,7 +414,8 @@ def launch(
     failures = run_dir / f".launch.node{spec.node_rank}.json"
     command = [sys.executable, "-m", "opadvisor.profile._dist_launch", str(failures), *spec.torchrun_args()]
     command += ["-m", _MODULE, str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
-    command += [*(["--run-to-end"] if run_to_end else []), str(script), "--", *args]
+    command += [*(["--run-to-end"] if run_to_end else []), *(["--memory"] if memory else [])]
+    command += [*([] if activations else ["--no-activations"]), str(script), "--", *args]
     code, interrupted = _run_launcher(command)
     outcome = collect(run_dir, spec, code, _read_json(failures) or {})
     failures.unlink(missing_ok=True)

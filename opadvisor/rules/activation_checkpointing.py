@@ -33,7 +33,9 @@ Fix and its safety
     peak memory before and after with the step time. Unsafe (applied only with --unsafe) where a block
     holds BatchNorm: its running statistics are updated again by the recomputation. Blocks called from
     library code (a transformers model) get no rewrite: the finding names the library's own switch
-    (`model.gradient_checkpointing_enable(...)`).
+    (`model.gradient_checkpointing_enable(...)`). Blocks held in an `nn.Sequential` that the model calls as
+    a whole get `torch.utils.checkpoint.checkpoint_sequential(self.blocks, len(self.blocks), x,
+    use_reentrant=False)` at that call (its last block runs without a checkpoint: backward needs it first).
 """
 
 from __future__ import annotations
@@ -55,11 +57,15 @@ from opadvisor.rules.finding import Evidence, Finding
 ID = "activation_checkpointing"
 TITLE = "Checkpoint the blocks that hold the activation memory"
 FIX = "safe"
+FIX_CAVEAT = (
+    "unsafe where a block holds BatchNorm; none where library code calls the blocks (its switch is named)"
+)
 ON_REQUEST = True  # reports on memory pressure, or when asked (see the engine)
 
 HIGH_PEAK_SHARE = 0.8  # reserved peak / device memory from which memory is the constraint
 MIN_GROUP_SHARE = 0.2  # blocks holding less of the saved memory are not worth reporting unasked
 HOLDERS_NAMED = 4
+SEQUENTIAL_FRAME = "torch/nn/modules/container.py"  # blocks of an nn.Sequential are called from there
 HF_SWITCH = 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
 
 
@@ -157,7 +163,9 @@ def _finding(
     lines = sorted({line for file, line in sites if file == path})
     src = load_profiled_source(profile, path)
     spans = [src.statement_span(line) if src is not None else (line, line) for line in lines]
-    in_library = any(m.attrs.get("caller") for m in members)
+    callers = [str(m.attrs.get("caller") or "") for m in members]
+    sequential = all(SEQUENTIAL_FRAME in c for c in callers)  # called by nn.Sequential's forward
+    in_library = not sequential and any(callers)
     classes = _subtree_classes(profile, holder.modules)
     batchnorm = sorted(c for c in classes if "BatchNorm" in c)
     ops = _forward_ops(ix, holder.modules)
@@ -219,6 +227,7 @@ def _finding(
             "device_bytes": device,
             "batchnorm": batchnorm,
             "in_library": in_library,
+            "form": "sequential" if sequential else "call",
         },
     )
 
@@ -237,11 +246,17 @@ def _fix(
             "none",
             f"the blocks are called from library code ({caller}): use the library's checkpointing switch",
         )
-    advice = (
-        "wrap the call of each block in torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False): "
-        "only the blocks' inputs are kept, their forward runs again in backward"
-    )
+    if all(SEQUENTIAL_FRAME in str(m.attrs.get("caller") or "") for m in members):
+        advice = (
+            "call the nn.Sequential through torch.utils.checkpoint.checkpoint_sequential(blocks, len(blocks), x, "
+            "use_reentrant=False): only the blocks' inputs are kept, their forward runs again in backward"
+        )
+    else:
+        advice = (
+            "wrap the call of each block in torch.utils.checkpoint.checkpoint(block, ..., use_reentrant=False): "
+            "only the blocks' inputs are kept, their forward runs again in backward"
+        )
     return ("unsafe" if batchnorm else "safe"), advice
 
 
-__all__ = ["FIX", "ID", "ON_REQUEST", "TITLE", "detect", "memory_saving"]
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "ON_REQUEST", "TITLE", "detect", "memory_saving"]

@@ -5,8 +5,9 @@ What it finds
     weights the way cuDNN does):
     - pass weights that are not one contiguous buffer: every call then copies them into one (and warns
       "RNN module weights are not part of single contiguous chunk of memory"), in backward as well. It
-      happens after a weight is replaced (`load_state_dict(..., assign=True)`, weight norm or weight drop,
-      `module.weight_hh_l0 = nn.Parameter(...)`) or in `nn.DataParallel` replicas;
+      happens after a weight's data is replaced in place (`lstm.weight_hh_l0.data = ...`, an
+      initialisation or a weight drop written that way: nn.LSTM re-packs a replaced Parameter by itself,
+      not replaced data) and in `nn.DataParallel` replicas;
     - do not run cuDNN at all (no `_cudnn_rnn` op under the call: `torch.backends.cudnn.enabled = False`,
       or inputs cuDNN does not take): PyTorch's own recurrence launches kernels for every time step;
     - run in float32 without autocast on a GPU with tensor cores (compute capability 7.0 or newer): cuDNN
@@ -21,7 +22,7 @@ Why it is slow
     speed on tensor-core hardware built for 16-bit inputs.
 
 Example
-    self.lstm.weight_hh_l0 = nn.Parameter(new_weight)   # the packed buffer is gone from then on
+    self.lstm.weight_hh_l0.data = new_weight   # the packed buffer is left behind from then on
     out, (h, c) = self.lstm(x)
 
 Fix and its safety
@@ -46,6 +47,7 @@ from opadvisor.rules.finding import Evidence, Finding
 ID = "cudnn_rnn"
 TITLE = "Recurrent layer off cuDNN's fast path"
 FIX = "safe"
+FIX_CAVEAT = "none where cuDNN is off or the layer runs in float32 (advice only)"
 
 LAYERS = ("LSTM", "GRU", "RNN")
 TENSOR_CORES = (7, 0)
@@ -176,4 +178,4 @@ def _callee(call: ModuleCall) -> str:
     return "self." + call.module.rpartition(".")[2] if call.module else "model"
 
 
-__all__ = ["FIX", "ID", "TITLE", "detect"]
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "detect"]

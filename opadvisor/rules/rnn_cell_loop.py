@@ -82,7 +82,7 @@ def _finding(
         unit = f"{per_call:.0f} kernels per time step (forward and backward)"
     else:
         per_call = len(ops) / max(call.calls, 1)
-        unit = f"{per_call:.0f} ops per time step in forward"
+        unit = f"{per_call:.0f} op{'' if round(per_call) == 1 else 's'} per time step in forward"
     attrs = call.attrs
     message = (
         f"nn.{kind} {call.module or '(model)'} stepped {per_step:.0f}x per step in a Python loop: {unit}, "

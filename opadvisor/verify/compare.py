@@ -190,6 +190,25 @@ def step_durations_ms(result: dict[str, Any], warmup: int) -> list[float]:
     return [(ends[k] - ends[k - 1]) * 1000.0 for k in range(max(1, warmup), len(ends))]
 
 
+@dataclass
+class PeakMemory:
+    """The largest per-step CUDA peaks over the timed steps (after the warm-up) of a program's runs."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    steps: int
+
+
+def peak_memory(results: list[dict[str, Any]], warmup: int) -> PeakMemory | None:
+    """Peaks of the steps after the warm-up, over every run of one program; None without CUDA peaks."""
+    steps = [s for r in results for s in r.get("steps", [])[max(1, warmup) :]]
+    allocated = [s["peak_allocated_bytes"] for s in steps if s.get("peak_allocated_bytes") is not None]
+    reserved = [s["peak_reserved_bytes"] for s in steps if s.get("peak_reserved_bytes") is not None]
+    if not allocated or not reserved:
+        return None
+    return PeakMemory(max(allocated), max(reserved), len(allocated))
+
+
 def summarise(durations: list[float]) -> StepTimes | None:
     """Median and quartiles of step durations; None when there are none."""
     if not durations:

@@ -7,7 +7,8 @@
    losses and step-1 gradient norms are compared within a dtype-aware tolerance (`compare.py`).
 3. Timing phase (skipped when parity fails, or with timing=False): each runs `warmup + steps` steps with
    normal settings, `repeats` times, original and rewrite alternating; the median step time after the
-   warm-up, with its quartiles, and the speedup.
+   warm-up, with its quartiles, and the speedup; on CUDA also each program's peak memory (the largest
+   per-step peak of allocated and reserved bytes over the timed steps).
 4. Per applied rule (skipped when parity fails, or with reprofile=False): the rewritten script is
    profiled again and the time of each rule's sites compared before/after (`byrule.py`).
 
@@ -30,9 +31,11 @@ from opadvisor.verify.applied import load_applied
 from opadvisor.verify.byrule import RuleTime, rule_times
 from opadvisor.verify.compare import (
     Parity,
+    PeakMemory,
     Speedup,
     StepTimes,
     compare_parity,
+    peak_memory,
     speedup,
     step_durations_ms,
     summarise,
@@ -67,6 +70,8 @@ class Timing:
     before: StepTimes
     after: StepTimes
     speedup: Speedup
+    memory_before: PeakMemory | None = None  # CUDA only: the largest per-step peaks of the timed steps
+    memory_after: PeakMemory | None = None
 
 
 @dataclass
@@ -124,6 +129,7 @@ class VerifyReport:
                 "speedup": t.speedup.factor,
                 "speedup_low": t.speedup.low,
                 "speedup_high": t.speedup.high,
+                "peak_memory": _peaks(t.memory_before, t.memory_after),
             }
         if self.rules is not None:
             data["rules"] = [
@@ -141,6 +147,19 @@ class VerifyReport:
                 for r in self.rules
             ]
         return _finite(data)
+
+
+def _peaks(before: PeakMemory | None, after: PeakMemory | None) -> dict[str, Any] | None:
+    """{"before": {...}, "after": {...}, "allocated_change": after/before - 1}; None without CUDA peaks."""
+    if before is None or after is None:
+        return None
+    return {
+        "before": asdict(before),
+        "after": asdict(after),
+        "allocated_change": after.allocated_bytes / before.allocated_bytes - 1
+        if before.allocated_bytes
+        else None,
+    }
 
 
 def _times(t: StepTimes) -> dict[str, Any]:
@@ -262,6 +281,7 @@ def _timing(
 ) -> Timing | None:
     """Original and rewrite alternately, `repeats` times each (so a slow spell of the machine hits both)."""
     durations: dict[bool, list[float]] = {True: [], False: []}
+    results: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     for r in range(opts.repeats):
         for original in (True, False):
             which = "original" if original else "rewrite"
@@ -271,6 +291,7 @@ def _timing(
             if res.error is not None:
                 raise UserError(f"the {which} failed in the timing phase: {_last_line(res.error)}")
             durations[original] += step_durations_ms(res.result or {}, opts.warmup)
+            results[original].append(res.result or {})
     before, after = summarise(durations[True]), summarise(durations[False])
     if before is None or after is None:
         return None
@@ -281,4 +302,6 @@ def _timing(
         before=before,
         after=after,
         speedup=speedup(before, after),
+        memory_before=peak_memory(results[True], opts.warmup),
+        memory_after=peak_memory(results[False], opts.warmup),
     )

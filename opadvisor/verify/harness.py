@@ -37,9 +37,11 @@ Parity mode (losses must match between original and rewrite):
 
 Timing mode (normal settings): at each step end the harness synchronises CUDA (when the script uses it) and
 reads `time.perf_counter()`; step k lasts from the end of step k-1 to the end of step k, so every step after
-the first has a duration; the parent drops the warm-up steps.
+the first has a duration; the parent drops the warm-up steps. On CUDA each step also records its peak
+memory (`torch.cuda.max_memory_allocated` / `max_memory_reserved`, reset at every step end).
 
-The result JSON: {"schema": 1, "mode", "steps": [{"index": 1-based, "losses": [float], "end_s": float}],
+The result JSON: {"schema": 1, "mode", "steps": [{"index": 1-based, "losses": [float], "end_s": float,
+"peak_allocated_bytes": int, "peak_reserved_bytes": int (timing mode on CUDA only)}],
 "grad_norm": float | null, "precision": "fp32" | "tf32" | "bf16" | "fp16", "device": "cpu" | "cuda",
 "stopped": bool (reached the step count), "exit": "stopped" | "finished" | "error", "error": str | null,
 "served": [realpath of each file of `sources` that was run from its replacement]}.
@@ -217,9 +219,13 @@ class Recorder:
             self.device = "cuda"
             if self.mode == "timing":
                 torch.cuda.synchronize()
-        self.steps.append(
-            {"index": len(self.steps) + 1, "losses": self.pending, "end_s": time.perf_counter()}
-        )
+        step = {"index": len(self.steps) + 1, "losses": self.pending, "end_s": time.perf_counter()}
+        if self.device == "cuda" and self.mode == "timing":
+            # this step's peaks (the counters are reset at every step end), read after the time is taken
+            step["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            step["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        self.steps.append(step)
         self.pending = []
         if len(self.steps) >= self.limit:
             raise StopScript

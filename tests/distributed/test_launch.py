@@ -48,7 +48,7 @@ def ddp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """The DDP example, 2 ranks on CPU; rank 1 sleeps 60 ms per step (a straggler to find)."""
     cwd = tmp_path_factory.mktemp("ddp")
     proc = opadvisor(
-        cwd, "profile", "--nproc-per-node", "2", "--steps", "3", "--warmup", "2", str(EXAMPLE),
+        cwd, "profile", "--nproc-per-node", "2", "--steps", "3", "--warmup", "2", "--memory", str(EXAMPLE),
         "--", "--steps", "50", "--device", "cpu", "--slow-rank", "1", "--slow-ms", "60",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -65,6 +65,7 @@ def test_every_rank_writes_its_profile_and_trace(ddp_run) -> None:
         assert (prof.rank, prof.world_size) == (rank, 2)
         assert prof.run_id == run_dir.name and prof.complete and len(prof.steps) == 3
         assert prof.step_detection == "optimizer_hook"
+        assert prof.memory_requested and all(s.saved_bytes for s in prof.steps)  # --memory reached every rank
         assert any(o.name == "c10d::allreduce_" and o.is_backward for o in prof.ops)  # DDP's bucket
         assert any(a.name == "gloo:all_reduce" for a in prof.annotations)
         assert (run_dir / f"trace.rank{rank}.json.gz").stat().st_size > 0

@@ -1,5 +1,6 @@
-"""Two recurrent layers for cudnn_rnn: an nn.LSTM whose recurrent weight was replaced after it was built
-(its weights are no longer one buffer), and an nn.GRU left as built (float32, packed)."""
+"""Two recurrent layers for cudnn_rnn: an nn.LSTM whose recurrent weight was re-initialised through `.data`
+after it was built (its weights are no longer one buffer: nn.LSTM re-packs a replaced Parameter by itself,
+not a replaced `.data`), and an nn.GRU left as built (float32, packed)."""
 
 import argparse
 
@@ -29,7 +30,7 @@ def main():
     model = Model().to(device)
     recurrent = torch.empty_like(model.lstm.weight_hh_l0)
     nn.init.orthogonal_(recurrent)
-    model.lstm.weight_hh_l0 = nn.Parameter(recurrent)  # a new tensor, outside the packed buffer
+    model.lstm.weight_hh_l0.data = recurrent  # the same Parameter, its data now outside the packed buffer
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for _ in range(args.steps):
         x = torch.randn(8, 50, 32, device=device)

@@ -1,0 +1,122 @@
+"""A recurrent cell run over a whole sequence in one fused call: ``cell_sequence(cell, inputs, state)``.
+
+A loop such as
+
+    for t in range(x.size(0)):
+        h, c = cell(x[t], (h, c))
+        outputs.append(h)
+
+launches the cell's kernels once per time step, forward and backward. ``cell_sequence(cell, x, (h, c))``
+computes the same recurrence with the cell's own parameters through the op ``nn.LSTM`` itself calls
+(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh`` / ``torch.rnn_relu``: cuDNN's fused recurrence on CUDA, a
+fused loop in C++ on the CPU), one call for the whole sequence. The cell module is not replaced, so its
+parameters keep their names and a saved ``state_dict`` loads as before.
+
+Returns ``(outputs, state)``: ``outputs`` holds the hidden state after every step, with time along
+``time_dim`` (``outputs[t]`` for ``time_dim=0`` is what the loop's ``h`` was after step ``t``), and ``state``
+is the final state in the cell's own form (``(h, c)`` for ``nn.LSTMCell``, ``h`` otherwise).
+
+Precision on CUDA: the loop ran the cell's matrix products through cuBLAS, in TF32 only where
+``torch.backends.cuda.matmul.allow_tf32`` is set (off by default); cuDNN's recurrence follows
+``torch.backends.cudnn.allow_tf32`` (on by default). The call runs cuDNN with the matmul setting, so the
+fused recurrence computes at the precision of the loop it replaces.
+
+On CUDA the cell's four weight tensors are not one packed buffer, so each call packs them for cuDNN (one
+copy of the weights, far less than the sequence's work); cuDNN's warning about it ("RNN module weights are
+not part of single contiguous chunk of memory") is silenced for this call only: it is expected here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_PACKING_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
+
+
+def _parameters(cell: nn.RNNCellBase) -> list[Tensor]:
+    params = [cell.weight_ih, cell.weight_hh]
+    if cell.bias:
+        params += [cell.bias_ih, cell.bias_hh]
+    return params
+
+
+def _zeros(inputs: Tensor, batch: int | None, hidden: int) -> Tensor:
+    shape = (hidden,) if batch is None else (batch, hidden)
+    return torch.zeros(shape, dtype=inputs.dtype, device=inputs.device)
+
+
+def _layer_state(state: Tensor) -> Tensor:
+    """A cell's [batch, hidden] state as a one-layer RNN's [1, batch, hidden] (contiguous, as cuDNN wants)."""
+    return state.unsqueeze(0).contiguous()
+
+
+def cell_sequence(
+    cell: nn.RNNCellBase, inputs: Tensor, state: Any = None, *, time_dim: int = 0
+) -> tuple[Tensor, Any]:
+    """Run `cell` (nn.LSTMCell, nn.GRUCell or nn.RNNCell) over `inputs` in one fused call (module doc)."""
+    op = _fused_op(cell)
+    if time_dim not in (0, 1):
+        raise ValueError(f"time_dim must be 0 or 1, got {time_dim}")
+    batched = inputs.dim() == 3
+    if not batched:
+        if inputs.dim() != 2 or time_dim != 0:
+            raise ValueError(
+                "inputs must be [time, batch, features], [batch, time, features] or [time, features]"
+            )
+        inputs = inputs.unsqueeze(1)
+    batch = inputs.size(1 - time_dim)
+    lstm = isinstance(cell, nn.LSTMCell)
+    if state is None:
+        zeros = _zeros(inputs, batch, cell.hidden_size)
+        state = (zeros, zeros) if lstm else zeros
+    elif not batched:
+        state = tuple(s.unsqueeze(0) for s in state) if lstm else state.unsqueeze(0)
+    args = (_parameters(cell), cell.bias, 1, 0.0, torch.is_grad_enabled(), False, time_dim == 1)
+    with warnings.catch_warnings(), _loop_precision(inputs):
+        warnings.filterwarnings("ignore", message=_PACKING_WARNING)
+        if lstm:
+            outputs, h, c = op(inputs, (_layer_state(state[0]), _layer_state(state[1])), *args)
+            final: Any = (h[0], c[0])
+        else:
+            outputs, h = op(inputs, _layer_state(state), *args)
+            final = h[0]
+    if not batched:
+        outputs = outputs.squeeze(1)
+        final = tuple(s.squeeze(0) for s in final) if lstm else final.squeeze(0)
+    return outputs, final
+
+
+@contextlib.contextmanager
+def _loop_precision(inputs: Tensor) -> Iterator[None]:
+    """cuDNN's TF32 as the loop's cuBLAS matrix products had it (see the module doc); a no-op off CUDA."""
+    cudnn = torch.backends.cudnn
+    want = bool(torch.backends.cuda.matmul.allow_tf32)
+    if not inputs.is_cuda or cudnn.allow_tf32 == want:
+        yield
+        return
+    try:
+        cudnn.allow_tf32 = want
+    except RuntimeError:  # flags frozen by the caller: its setting stands
+        yield
+        return
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32 = not want
+
+
+def _fused_op(cell: nn.RNNCellBase) -> Any:
+    """The op nn.LSTM / nn.GRU / nn.RNN run for a cell of this kind."""
+    if isinstance(cell, nn.LSTMCell):
+        return torch.lstm
+    if isinstance(cell, nn.GRUCell):
+        return torch.gru
+    if isinstance(cell, nn.RNNCell):
+        return torch.rnn_tanh if cell.nonlinearity == "tanh" else torch.rnn_relu
+    raise TypeError(f"cell_sequence takes nn.LSTMCell, nn.GRUCell or nn.RNNCell, not {type(cell).__name__}")

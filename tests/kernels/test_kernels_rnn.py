@@ -1,0 +1,105 @@
+"""opadvisor.kernels.cell_sequence: the same values and gradients as stepping the cell in a Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opadvisor.kernels import cell_sequence
+from torch import nn
+
+CELLS = {
+    "lstm": lambda: nn.LSTMCell(5, 7),
+    "lstm_nobias": lambda: nn.LSTMCell(5, 7, bias=False),
+    "gru": lambda: nn.GRUCell(5, 7),
+    "rnn_tanh": lambda: nn.RNNCell(5, 7),
+    "rnn_relu": lambda: nn.RNNCell(5, 7, nonlinearity="relu"),
+}
+
+
+def _loop(cell, x, state, time_dim):
+    outputs = []
+    for t in range(x.size(time_dim)):
+        x_t = x[t] if time_dim == 0 else x[:, t]
+        state = cell(x_t, state)
+        outputs.append(state[0] if isinstance(state, tuple) else state)
+    return torch.stack(outputs, dim=time_dim), state
+
+
+def _state(cell, batch, device, given):
+    if not given:
+        return None
+    shape = (batch, 7) if batch is not None else (7,)
+    h = torch.randn(shape, device=device, requires_grad=True)
+    if isinstance(cell, nn.LSTMCell):
+        return (h, torch.randn(shape, device=device, requires_grad=True))
+    return h
+
+
+def _flat(state):
+    return list(state) if isinstance(state, tuple) else [state]
+
+
+def _compare(kind: str, time_dim: int, batched: bool, given: bool, device: str, rtol: float, atol: float):
+    torch.manual_seed(0)
+    cell = CELLS[kind]().to(device)
+    shape = [6, 3, 5] if time_dim == 0 else [3, 6, 5]
+    if not batched:
+        shape = [6, 5]
+    x = torch.randn(shape, device=device, requires_grad=True)
+    state = _state(cell, 3 if batched else None, device, given)
+    results = []
+    for run in (_loop, lambda c, x_, s, d: cell_sequence(c, x_, s, time_dim=d)):
+        cell.zero_grad()
+        for t in [x, *(_flat(state) if state is not None else [])]:
+            t.grad = None
+        out, final = run(cell, x, state, time_dim)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device)
+        loss = (out * weights).sum() + sum(s.sum() * 0.5 for s in _flat(final))
+        loss.backward()
+        grads = [x.grad] + [p.grad for p in cell.parameters()]
+        grads += [s.grad for s in _flat(state)] if state is not None else []
+        results.append((out.detach(), [s.detach() for s in _flat(final)], grads))
+    (out_a, fin_a, g_a), (out_b, fin_b, g_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=rtol, atol=atol)
+    for a, b in zip(fin_a, fin_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+    for a, b in zip(g_a, g_b, strict=True):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("time_dim", [0, 1])
+@pytest.mark.parametrize("given", [True, False], ids=["state", "zeros"])
+def test_same_values_and_gradients_as_the_loop(kind: str, time_dim: int, given: bool):
+    _compare(kind, time_dim, True, given, "cpu", 1e-5, 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_unbatched_inputs(kind: str):
+    _compare(kind, 0, False, True, "cpu", 1e-5, 1e-6)
+
+
+def test_state_dict_is_the_cells():
+    cell = nn.LSTMCell(5, 7)
+    before = {k: v.clone() for k, v in cell.state_dict().items()}
+    cell_sequence(cell, torch.randn(4, 2, 5))
+    assert list(cell.state_dict()) == ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]
+    assert all(torch.equal(cell.state_dict()[k], v) for k, v in before.items())
+
+
+def test_refuses_what_it_cannot_run():
+    with pytest.raises(TypeError, match="nn.LSTMCell, nn.GRUCell or nn.RNNCell"):
+        cell_sequence(nn.Linear(5, 7), torch.randn(4, 2, 5))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="time_dim"):
+        cell_sequence(nn.GRUCell(5, 7), torch.randn(4, 2, 5), time_dim=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(CELLS))
+@pytest.mark.parametrize("time_dim", [0, 1])
+def test_same_on_cuda(kind: str, time_dim: int, recwarn):
+    """cuDNN's fused recurrence against the loop of cells, at the loop's precision (cudnn.allow_tf32 is on
+    by default; cell_sequence follows the matmul setting, off by default, as the loop's GEMMs do)."""
+    assert torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    _compare(kind, time_dim, True, True, "cuda", 1e-5, 1e-6)
+    assert not [w for w in recwarn if "contiguous chunk" in str(w.message)]

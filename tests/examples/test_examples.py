@@ -36,3 +36,22 @@ def test_example_trains_and_is_reproducible(script: str) -> None:
     assert all(math.isfinite(x) for x in first)
     assert _losses(script) == first
     assert _losses(script, "--seed", "1") != first
+
+
+def test_lstm_example_trains_and_is_reproducible() -> None:
+    """examples/lstm_train.py (a loop over nn.LSTMCell, what rnn_cell_loop finds) has its own sizes."""
+
+    def losses(*extra: str) -> list[float]:
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / "lstm_train.py"), "--steps", "3", "--device", "cpu", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return [float(m.group(2)) for m in map(STEP_LINE.match, proc.stdout.splitlines()) if m]
+
+    first = losses("--seq", "20")
+    assert len(first) == 3 and all(math.isfinite(x) for x in first)
+    assert losses("--seq", "20") == first

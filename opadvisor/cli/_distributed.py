@@ -64,10 +64,10 @@ def _report_success(outcome: DistOutcome, script: Path, warmup: int, steps: int)
     if missing:
         warn(f"rank(s) {', '.join(map(str, missing))} recorded no whole step; their profiles are missing")
     short = [p for p in outcome.profiles if len(p.steps) < steps]
-    if short:
-        warn(
+    if short:  # an incomplete run exits 2, as in a single process (the run is kept, marked incomplete)
+        raise fail(
             f"{script} ended early: recorded {min(len(p.steps) for p in short)} of {steps} step(s) "
-            f"(--warmup {warmup} --steps {steps})"
+            f"(--warmup {warmup} --steps {steps}); the run was kept in {outcome.run_dir}, marked incomplete"
         )
     _print_summary(outcome)
 

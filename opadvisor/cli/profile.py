@@ -136,11 +136,11 @@ def _report(outcome, config, script: Path) -> None:
             f"{script} ended after {outcome.steps_seen} step(s), before the window started "
             f"(--warmup {config.warmup}): lower --warmup or let the script run longer"
         )
-    warn(
-        f"{script} ended after {outcome.steps_seen} step(s): recorded {recorded} of {config.steps} "
-        f"(--warmup {config.warmup} --steps {config.steps})"
+    raise fail(
+        f"{script} ended after {outcome.steps_seen} step(s), before the window was complete: recorded "
+        f"{recorded} of {config.steps} (--warmup {config.warmup} --steps {config.steps}){where}, "
+        "marked incomplete"
     )
-    _print_summary(outcome)
 
 
 def _print_summary(outcome) -> None:

@@ -91,7 +91,7 @@ def suggest(
     if format == "json":
         print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))
     elif format == "sarif":
-        print(json.dumps(sarif_document(report), indent=2))
+        print(json.dumps(sarif_document(report, profiles), indent=2))
     else:
         _render_table(run_dir, profiles, report, run)
     if exit_code and report.findings:
@@ -169,8 +169,29 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "breakdown": breakdown(first),
         "rules_run": report.rules_run,
         "memory": memory_entry(first),
+        "recording": recording_entry(profiles),
         **extra,
     }
+
+
+def recording_entry(profiles) -> dict[str, Any]:
+    """Whether the profile recorded its whole window (False: the script ended or failed first)."""
+    return {
+        "complete": all(p.complete for p in profiles),
+        "steps_recorded": min(len(p.steps) for p in profiles),
+        "steps_requested": profiles[0].steps_requested,
+    }
+
+
+def incomplete_words(profiles) -> str | None:
+    """One sentence for a run whose window is incomplete, None for a complete one."""
+    rec = recording_entry(profiles)
+    if rec["complete"]:
+        return None
+    return (
+        f"incomplete run: the script stopped before the window was complete ({rec['steps_recorded']} of "
+        f"{rec['steps_requested']} steps recorded): times rest on fewer steps"
+    )
 
 
 def memory_entry(profile) -> dict[str, Any] | None:
@@ -223,8 +244,9 @@ def _uri(path: str) -> dict[str, Any]:
     return {"uri": Path(shown).as_posix(), "uriBaseId": "%SRCROOT%"}
 
 
-def sarif_document(report) -> dict[str, Any]:
-    """SARIF 2.1.0: one run, the rules that ran as reportingDescriptors, one result per finding."""
+def sarif_document(report, profiles) -> dict[str, Any]:
+    """SARIF 2.1.0: one run, the rules that ran as reportingDescriptors, one result per finding; an
+    incomplete run and the rules' notes as tool notifications."""
     from opadvisor import __version__
     from opadvisor.rules import registry
 
@@ -288,15 +310,12 @@ def sarif_document(report) -> dict[str, Any]:
         "columnKind": "unicodeCodePoints",
         "originalUriBaseIds": {"%SRCROOT%": {"uri": Path.cwd().resolve().as_uri() + "/"}},
     }
-    if report.notes:
-        run["invocations"] = [
-            {
-                "executionSuccessful": True,
-                "toolExecutionNotifications": [
-                    {"level": "note", "message": {"text": f"{n.rule}: {n.message}"}} for n in report.notes
-                ],
-            }
-        ]
+    notifications = [{"level": "note", "message": {"text": f"{n.rule}: {n.message}"}} for n in report.notes]
+    incomplete = incomplete_words(profiles)
+    if incomplete:
+        notifications.insert(0, {"level": "warning", "message": {"text": incomplete}})
+    if notifications:
+        run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notifications}]
     return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
 
 
@@ -324,6 +343,9 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         f"[bold]{display_path(str(run_dir))}[/bold]  {display_path(first.script)}  on {device}{ranks}: "
         f"{len(first.steps)} steps, median {fmt_ms(bd['step_ms'])}/step"
     )
+    incomplete = incomplete_words(profiles)
+    if incomplete:
+        console.print(f"[bold yellow]{incomplete[0].upper()}{incomplete[1:]}[/bold yellow]")
     basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
     parts = "  ".join(
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]

@@ -133,6 +133,7 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "breakdown",
         "rules_run",
         "memory",
+        "recording",
     ],
     "additionalProperties": False,
     "properties": {
@@ -185,5 +186,15 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         },
         "rules_run": {"type": "array", "items": {"type": "string"}},
         "memory": MEMORY_SCHEMA,
+        "recording": {  # false: the script ended or failed before the window was recorded in full
+            "type": "object",
+            "required": ["complete", "steps_recorded", "steps_requested"],
+            "additionalProperties": False,
+            "properties": {
+                "complete": {"type": "boolean"},
+                "steps_recorded": {"type": "integer", "minimum": 0},  # the fewest of any rank
+                "steps_requested": {"type": "integer", "minimum": 0},
+            },
+        },
     },
 }

@@ -31,6 +31,7 @@ from typing import Any
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Construction
 from opadvisor.profile.modules import ModuleCalls
+from opadvisor.profile.quiet import without_usdt_lines
 from opadvisor.profile.userframes import innermost_user_frame
 
 
@@ -135,6 +136,10 @@ class Session:
         # torch warns that a profiler without acc_events keeps one cycle only; ours records one window
         # and reads it before anything could clear it.
         warnings.filterwarnings("ignore", message=r"(?s).*Profiler clears events at the end of each cycle")
+        # torch.profiler's first start imports torch._inductor (`hasattr(torch, "_inductor")`: 1-3 s): pay
+        # that now, not inside the script's run, where a time window or the script's own clock would lose it.
+        import torch._inductor.config  # noqa: F401
+
         if self.config.step_source == "script":
             self._undo.append(register_optimizer_step_post_hook(self._optimizer_hook).remove)
         h2 = module_mod.register_module_forward_pre_hook(self._forward_pre_hook)
@@ -221,7 +226,8 @@ class Session:
         self._profiler = profile(activities=activities, record_shapes=True, with_stack=True, **kwargs)
         if self.config.cuda:
             torch.cuda.synchronize()
-        self._profiler.start()
+        with without_usdt_lines():
+            self._profiler.start()
         self.recording = Recording(profiler=self._profiler)
         self._begin_step_range()
 
@@ -258,7 +264,8 @@ class Session:
             self.memory.abort()
         if self.config.cuda:
             torch.cuda.synchronize()
-        self._profiler.stop()
+        with without_usdt_lines():
+            self._profiler.stop()
         self._profiler = None
         self._step_start_ns = None
         assert self.recording is not None

@@ -387,11 +387,29 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         from opadvisor.rules import cross_rank
 
         console.print(cross_rank.render(cross_rank.analyse(profiles)))
-    for n in report.notes:
-        ranks = f" (ranks {', '.join(map(str, n.ranks))})" if n.ranks else ""
-        console.print(f"note: {n.rule}: {n.message}{ranks}")
+    for line in note_lines(report.notes):
+        console.print(line, soft_wrap=True)  # one line, folded by the terminal only
     if first.environment.device != "cuda":
         console.print("CPU profile: times are CPU op times; savings need kernel times: profile on a GPU.")
+
+
+def note_lines(notes) -> list[str]:
+    """The notes as the table shows them: one line per note, except that the rules which need a GPU
+    profile fold into one line (with what each noticed here, such as the .item() reads host_sync saw)."""
+    lines, gpu_only = [], []
+    for n in notes:
+        ranks = f" (ranks {', '.join(map(str, n.ranks))})" if n.ranks else ""
+        if n.needs_gpu:
+            gpu_only.append(n.rule + (f" ({n.hint})" if n.hint else "") + ranks)
+        else:
+            lines.append(f"note: {n.rule}: {n.message}{ranks}")
+    if gpu_only:
+        lines.insert(
+            0,
+            f"note: {len(gpu_only)} rule{'s' if len(gpu_only) > 1 else ''} need{'' if len(gpu_only) > 1 else 's'}"
+            f" a CUDA profile to judge this run: {', '.join(gpu_only)} (`opadvisor explain RULE` says why)",
+        )
+    return lines
 
 
 # ---- rules / explain -------------------------------------------------------------------------

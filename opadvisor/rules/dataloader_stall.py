@@ -40,7 +40,7 @@ from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import gpu_idle_overlap_us
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "dataloader_stall"
@@ -151,9 +151,7 @@ def _suggested_workers(profile: Profile) -> int:
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable(
-            "needs a CUDA profile: GPU idle time while loading data cannot be measured on the CPU"
-        )
+        raise NeedsGpuProfile("GPU idle time while loading data cannot be measured on the CPU")
     ix = index_of(profile)
     annotations = _loader_annotations(profile)
     h2d = [m for m in profile.memcpys if "HtoD" in m.name and m.step is not None]

@@ -30,13 +30,34 @@ from opadvisor.rules import registry
 from opadvisor.rules._source import source_status
 from opadvisor.rules.finding import Finding
 
-__all__ = ["NotApplicable", "Note", "Report", "analyse", "run_rules", "select_rules", "sort_findings"]
+__all__ = [
+    "NeedsGpuProfile",
+    "NotApplicable",
+    "Note",
+    "Report",
+    "analyse",
+    "run_rules",
+    "select_rules",
+    "sort_findings",
+]
 
 SortKey = Literal["time", "saving"]
 
 
 class NotApplicable(Exception):
     """Raised by a rule's `detect` when the profile cannot answer it (e.g. needs a GPU profile)."""
+
+
+class NeedsGpuProfile(NotApplicable):
+    """Raised by a rule's `detect` on a CPU profile: what it measures exists only on a GPU.
+
+    `why` says what cannot be measured here; `hint`, when given, what the profile did show that a GPU
+    profile would measure (the table folds these notes into one line and keeps the hints).
+    """
+
+    def __init__(self, why: str, hint: str = ""):
+        super().__init__(f"needs a CUDA profile: {why}" + (f"; {hint}" if hint else ""))
+        self.hint = hint
 
 
 @dataclass
@@ -46,6 +67,8 @@ class Note:
     rule: str
     message: str
     ranks: list[int] | None = None
+    needs_gpu: bool = False  # the rule cannot judge a CPU profile (NeedsGpuProfile)
+    hint: str = ""  # NeedsGpuProfile's hint
 
 
 @dataclass
@@ -123,6 +146,9 @@ def analyse(
                     found.extend(rule.detect(profile, requested=rid in requested))
                 else:
                     found.extend(rule.detect(profile))
+            except NeedsGpuProfile as exc:
+                note = _note(notes, rid, str(exc), profile.rank, multi)
+                note.needs_gpu, note.hint = True, exc.hint
             except NotApplicable as exc:
                 _note(notes, rid, str(exc), profile.rank, multi)
             except Exception as exc:  # noqa: BLE001 - one failing rule must not hide the others
@@ -175,10 +201,11 @@ def link_alternatives(findings: list[Finding]) -> None:
             f.message += f"; or {g.rule} (lines {g.line}-{g.end_line}): {tail}"
 
 
-def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool) -> None:
+def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool) -> Note:
     note = notes.setdefault((rid, message), Note(rid, message, [] if multi else None))
     if note.ranks is not None and rank not in note.ranks:
         note.ranks.append(rank)
+    return note
 
 
 def run_rules(

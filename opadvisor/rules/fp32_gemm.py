@@ -41,7 +41,7 @@ from opadvisor.rules._chains import in_dtype, matmul_mnk
 from opadvisor.rules._findings import fmt_ms, fmt_share, module_pattern
 from opadvisor.rules._index import index_of
 from opadvisor.rules._source import source_status
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "fp32_gemm"
@@ -123,7 +123,7 @@ def _fix_line(script: str) -> tuple[int, int, bool]:
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable("needs a CUDA profile: TF32 applies to GPU matrix products only")
+        raise NeedsGpuProfile("TF32 applies to GPU matrix products only")
     cap = tuple(profile.environment.capability or ())
     if len(cap) < 2:
         raise NotApplicable("the profile does not record the GPU's compute capability")

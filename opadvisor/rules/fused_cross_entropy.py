@@ -38,7 +38,7 @@ from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._chains import in_dtype, scalar, shape
 from opadvisor.rules._findings import build_finding, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile
 from opadvisor.rules.finding import Finding
 
 ID = "fused_cross_entropy"
@@ -85,9 +85,8 @@ def _autocast_copy(ix: ProfileIndex, op: Op) -> bool:
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable(
-            "needs a CUDA profile: the fused loss runs on CUDA and saves GPU time, which a CPU profile "
-            "cannot measure"
+        raise NeedsGpuProfile(
+            "the fused loss runs on CUDA and saves GPU time, which a CPU profile cannot measure"
         )
     ix = index_of(profile)
     sites: dict[tuple[str, int], list[tuple[Op, tuple[int, int, str]]]] = defaultdict(list)

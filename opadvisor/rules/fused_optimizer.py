@@ -38,7 +38,7 @@ from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import annotation_intervals
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "fused_optimizer"
@@ -114,9 +114,7 @@ def _applicable(c: Construction) -> bool:
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable(
-            "needs a CUDA profile: the optimizer's kernel launches and GPU time cannot be measured on the CPU"
-        )
+        raise NeedsGpuProfile("the optimizer's kernel launches and GPU time cannot be measured on the CPU")
     ix = index_of(profile)
     findings: list[Finding] = []
     seen_classes: dict[str, int] = {}

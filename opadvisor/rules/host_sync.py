@@ -42,7 +42,7 @@ from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import annotation_intervals
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "host_sync"
@@ -133,8 +133,8 @@ def _site_op(ix: ProfileIndex, op: Op) -> Op | None:
     return None
 
 
-def _cpu_note(profile: Profile) -> str:
-    """The note for a CPU profile: the lines that read tensors on the host (they will sync on a GPU).
+def _cpu_reads(profile: Profile) -> str:
+    """On a CPU profile: the lines that read tensors on the host (they will sync on a GPU), as a hint.
 
     Reads inside `optimizer.step()` are left out: the optimizers keep their step counters on the CPU.
     """
@@ -153,18 +153,17 @@ def _cpu_note(profile: Profile) -> str:
             and not any(a <= o.start_us <= b and t == o.thread for a, b, t in in_optimizer)
         }
     )
-    base = "needs a CUDA profile: on the CPU there is no device to wait for, so a sync costs nothing here"
-    if lines:
-        shown = ", ".join(lines[:5]) + (", ..." if len(lines) > 5 else "")
-        return (
-            f"{base}; .item()-style reads at {shown} will synchronise on a GPU: profile there to measure them"
-        )
-    return base
+    if not lines:
+        return ""
+    shown = ", ".join(lines[:5]) + (", ..." if len(lines) > 5 else "")
+    return f".item()-style reads at {shown} will wait for the GPU there"
 
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable(_cpu_note(profile))
+        raise NeedsGpuProfile(
+            "on the CPU there is no device to wait for, so a sync costs nothing here", _cpu_reads(profile)
+        )
     ix = index_of(profile)
     starts, ends = _gaps(profile)
     loaders = _in_loader(profile)

@@ -38,7 +38,7 @@ from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._findings import cost_words, fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "sparse_launch"
@@ -79,7 +79,7 @@ def _overlaps(starts: list[float], ends: list[float], a: float, b: float) -> boo
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable("needs a GPU profile: a CPU profile has no kernels or GPU idle time to judge")
+        raise NeedsGpuProfile("a CPU profile has no kernels or GPU idle time to judge")
     ix = index_of(profile)
     if not profile.steps or not any(s.kernel_count for s in profile.steps):
         raise NotApplicable("the profile recorded no kernels inside its steps")

@@ -61,7 +61,7 @@ def test_sparse_launch_on_cpu_profile_is_a_note(tmp_path):
 
     report = analyse([Profile()], select=["sparse_launch"])
     assert report.findings == []
-    assert len(report.notes) == 1 and "needs a GPU profile" in report.notes[0].message
+    assert len(report.notes) == 1 and "needs a CUDA profile" in report.notes[0].message
 
 
 @pytest.mark.parametrize(

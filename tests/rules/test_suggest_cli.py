@@ -84,7 +84,7 @@ def test_table_select_ignore_and_exit_code(bert_run):
     res = CliRunner().invoke(app, ["suggest", str(bert_run)])
     assert res.exit_code == 0
     assert "fused_softmax" in res.stdout and "opadvisor apply --rule fused_softmax" in res.stdout
-    assert "needs a GPU profile" in res.stdout
+    assert "rules need a CUDA profile to judge this run: " in res.stdout
     only = CliRunner().invoke(
         app, ["suggest", str(bert_run), "--select", "fused_dropout_add", "--format", "json"]
     )
@@ -159,3 +159,13 @@ def test_cwd_relative_paths(bert_run, monkeypatch):
     monkeypatch.chdir(Path(SCRIPTS))
     doc = json.loads(CliRunner().invoke(app, ["suggest", str(bert_run), "--format", "json"]).stdout)
     assert {f["path"] for f in doc["findings"]} == {"bert_attention.py"}
+
+
+def test_cpu_profile_notes_fold_into_one_line(bert_run):
+    res = CliRunner().invoke(app, ["suggest", str(bert_run)])
+    assert res.exit_code == 0, res.output
+    gpu = [ln for ln in res.stdout.splitlines() if "CUDA profile" in ln]
+    assert len(gpu) == 1 and gpu[0].startswith("note: "), res.stdout
+    doc = json.loads(CliRunner().invoke(app, ["suggest", str(bert_run), "--format", "json"]).stdout)
+    folded = [n["rule"] for n in doc["notes"] if n["message"].startswith("needs a CUDA profile")]
+    assert len(folded) > 1 and all(rule in gpu[0] for rule in folded)  # JSON keeps one note per rule

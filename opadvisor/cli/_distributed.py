@@ -10,10 +10,11 @@ from pathlib import Path
 
 from opadvisor.cli.common import fail, warn
 from opadvisor.profile.distributed import DistOutcome, LaunchSpec, describe_failure, launch
+from opadvisor.profile.target import Target
 
 
 def profile_ranks(
-    script: Path,
+    target: Target,
     args: list[str],
     spec: LaunchSpec,
     *,
@@ -29,7 +30,7 @@ def profile_ranks(
     node = f" (node {spec.node_rank} of {spec.nnodes})" if spec.nnodes > 1 else ""
     print(f"opadvisor: launching {world} rank(s){node} through torchrun", file=sys.stderr, flush=True)
     outcome = launch(
-        script,
+        target,
         args,
         spec,
         warmup=warmup,
@@ -40,14 +41,14 @@ def profile_ranks(
         activations=activations,
     )
     if not outcome.ok:
-        trace, message = describe_failure(outcome, script)
+        trace, message = describe_failure(outcome, target.shown)
         if trace:
             sys.stderr.write(trace if trace.endswith("\n") else trace + "\n")
         raise fail(message)
-    _report_success(outcome, script, warmup, steps)
+    _report_success(outcome, target.shown, warmup, steps)
 
 
-def _report_success(outcome: DistOutcome, script: Path, warmup: int, steps: int) -> None:
+def _report_success(outcome: DistOutcome, script: str, warmup: int, steps: int) -> None:
     if not outcome.profiles:
         never = [r for r in outcome.ranks if r.status == "no_steps"]
         if never:

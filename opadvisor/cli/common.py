@@ -28,6 +28,11 @@ def warn(message: str) -> None:
     print(f"opadvisor: warning: {message}", file=sys.stderr)
 
 
+def note(message: str) -> None:
+    """Something the user should know that is no problem (how a script is run, say), on stderr."""
+    print(f"opadvisor: {message}", file=sys.stderr)
+
+
 def user_errors(fn: F) -> F:
     """Decorator for command functions: a UserError becomes one line on stderr and exit 2."""
 

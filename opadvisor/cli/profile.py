@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from opadvisor.cli.common import EXIT_USER_ERROR, fail, user_errors, warn
+if TYPE_CHECKING:
+    from opadvisor.profile.target import Target
+
+from opadvisor.cli.common import EXIT_USER_ERROR, fail, note, user_errors, warn
 
 
 def register(app: typer.Typer) -> None:
@@ -22,8 +25,22 @@ def register(app: typer.Typer) -> None:
 def profile(
     ctx: typer.Context,
     script: Annotated[
-        Path, typer.Argument(help="The training script to run (its own arguments go after --).")
-    ],
+        str | None,
+        typer.Argument(
+            metavar="SCRIPT",
+            help="The training script to run (its own arguments go after --).",
+            show_default=False,
+        ),
+    ] = None,
+    module: Annotated[
+        str | None,
+        typer.Option(
+            "-m",
+            "--module",
+            help="Run a module as `python -m` does (package.train: from this folder, with its package), "
+            "instead of SCRIPT; its arguments go after --.",
+        ),
+    ] = None,
     steps: Annotated[int, typer.Option(help="Training steps to record.", min=1)] = 5,
     warmup: Annotated[
         int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)
@@ -69,23 +86,29 @@ def profile(
         int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")
     ] = None,
 ) -> None:
-    """Run SCRIPT under torch.profiler for a few steps, write the run, and stop the script.
+    """Run SCRIPT (or -m MODULE) under torch.profiler for a few steps, write the run, and stop the script.
 
     Steps are found by themselves: each optimizer.step() ends one (call opadvisor.step() in loops without
     a torch optimizer). After --warmup steps, --steps steps are recorded with shapes, exact source lines
     and (on CUDA) the kernels each op launched; then the run is written to .opadvisor/runs/<id>/
-    (profile.json and trace.json.gz, which opens in Perfetto) and the script is stopped.
+    (profile.json and trace.json.gz, which opens in Perfetto) and the script is stopped. A script inside
+    a package that imports relatively runs as `python -m package.script` would.
 
-    Example:  opadvisor profile train.py --steps 5 -- --batch-size 32
+    Examples:
+
+    \b
+      opadvisor profile train.py --steps 5 -- --batch-size 32
+      opadvisor profile -m mypackage.train -- --batch-size 32
     """
+    target, args = _target(script, module, list(ctx.args))
     if nproc_per_node is not None or nnodes > 1:  # issue 9: every rank of a torchrun launch
         from opadvisor.cli._distributed import profile_ranks
         from opadvisor.profile.distributed import LaunchSpec
 
         spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
         profile_ranks(
-            script,
-            list(ctx.args),
+            target,
+            args,
             spec,
             warmup=warmup,
             steps=steps,
@@ -108,13 +131,32 @@ def profile(
         memory_requested=memory,
     )
     with _Progress(steps) as progress:
-        outcome = run_script(script, list(ctx.args), config, out=out, on_progress=progress.update)
+        outcome = run_script(target, args, config, out=out, on_progress=progress.update)
     for message in outcome.warnings:
         warn(message)
-    _report(outcome, config, script)
+    _report(outcome, config, target.shown)
 
 
-def _report(outcome, config, script: Path) -> None:
+def _target(script: str | None, module: str | None, args: list[str]) -> tuple[Target, list[str]]:
+    """(what to run, its arguments), checked before torch is imported. With -m, a positional argument
+    is the module's first argument, as `python -m module args` has it."""
+    from opadvisor.errors import UserError
+    from opadvisor.profile.target import module_target, script_target
+
+    if module is not None:
+        return module_target(module), ([script] if script is not None else []) + args
+    if script is None:
+        raise UserError("name the script to profile (opadvisor profile train.py), or a module with -m")
+    target = script_target(Path(script))
+    if target.module is not None:
+        note(
+            f"{script} is in package {target.module.rpartition('.')[0]} and imports relatively: "
+            f"running it as `python -m {target.module}` from {target.import_root}"
+        )
+    return target, args
+
+
+def _report(outcome, config, script: str) -> None:
     recorded = len(outcome.profile.steps) if outcome.profile else 0
     if outcome.status == "complete":
         _print_summary(outcome)

@@ -64,6 +64,7 @@ from pathlib import Path
 from opadvisor.errors import UserError
 from opadvisor.profile import runs
 from opadvisor.profile.model import Profile, ProfileFormatError, load_profile
+from opadvisor.profile.target import Target, known_target
 
 STATUS_PREFIX = "status.rank"
 _MODULE = "opadvisor.profile.distributed"
@@ -166,6 +167,8 @@ def rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-to-end", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--no-activations", action="store_true")
+    parser.add_argument("--module", help="run SCRIPT's module as `python -m MODULE` (the launcher found it)")
+    parser.add_argument("--import-root", type=Path, help="sys.path[0] for --module")
     parser.add_argument("script", type=Path)
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -226,8 +229,9 @@ def _run_rank(
         activations=not ns.no_activations,
         memory_requested=ns.memory,
     )
-    guard.script_path = str(ns.script)
-    outcome = run_script(ns.script, args, config, out=ns.run_dir, rank=(rank, world_size))
+    target = known_target(str(ns.script), ns.module, ns.import_root)  # as the launcher found it
+    guard.script_path = target.filename
+    outcome = run_script(target, args, config, out=ns.run_dir, rank=(rank, world_size))
     guard.done = True
     status.update(
         status=outcome.status,
@@ -394,7 +398,7 @@ def prepare_run_dir(spec: LaunchSpec, out: Path | None, cwd: Path) -> Path:
 
 
 def launch(
-    script: Path,
+    target: Target,
     args: list[str],
     spec: LaunchSpec,
     *,
@@ -405,17 +409,18 @@ def launch(
     memory: bool = False,
     activations: bool = True,
 ) -> DistOutcome:
-    """Profile `script args` on every rank through torchrun; how each rank ended, and their profiles."""
-    from opadvisor.profile.runner import check_script
-
+    """Profile the target (checked by `opadvisor.profile.target`) with `args` on every rank through
+    torchrun; how each rank ended, and their profiles."""
     check_spec(spec, out)
-    check_script(script)
     run_dir = prepare_run_dir(spec, out, Path.cwd())
     failures = run_dir / f".launch.node{spec.node_rank}.json"
     command = [sys.executable, "-m", "opadvisor.profile._dist_launch", str(failures), *spec.torchrun_args()]
     command += ["-m", _MODULE, str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
     command += [*(["--run-to-end"] if run_to_end else []), *(["--memory"] if memory else [])]
-    command += [*([] if activations else ["--no-activations"]), str(script), "--", *args]
+    command += [] if activations else ["--no-activations"]
+    if target.module is not None:
+        command += ["--module", target.module, "--import-root", str(target.import_root)]
+    command += [target.filename, "--", *args]
     code, interrupted = _run_launcher(command)
     outcome = collect(run_dir, spec, code, _read_json(failures) or {})
     failures.unlink(missing_ok=True)
@@ -520,7 +525,7 @@ def _list(values) -> str:
 # ---- words for the CLI --------------------------------------------------------------------------------
 
 
-def describe_failure(outcome: DistOutcome, script: Path) -> tuple[str | None, str]:
+def describe_failure(outcome: DistOutcome, script: str) -> tuple[str | None, str]:
     """(the root-cause rank's traceback or None, one line naming the rank) for a failed multi-rank run."""
     kept = (
         f"; the steps recorded by rank(s) {_list(p.rank for p in outcome.profiles)} were kept in {outcome.run_dir}"
@@ -538,7 +543,7 @@ def describe_failure(outcome: DistOutcome, script: Path) -> tuple[str | None, st
     return cause.traceback, f"{_rank_words(cause, script)}{then}{kept}{launcher}"
 
 
-def _rank_words(r: RankReport, script: Path) -> str:
+def _rank_words(r: RankReport, script: str) -> str:
     after = f" after {r.steps_seen} step(s)"
     if r.status == "script_error":
         return f"{r.where()} raised {r.error or 'an exception'}{after} in {script}"

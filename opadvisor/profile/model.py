@@ -11,8 +11,13 @@ Profile
     schema            int, SCHEMA_VERSION
     run_id            folder name of the run
     created           ISO-8601 UTC time the run was written
-    script            absolute path of the profiled script
-    argv              the script's own argv (argv[0] is the script path as given)
+    script            absolute path of the profiled script (under `-m`, the module's file)
+    module            the dotted name it ran as, as `python -m` runs it (package context), or None for a
+                      plain script: `profile -m pkg.train`, or a script inside a package that imports
+                      relatively (a package's `__main__` is named `pkg.__main__`)
+    import_root       sys.path[0] while a module ran (the folder `-m` was given in, or the one above the
+                      outermost package); None for a plain script (its own folder)
+    argv              the script's own argv (argv[0] is the script path as given; the module's file under -m)
     cwd               working directory of the profiled process
     environment       Environment
     sources           {absolute path: sha256 hex} of every user source file that appears in `ops`
@@ -278,6 +283,8 @@ class Profile:
     module_calls: list[ModuleCall] = field(default_factory=list)
     memory_notes: list[str] = field(default_factory=list)
     memory_requested: bool = False
+    module: str | None = None
+    import_root: str | None = None
 
     # ---- queries the rules share -------------------------------------------------------------
     @property

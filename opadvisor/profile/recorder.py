@@ -29,6 +29,7 @@ from pathlib import Path
 from opadvisor.profile import runs
 from opadvisor.profile.runner import NO_SCRIPT, RunOutcome, check_output_parent, record_run
 from opadvisor.profile.session import Session, SessionConfig, active
+from opadvisor.profile.target import known_target
 from opadvisor.profile.userframes import resolve_user_file, set_search_path
 
 __all__ = ["WindowRecorder"]
@@ -144,11 +145,12 @@ class WindowRecorder:
         session.uninstall()
         script = _main_script()
         argv = [str(script) if script else NO_SCRIPT, *sys.argv[1:]]
+        target = known_target(str(script)) if script else None
         dist = _distributed()
         if dist is None:
-            self.outcome = record_run(session, recording, status, script, argv, self.out, self.cwd)
+            self.outcome = record_run(session, recording, status, target, argv, self.out, self.cwd)
         else:
-            self.outcome = self._write_rank(session, recording, status, script, argv, dist)
+            self.outcome = self._write_rank(session, recording, status, target, argv, dist)
         run_dir = self.outcome.run_dir
         if run_dir is not None and _is_rank0():
             recorded = len(self.outcome.profile.steps) if self.outcome.profile else 0
@@ -157,7 +159,7 @@ class WindowRecorder:
                 f"recorded {recorded} step(s) after {self.warmup} warm-up into {shown}; next: opadvisor suggest"
             )
 
-    def _write_rank(self, session, recording, status, script, argv, dist) -> RunOutcome:
+    def _write_rank(self, session, recording, status, target, argv, dist) -> RunOutcome:
         import torch.distributed as tdist
 
         rank, world = dist
@@ -167,7 +169,7 @@ class WindowRecorder:
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (recording is not None and recording.steps):
             recording = None  # every rank still joins the barrier below
-        outcome = record_run(session, recording, status, script, argv, run_dir, self.cwd, (rank, world))
+        outcome = record_run(session, recording, status, target, argv, run_dir, self.cwd, (rank, world))
         tdist.barrier()
         if outcome.run_dir is None:
             return outcome

@@ -1,7 +1,7 @@
 """`opadvisor profile`: run a training script in-process under the session, then write its run folder.
 
 The script runs with its own argv and `__name__ == "__main__"`, from its own directory on sys.path, as
-`python script.py args` would. Outcomes:
+`python script.py args` would; a module (`-m`) as `python -m module args` would. Outcomes:
 - the window was recorded: the run is written and the script is stopped (unless `run_to_end`);
 - the script ended, failed or called sys.exit before the window completed: what was recorded (at least
   one whole step) is still written, marked incomplete, and the outcome says how far it got.
@@ -30,6 +30,7 @@ from opadvisor.profile.events import TreeReader, assign_steps, profiler_step_ran
 from opadvisor.profile.memory import attach_memory
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
+from opadvisor.profile.target import Target
 from opadvisor.profile.userframes import set_search_path
 
 NO_SCRIPT = "<interactive>"  # the script of a run recorded in a notebook or `python -c` (a Trainer callback)
@@ -44,29 +45,6 @@ class RunOutcome:
     exit_code: int | None = None  # the script's sys.exit code, when it called sys.exit
     script_traceback: str | None = None
     warnings: list[str] = field(default_factory=list)
-
-
-def check_script(script: Path) -> str:
-    """Read and compile the script; UserError for a missing, non-Python or syntactically broken file."""
-    if not script.exists():
-        raise UserError(f"{script}: no such file")
-    if script.is_dir():
-        raise UserError(f"{script} is a directory, not a Python script")
-    if script.suffix not in (".py", ".pyw"):
-        raise UserError(f"{script} is not a Python script (expected a .py file)")
-    try:
-        source = script.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{script} is not a Python script (not UTF-8 text)") from None
-    except OSError as exc:
-        raise UserError(f"cannot read {script}: {exc.strerror}") from None
-    try:
-        compile(source, str(script), "exec")
-    except SyntaxError as exc:
-        raise UserError(f"{script}:{exc.lineno}: syntax error: {exc.msg}") from None
-    except ValueError as exc:  # null bytes
-        raise UserError(f"{script} is not a Python script ({exc})") from None
-    return source
 
 
 def check_output_parent(out: Path | None, cwd: Path) -> Path:
@@ -111,7 +89,7 @@ def _sha256(path: str) -> str | None:
 
 
 def build_profile(
-    recording: Recording, session: Session, script: Path | None, argv: list[str], cuda: bool
+    recording: Recording, session: Session, target: Target | None, argv: list[str], cuda: bool
 ) -> Profile:
     """The Profile of a stopped recording (its profiler has exported nothing yet)."""
     results = recording.profiler.profiler.kineto_results
@@ -126,14 +104,16 @@ def build_profile(
     assign_steps(extracted, marks_us, cuda)
     module_calls = session.module_calls.results()
     attach_memory(extracted.steps, module_calls, session.step_memory)
-    # no script: recorded from a notebook or an interactive session (a Trainer callback there)
-    files = set(extracted.user_files) | ({str(script.resolve())} if script else set())
+    # no target: recorded from a notebook or an interactive session (a Trainer callback there)
+    files = set(extracted.user_files) | ({str(target.path)} if target else set())
     files |= {c.file for c in session.constructions if c.file}
     files |= {c.file for c in module_calls if c.file}
     return Profile(
         run_id="",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        script=str(script.resolve()) if script else NO_SCRIPT,
+        script=str(target.path) if target else NO_SCRIPT,
+        module=target.module if target else None,
+        import_root=str(target.import_root) if target and target.module else None,
         argv=argv,
         cwd=os.getcwd(),
         environment=environment(cuda),
@@ -184,7 +164,7 @@ def _export_trace(recording: Recording, dest: Path) -> None:
 def write_run(
     recording: Recording,
     session: Session,
-    script: Path | None,
+    target: Target | None,
     argv: list[str],
     cuda: bool,
     out: Path | None,
@@ -193,12 +173,12 @@ def write_run(
 ) -> tuple[Path, Profile]:
     """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole."""
     if rank is not None:  # issue 9: one rank of a multi-process run
-        return _write_rank_files(recording, session, script, argv, cuda, out, rank)
+        return _write_rank_files(recording, session, target, argv, cuda, out, rank)
     final = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
-        profile = build_profile(recording, session, script, argv, cuda)
+        profile = build_profile(recording, session, target, argv, cuda)
         profile.run_id = final.name
         save_profile(profile, staging / runs.PROFILE_FILE)
         _export_trace(recording, staging / runs.TRACE_FILE)
@@ -222,7 +202,7 @@ def rank_file_names(rank: int) -> tuple[str, str]:
 def _write_rank_files(
     recording: Recording,
     session: Session,
-    script: Path | None,
+    target: Target | None,
     argv: list[str],
     cuda: bool,
     out: Path | None,
@@ -236,7 +216,7 @@ def _write_rank_files(
     assert out is not None and out.is_dir()
     staging = Path(tempfile.mkdtemp(prefix=f".rank{rank[0]}.partial-", dir=out))
     try:
-        profile = build_profile(recording, session, script, argv, cuda)
+        profile = build_profile(recording, session, target, argv, cuda)
         profile.run_id, (profile.rank, profile.world_size) = out.name, rank
         profile_name, trace_name = rank_file_names(rank[0])
         save_profile(profile, staging / profile_name)
@@ -258,42 +238,45 @@ def _umask() -> int:
 def _user_traceback(exc: BaseException, script: Path) -> str:
     """The script's traceback without opadvisor's and runpy's frames above it."""
     tb = exc.__traceback__
-    script_name = str(script.resolve())
+    script_name = str(script)
     while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script_name:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def run_script(
-    script: Path,
+    target: Target,
     args: list[str],
     config: SessionConfig,
     out: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     rank: tuple[int, int] | None = None,
 ) -> RunOutcome:
-    """Run `script args` under a profiling session and write what it recorded.
+    """Run the target (a script, or a module as `python -m` runs it) with `args` under a profiling session
+    and write what it recorded. The target was checked (`opadvisor.profile.target`) before torch loaded.
 
     `rank` (issue 9): (rank, world_size) when this process is one rank of `opadvisor profile
     --nproc-per-node`; `out` is then the run folder shared by all ranks (see `_write_rank_files`).
     """
-    import torch
-
     cwd = Path.cwd()
-    check_script(script)
     if rank is None:  # issue 9: a rank's shared folder was checked and made by its launcher
         check_output_parent(out, cwd)
+    import torch
+
     config.cuda = torch.cuda.is_available()
-    argv = [str(script), *args]
+    argv = [target.filename, *args]
     session = Session(config, on_progress)
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
-    sys.path.insert(0, str(script.resolve().parent))
+    sys.path.insert(0, str(target.import_root))
     set_search_path(sys.path)
     status, exit_code, script_tb = "ended_early", None, None
     session.install()
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        if target.module is not None:  # as `python -m`: the package imported first, its context kept
+            runpy.run_module(target.module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target.filename, run_name="__main__")
     except WindowComplete:
         status = "complete"
     except SystemExit as exc:
@@ -303,19 +286,19 @@ def run_script(
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # the user's own failure: report it, keep what was recorded
-        status, script_tb = "script_error", _user_traceback(exc, script)
+        status, script_tb = "script_error", _user_traceback(exc, target.path)
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         recording = session.finish()
         session.uninstall()
-    return record_run(session, recording, status, script, argv, out, cwd, rank, exit_code, script_tb)
+    return record_run(session, recording, status, target, argv, out, cwd, rank, exit_code, script_tb)
 
 
 def record_run(
     session: Session,
     recording: Recording | None,
     status: str,
-    script: Path | None,
+    target: Target | None,  # None: no script (a notebook, `python -c`: a Trainer callback there)
     argv: list[str],
     out: Path | None,
     cwd: Path,
@@ -330,7 +313,7 @@ def record_run(
     outcome = RunOutcome(None, None, status, session.steps_seen, exit_code, script_tb, list(session.warnings))
     if recording is not None and recording.steps:
         outcome.run_dir, outcome.profile = write_run(
-            recording, session, script, argv, session.config.cuda, out, cwd, rank
+            recording, session, target, argv, session.config.cuda, out, cwd, rank
         )
     elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
         outcome.status = "no_steps"

@@ -123,12 +123,16 @@ def reprofile(profile: Profile, out_dir: Path, *, timeout: float | None) -> tupl
     """Profile the rewritten script like the run was; (profile, "") or (None, why not)."""
     from opadvisor.profile.model import ProfileFormatError, load_profile
 
+    # A module run (`-m`, from the folder it ran in) is re-profiled the same way; a script by its path
+    # (a script inside a package is again run as its module).
+    as_module = profile.module is not None and profile.import_root == str(Path(profile.cwd or ".").resolve())
+    target = ["-m", profile.module] if as_module else [profile.script]
     cmd = [
         sys.executable,
         "-m",
         "opadvisor",
         "profile",
-        profile.script,
+        *target,
         "--steps",
         str(max(profile.steps_requested, 1)),
         "--warmup",

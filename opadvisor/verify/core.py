@@ -217,6 +217,8 @@ def verify(
             warmup=opts.warmup if mode == "timing" else 0,
             seed=opts.seed,
             sources=sources if original else {},
+            module=profile.module,
+            import_root=profile.import_root,
         )
 
     notes = [DROPOUT_NOTE]

@@ -5,7 +5,8 @@ JSON file (written by `opadvisor.verify.runner`):
 
     {"script": absolute path, "argv": [argv0, ...], "cwd": str, "steps": int, "warmup": int,
      "mode": "parity" | "timing", "seed": int, "result": path of the JSON this process writes,
-     "sources": {absolute path: path of the source to run instead}}
+     "sources": {absolute path: path of the source to run instead},
+     "module": dotted name or null (run as `python -m` runs it), "import_root": its sys.path[0] or null}
 
 The user's script is not edited. The harness, inside this process, before the script runs:
 
@@ -395,16 +396,21 @@ def install_hooks(rec: Recorder) -> None:
 # ---- running the script ---------------------------------------------------------------------------------
 
 
-def run_script(script: str, argv: list[str], source: bytes) -> None:
-    """Run `source` as `__main__` with `__file__` = script (what `python script.py` would do)."""
+def run_script(
+    script: str, argv: list[str], source: bytes, module: str | None = None, import_root: str | None = None
+) -> None:
+    """Run `source` as `__main__` with `__file__` = script (what `python script.py` would do); with
+    `module`, what `python -m module` would do from `import_root`: its package imported first, and
+    `__package__` / `__spec__` set, so that its relative imports resolve."""
     main = types.ModuleType("__main__")
+    package = module.rpartition(".")[0] if module else None
     main.__dict__.update(
         {
             "__file__": script,
             "__builtins__": builtins,
-            "__spec__": None,
+            "__spec__": importlib.util.spec_from_loader(module, None, origin=script) if module else None,
             "__loader__": None,
-            "__package__": None,
+            "__package__": package,
             "__cached__": None,
         }
     )
@@ -413,8 +419,10 @@ def run_script(script: str, argv: list[str], source: bytes) -> None:
     saved_main, saved_argv, saved_path0 = sys.modules.get("__main__"), sys.argv, sys.path[0]
     sys.modules["__main__"] = main
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(script)
+    sys.path[0] = import_root if module and import_root else os.path.dirname(script)
     try:
+        if package:
+            importlib.import_module(package)
         exec(code, main.__dict__)
     finally:
         sys.argv, sys.path[0] = saved_argv, saved_path0
@@ -452,7 +460,7 @@ def main() -> int:
         result["dropout_patched"] = neutralise_dropout()
     install_hooks(rec)
     try:
-        run_script(script, cfg["argv"], script_source)
+        run_script(script, cfg["argv"], script_source, cfg.get("module"), cfg.get("import_root"))
         result["exit"] = "finished"
     except StopScript:
         result["exit"] = "stopped"

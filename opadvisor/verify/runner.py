@@ -33,6 +33,8 @@ class ChildSpec:
     warmup: int = 0
     seed: int = 0
     sources: dict[str, str] = field(default_factory=dict)  # file -> the source to run instead (a backup)
+    module: str | None = None  # run as this module, as `python -m` does (the profile's `module`)
+    import_root: str | None = None  # sys.path[0] for a module
 
 
 @dataclass
@@ -72,6 +74,8 @@ def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
             "mode": spec.mode,
             "seed": spec.seed,
             "sources": spec.sources,
+            "module": spec.module,
+            "import_root": spec.import_root,
             "result": str(tmpdir / "result.json"),
         }
         (tmpdir / "config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -51,7 +51,7 @@ from opadvisor.profile.model import ModuleCall, Op, Profile
 from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "activation_checkpointing"
@@ -80,6 +80,11 @@ def detect(profile: Profile, requested: bool = False) -> list[Finding]:
     asked = requested or profile.memory_requested
     pressure = _pressure(profile)
     if not asked:
+        if pressure is None and not profile.has_gpu:
+            raise NeedsGpuProfile(
+                "it reports when the step's peak memory is high against the GPU's "
+                "(or when asked: `opadvisor suggest --memory`)"
+            )
         if pressure is None:
             raise NotApplicable(
                 "reports on a GPU profile whose peak memory is high against the device, or when asked "

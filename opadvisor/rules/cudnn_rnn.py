@@ -41,7 +41,7 @@ from opadvisor.profile.model import ModuleCall, Op, Profile
 from opadvisor.rules._findings import cost_words, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
-from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.engine import NeedsGpuProfile
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "cudnn_rnn"
@@ -57,7 +57,7 @@ COPY_OPS = frozenset({"aten::copy_", "aten::zero_", "aten::fill_", "aten::cat", 
 
 def detect(profile: Profile) -> list[Finding]:
     if not profile.has_gpu:
-        raise NotApplicable("needs a CUDA profile: cuDNN's fused recurrent kernels exist only on the GPU")
+        raise NeedsGpuProfile("cuDNN's fused recurrent kernels exist only on the GPU")
     ix = index_of(profile)
     findings = []
     for call in profile.module_calls:

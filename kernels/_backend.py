@@ -52,8 +52,27 @@ def backend(device: torch.device | str | torch.Tensor) -> str:
     if not HAS_TRITON:
         return REFERENCE
     if kind in ("cpu", "cuda") and interpret_requested():
+        _require_numpy()
         return INTERPRETER
     return TRITON if kind == "cuda" else REFERENCE
+
+
+class InterpreterNeedsNumpy(ModuleNotFoundError):
+    """TRITON_INTERPRET=1 asked for Triton's interpreter, which imports numpy, and numpy is missing."""
+
+
+def _require_numpy() -> None:
+    """Say in one line what to install, rather than fail inside `import triton` (its interpreter imports
+    numpy). Only the interpreter needs numpy: the kernels' CPU reference path never does."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise InterpreterNeedsNumpy(
+            "TRITON_INTERPRET=1 runs opadvisor's kernels in Triton's interpreter, which needs numpy: "
+            "pip install numpy (or unset TRITON_INTERPRET: on the CPU the kernels then run their PyTorch "
+            "reference)",
+            name="numpy",
+        ) from None
 
 
 def for_tensor(x: torch.Tensor, small_numel: int) -> str:

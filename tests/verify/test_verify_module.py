@@ -4,38 +4,20 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from typer.testing import CliRunner
-from verify_helpers import fake_apply
+from verify_helpers import fake_apply, make_project
 
 from opadvisor.cli import app
-from opadvisor.profile.model import Profile, save_profile
 
 PACKAGE = Path(__file__).parents[1] / "profile" / "packages" / "trainpkg"
 
 
 def module_project(tmp_path: Path) -> tuple[Path, Path]:
     """A copy of trainpkg and a run that profiled `-m trainpkg.train -- --steps 50` from the project."""
-    project = tmp_path / "project"
-    shutil.copytree(PACKAGE, project / "trainpkg", ignore=shutil.ignore_patterns("__pycache__"))
-    run_dir = project / ".opadvisor" / "runs" / "run1"
-    run_dir.mkdir(parents=True)
-    train = project / "trainpkg" / "train.py"
-    profile = Profile(
-        run_id="run1",
-        script=str(train),
-        module="trainpkg.train",
-        import_root=str(project),
-        argv=[str(train), "--steps", "50"],
-        cwd=str(project),
-        steps_requested=2,
-        warmup_steps=1,
-    )
-    save_profile(profile, run_dir / "profile.json")
-    (project / ".opadvisor" / "latest").write_text("run1\n", encoding="utf-8")
-    return project, run_dir
+    files = {f"trainpkg/{p.name}": p.read_text() for p in PACKAGE.glob("*.py")}
+    return make_project(tmp_path, files, "trainpkg/train.py", ["--steps", "50"], module="trainpkg.train")
 
 
 def verify(project: Path, monkeypatch) -> tuple[int, dict]:

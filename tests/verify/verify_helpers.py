@@ -17,11 +17,15 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TINY = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003 --steps 50".split()
 
 
-def make_project(tmp_path: Path, files: dict[str, str], script: str, args: list[str]) -> tuple[Path, Path]:
-    """Write `files` into tmp_path/project and a run for `script`; returns (project, run folder)."""
+def make_project(
+    tmp_path: Path, files: dict[str, str], script: str, args: list[str], module: str | None = None
+) -> tuple[Path, Path]:
+    """Write `files` into tmp_path/project and a run for `script` (run as `module` from the project, as
+    `profile -m` records it, when given); returns (project, run folder)."""
     project = tmp_path / "project"
     project.mkdir()
     for name, text in files.items():
+        (project / name).parent.mkdir(parents=True, exist_ok=True)
         (project / name).write_text(text, encoding="utf-8")
     run_dir = project / ".opadvisor" / "runs" / "run1"
     run_dir.mkdir(parents=True)
@@ -33,6 +37,8 @@ def make_project(tmp_path: Path, files: dict[str, str], script: str, args: list[
         cwd=str(project),
         steps_requested=2,
         warmup_steps=1,
+        module=module,
+        import_root=str(project) if module else None,
     )
     save_profile(profile, run_dir / "profile.json")
     (project / ".opadvisor" / "latest").write_text("run1\n", encoding="utf-8")

@@ -5,6 +5,11 @@ exact caller line), aten ops (with input shapes, dtypes and scalar values), CUDA
 beneath each runtime call, the device activity it caused (kernels, memcpys, syncs) — so GPU time is
 attributed to ops by correlation, never by timestamps. Ops run by the autograd engine take the source
 line of the forward op with the same sequence number.
+
+Each op gets two places: the innermost frame of user code (`file`, `line`), and, when the user's code
+called into an installed library (transformers, timm, torch's own attention modules) and the op was
+issued there, the innermost library frame inside it (`lib_file`, `lib_line`, `lib_function`): the place
+where the pattern is written. See userframes.py for what counts as library code.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from opadvisor.profile.model import (
     Step,
     SyncEvent,
 )
-from opadvisor.profile.userframes import resolve_user_file
+from opadvisor.profile.userframes import LibraryFile, library_site, resolve_user_file
 
 IDLE_GAP_MIN_US = 10.0
 
@@ -71,6 +76,20 @@ class _Frame:
 
 
 @dataclass
+class _Where:
+    """Where the code running now is written: the user's line, and the library's line inside it.
+
+    `frame` is the user function on the stack (its last line seen); `lib` / `lib_frame` the same for the
+    innermost library frame called from it (None when user code is the innermost non-torch code).
+    """
+
+    loc: _Loc
+    frame: _Frame | None = None
+    lib: _Loc | None = None
+    lib_frame: _Frame | None = None
+
+
+@dataclass
 class Extracted:
     ops: list[Op] = field(default_factory=list)
     annotations: list[Annotation] = field(default_factory=list)
@@ -78,6 +97,7 @@ class Extracted:
     memcpys: list[Memcpy] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     user_files: set[str] = field(default_factory=set)
+    library_files: dict[str, LibraryFile] = field(default_factory=dict)  # rel path -> file
     unattributed_kernels: int = 0
 
 
@@ -121,12 +141,20 @@ def _inputs(event: Any) -> tuple[list, list, list]:
 class TreeReader:
     """Walks the event tree once and collects ops, kernels, annotations, syncs and copies."""
 
-    def __init__(self, origin_ns: int, module_paths: dict[int, str], cuda: bool):
+    def __init__(
+        self,
+        origin_ns: int,
+        module_paths: dict[int, str],
+        cuda: bool,
+        module_types: dict[int, str] | None = None,
+    ):
         self.origin_ns = origin_ns
         self.module_paths = module_paths
+        self.module_types = module_types or {}
         self.cuda = cuda
         self.out = Extracted()
         self._by_seq: dict[int, int] = {}  # autograd sequence number -> last forward op id with it
+        self._library_files: dict[str, LibraryFile] = {}  # every library file seen (ops or not)
 
     def us(self, t_ns: int) -> float:
         return (t_ns - self.origin_ns) / 1000.0
@@ -134,76 +162,100 @@ class TreeReader:
     # ---- walk ------------------------------------------------------------------------------------
     def read(self, roots: list[Any]) -> Extracted:
         for root in sorted(roots, key=lambda e: e.start_time_ns):
-            self._visit(root, _Loc(), None, None, None, False, None)
+            self._visit(root, _Where(_Loc()), None, None, False, None)
         return self.out
 
     def _visit(
         self,
         event: Any,
-        loc: _Loc,
-        frame: _Frame | None,
-        module: tuple[str | None, str | None] | None,
+        where: _Where,
+        module: tuple[str | None, str | None, str | None] | None,
         parent_op: int | None,
         backward: bool,
         forward_op: int | None,
     ) -> None:
         tag = _tag(event)
         if tag in ("PyCall", "PyCCall"):
-            self._visit_python(event, tag, loc, frame, module, parent_op, backward, forward_op)
+            self._visit_python(event, tag, where, module, parent_op, backward, forward_op)
         elif tag == "TorchOp":
-            self._visit_torch_op(event, loc, frame, module, parent_op, backward, forward_op)
+            self._visit_torch_op(event, where, module, parent_op, backward, forward_op)
         elif tag == "Kineto":
             self._visit_runtime(event, parent_op)
         else:
             for child in event.children:
-                self._visit(child, loc, frame, module, parent_op, backward, forward_op)
+                self._visit(child, where, module, parent_op, backward, forward_op)
 
-    def _visit_python(self, event, tag, loc, frame, module, parent_op, backward, forward_op) -> None:
+    def _visit_python(self, event, tag, where, module, parent_op, backward, forward_op) -> None:
         fields = event.extra_fields
-        caller = fields.caller
-        caller_file = resolve_user_file(caller.file_name)
-        if frame is not None and caller_file == frame.file:
-            frame.last_line = caller.line_number
-        if caller_file is not None:
-            loc = _Loc(caller_file, caller.line_number, caller.function_name, True)
-        child_frame = frame
+        inner = self._called_from(fields.caller, where)
         if tag == "PyCall":
             info = fields.module
             if info is not None:
-                module = (self.module_paths.get(info.self_ptr), info.cls_name)
-            callsite_file = resolve_user_file(fields.callsite.file_name)
-            if callsite_file is not None:
-                child_frame = _Frame(
-                    callsite_file, fields.callsite.function_name, fields.callsite.line_number
+                module = (
+                    self.module_paths.get(info.self_ptr),
+                    info.cls_name,
+                    self.module_types.get(info.self_ptr),
                 )
-            elif info is None:
-                child_frame = None  # inside library code: ops below take the loc of the call into it
+            self._enter(fields.callsite, info is not None, inner)
         for child in event.children:
-            child_loc = loc
-            if child_frame is not None and child_frame is not frame and _tag(child) == "TorchOp":
-                # An op reached without a Python call on its line (`a @ b`): the last line seen in the frame.
-                child_loc = _Loc(child_frame.file, child_frame.last_line, child_frame.function, False)
-            self._visit(child, child_loc, child_frame, module, parent_op, backward, forward_op)
+            child_where = inner
+            if _tag(child) == "TorchOp":
+                child_where = _ops_in_new_frames(inner, where)
+            self._visit(child, child_where, module, parent_op, backward, forward_op)
 
-    def _visit_torch_op(self, event, loc, frame, module, parent_op, backward, forward_op) -> None:
+    def _called_from(self, caller: Any, where: _Where) -> _Where:
+        """The place of a call made at `caller` (a line in the user's code, a library's, or torch's)."""
+        caller_file = resolve_user_file(caller.file_name)
+        if where.frame is not None and caller_file == where.frame.file:
+            where.frame.last_line = caller.line_number
+        if caller_file is not None:  # user code called: no library frame inside it (yet)
+            loc = _Loc(caller_file, caller.line_number, caller.function_name, True)
+            return _Where(loc, where.frame, None, where.lib_frame)
+        site = library_site(caller.file_name, caller.line_number)
+        if site is None:
+            return _Where(where.loc, where.frame, where.lib, where.lib_frame)
+        self._library_files.setdefault(site.file.rel, site.file)
+        if where.lib_frame is not None and site.file.rel == where.lib_frame.file:
+            where.lib_frame.last_line = caller.line_number
+        lib = _Loc(site.file.rel, caller.line_number, site.function or caller.function_name, True)
+        return _Where(where.loc, where.frame, lib, where.lib_frame)
+
+    def _enter(self, callsite: Any, module_call: bool, inner: _Where) -> None:
+        """Update `inner` for the code of the function being entered (a user's, a library's, torch's)."""
+        callsite_file = resolve_user_file(callsite.file_name)
+        if callsite_file is not None:
+            inner.frame = _Frame(callsite_file, callsite.function_name, callsite.line_number)
+            inner.lib = inner.lib_frame = None
+            return
+        if module_call:
+            return  # nn.Module's call machinery: the frames of the code that called the module stay
+        inner.frame = None  # not user code: ops below take the user's line of the call into it
+        site = library_site(callsite.file_name, callsite.line_number)
+        if site is None:  # torch's own code: ops below take the library's line of the call into it
+            inner.lib_frame = None
+            return
+        self._library_files.setdefault(site.file.rel, site.file)
+        inner.lib_frame = _Frame(site.file.rel, site.function or callsite.function_name, callsite.line_number)
+
+    def _visit_torch_op(self, event, where, module, parent_op, backward, forward_op) -> None:
         name = event.name
         fields = event.extra_fields
         if name.startswith(_ANNOTATION_PREFIX):
             return  # step ranges come from the session's own marks
         scope = str(fields.scope)
         if scope.endswith("USER_SCOPE") or "#" in name and not name.startswith("aten::"):
-            self._add_annotation(event, loc)
+            self._add_annotation(event, where.loc)
             for child in event.children:
-                self._visit(child, loc, frame, module, parent_op, backward, forward_op)
+                self._visit(child, where, module, parent_op, backward, forward_op)
             return
         if name.startswith(_BACKWARD_PREFIX):
             backward = True
             forward_op = self._by_seq.get(fields.sequence_number)
         op_id = parent_op
         if self._keep(event, parent_op, backward):
-            op_id = self._add_op(event, loc, module, parent_op, backward, forward_op)
+            op_id = self._add_op(event, where, module, parent_op, backward, forward_op)
         for child in event.children:
-            self._visit(child, loc, frame, module, op_id, backward, forward_op)
+            self._visit(child, where, module, op_id, backward, forward_op)
 
     def _keep(self, event: Any, parent_op: int | None, backward: bool) -> bool:
         """Keep what rules read: ops called from Python or autograd, GEMMs, and ops that launch work.
@@ -222,7 +274,7 @@ class TreeReader:
     def _launches_device_work(self, event: Any) -> bool:
         return self.cuda and any(_tag(c) == "Kineto" for c in event.children)
 
-    def _add_op(self, event, loc, module, parent_op, backward, forward_op) -> int:
+    def _add_op(self, event, where, module, parent_op, backward, forward_op) -> int:
         fields = event.extra_fields
         shapes, dtypes, scalars = _inputs(event)
         op = Op(
@@ -242,15 +294,26 @@ class TreeReader:
             forward_op=forward_op,
             gpu_time_us=0.0 if self.cuda else None,
         )
+        loc, lib = where.loc, where.lib
         if backward and forward_op is not None:
             src = self.out.ops[forward_op]
             op.file, op.line, op.line_exact, op.function = src.file, src.line, src.line_exact, src.function
-            op.module, op.module_class = src.module, src.module_class
+            op.lib_file, op.lib_line, op.lib_line_exact = src.lib_file, src.lib_line, src.lib_line_exact
+            op.lib_function = src.lib_function
+            op.module, op.module_class, op.module_type = src.module, src.module_class, src.module_type
         elif loc.file is not None:
             op.file, op.line, op.line_exact, op.function = loc.file, loc.line, loc.exact, loc.function
             self.out.user_files.add(loc.file)
+        if lib is not None and not backward:
+            op.lib_file, op.lib_line, op.lib_line_exact, op.lib_function = (
+                lib.file,
+                lib.line,
+                lib.exact,
+                lib.function,
+            )
+            self.out.library_files.setdefault(lib.file, self._library_files[lib.file])
         if module is not None and not backward:
-            op.module, op.module_class = module
+            op.module, op.module_class, op.module_type = module
         if not backward and fields.sequence_number >= 0:
             self._by_seq[fields.sequence_number] = op.id
         self.out.ops.append(op)
@@ -308,6 +371,23 @@ def profiler_step_ranges(roots: list) -> dict[int, tuple[int, int]]:
             found[index] = (event.start_time_ns, event.start_time_ns + event.duration_time_ns)
         stack.extend(event.children)
     return found
+
+
+def _ops_in_new_frames(inner: _Where, outer: _Where) -> _Where:
+    """The place of an op issued directly in a function just entered, without a Python call on its line
+    (`a @ b`): the last line seen in that function, marked inexact."""
+    if (inner.frame is None or inner.frame is outer.frame) and (
+        inner.lib_frame is None or inner.lib_frame is outer.lib_frame
+    ):
+        return inner
+    where = _Where(inner.loc, inner.frame, inner.lib, inner.lib_frame)
+    if inner.frame is not None and inner.frame is not outer.frame:
+        f = inner.frame
+        where.loc = _Loc(f.file, f.last_line, f.function, False)
+    if inner.lib_frame is not None and inner.lib_frame is not outer.lib_frame:
+        f = inner.lib_frame
+        where.lib = _Loc(f.file, f.last_line, f.function, False)
+    return where
 
 
 def assign_steps(extracted: Extracted, marks: list[tuple[float, float]], cuda: bool) -> None:

@@ -33,7 +33,8 @@ Profile
     syncs             [SyncEvent]   host<-device synchronisations (CUDA only)
     memcpys           [Memcpy]      host<->device copies (CUDA only)
     constructions     [Construction]  where the script built its optimizers, DataLoaders and the
-                      nn.Linear / nn.Embedding modules (file:line of the constructor call, settings)
+                      nn.Linear / nn.Embedding modules (file:line of the constructor call, settings), and
+                      the model whose forward it calls (kind "model")
     rank / world_size distributed rank of this profile (0 / 1 for a single process)
     module_calls      [ModuleCall]  every module called inside the window (where from, how often, the
                       activation memory it saved for backward); added with issue 22, [] in older runs
@@ -41,9 +42,16 @@ Profile
                       hooks were active)
     memory_requested  True when the run was profiled with `--memory` (report memory findings whatever
                       the peak)
+    libraries         {package: {"version": str | None, "root": folder holding the package}} of every
+                      installed package whose code ops ran in (see Op.lib_file; {} when none)
+    library_sources   {path within site-packages: sha256 hex} of those library files (as profiled)
+    modules           {module path: qualified class} of the modules the script called
+                      ("bert.encoder.layer.0.attention.self": "transformers.models.bert.modeling_bert.
+                      BertSelfAttention"); the first module called is "" (its submodules by their names)
 
-On disk, op and kernel fields equal to their default are left out, and each kernel's `name` is an index
-into the top-level `kernel_names` list; `load_profile` restores both. Non-finite scalars are strings
+On disk, op and kernel fields equal to their default are left out, each kernel's `name` is an index
+into the top-level `kernel_names` list, and an op's `lib_file`, `lib_function` and `module_type` are
+indices into the top-level `op_strings` list; `load_profile` restores all three. Non-finite scalars are strings
 ("inf", "-inf", "nan"). Read profile.json through `load_profile`, not as raw JSON.
 
 Step (one recorded training step)
@@ -82,7 +90,15 @@ Op (one aten op or autograd node; nested ops point at their parent)
     file, line (1-based, the innermost frame in user code: outside torch and opadvisor), line_exact (False
     when the op was not reached through a Python call on that line, e.g. `a @ b`, and `line` is the last
     known line of that frame), function, module (module path such as "encoder.layers.0.attn"),
-    module_class, parent (id of the enclosing kept op, None at top level), depth (0 = called from Python
+    module_class (its class name), module_type (its qualified class: "transformers.models.bert.
+    modeling_bert.BertSelfAttention"; None when unknown),
+    lib_file, lib_line, lib_line_exact, lib_function: when the user's code called into an installed
+    library and the op was issued there, the innermost library frame inside the user frame: the path within
+    site-packages ("transformers/models/bert/modeling_bert.py"), the 1-based line (lib_line_exact as for
+    `line`) and the function's qualified name ("BertSelfOutput.forward", "eager_attention_forward"); all
+    None when the op was issued by user code (torch's operator layer, e.g. F.softmax, is neither: see
+    opadvisor/profile/userframes.py),
+    parent (id of the enclosing kept op, None at top level), depth (0 = called from Python
     or the autograd engine), seq (autograd sequence number, -1 when none), is_backward, forward_op (for
     backward ops: the id of the forward op with the same sequence number; file/line are copied from it),
     kernels [Kernel] launched by this op itself, gpu_time_us (kernels of this op and its descendants;
@@ -149,6 +165,11 @@ class Op:
     function: str | None = None
     module: str | None = None
     module_class: str | None = None
+    module_type: str | None = None
+    lib_file: str | None = None
+    lib_line: int | None = None
+    lib_line_exact: bool = True
+    lib_function: str | None = None
     parent: int | None = None
     depth: int = 0
     seq: int = -1
@@ -231,6 +252,15 @@ class Construction:
     kind "module": cls "torch.nn.Linear" / "torch.nn.Embedding"; `module` is its path in the model
         (None when never called inside the window); attrs: in_features, out_features, bias (Linear) or
         num_embeddings, embedding_dim, padding_idx (Embedding).
+    kind "model": the top-level module whose forward the script calls (the first module called; unwrapped
+        from torch.compile and DistributedDataParallel), `cls` its qualified class, file/line where the
+        user's script built or loaded it, `module` "" ; attrs: how ("constructor", "from_pretrained",
+        "from_config"), package (the library of its class, None for the user's own), attn_implementation
+        (HuggingFace models: the config's, e.g. "eager" or "sdpa").
+
+    file/line/function are the innermost user frame at the construction; lib_file/lib_line/lib_function
+    the innermost library frame inside it when a library built the object (an nn.Linear built in
+    `BertSelfAttention.__init__` while the user's line ran `BertForMaskedLM(config)`), as for Op.
     """
 
     kind: str
@@ -240,6 +270,9 @@ class Construction:
     function: str | None = None
     module: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    lib_file: str | None = None
+    lib_line: int | None = None
+    lib_function: str | None = None
 
 
 @dataclass
@@ -285,6 +318,9 @@ class Profile:
     memory_requested: bool = False
     module: str | None = None
     import_root: str | None = None
+    libraries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    library_sources: dict[str, str] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
 
     # ---- queries the rules share -------------------------------------------------------------
     @property
@@ -323,6 +359,7 @@ class Profile:
 
 
 _DEFAULTS: dict[type, list[tuple[str, Any]]] = {}
+_INTERNED_OP_FIELDS = ("lib_file", "lib_function", "module_type")  # long strings repeated per op
 _REQUIRED = object()  # equal to no value: required fields are always written
 
 
@@ -355,9 +392,13 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
     template names, repeated every step) are stored once in `kernel_names` and referenced by index."""
     data = dataclasses.asdict(dataclasses.replace(profile, ops=[]))
     names: dict[str, int] = {}
+    strings: dict[str, int] = {}
     ops = []
     for op in profile.ops:
         entry = _without_defaults(op)
+        for key in _INTERNED_OP_FIELDS:
+            if key in entry:
+                entry[key] = strings.setdefault(entry[key], len(strings))
         if op.kernels:
             kernels = []
             for k in op.kernels:
@@ -368,6 +409,8 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         ops.append(entry)
     data["ops"] = ops
     data["kernel_names"] = list(names)
+    if strings:
+        data["op_strings"] = list(strings)
     return data
 
 
@@ -428,6 +471,7 @@ def _build_profile(data: dict[str, Any]) -> Profile:
                 if not 0 <= k.name < len(names):
                     raise _Malformed(f"ops[{i}].kernels[{j}].name {k.name} is not an index into kernel_names")
                 k.name = names[k.name]
+    _restore_op_strings(prof.ops, data.get("op_strings", []))
     prof.annotations = [_build(Annotation, a, f"annotations[{i}]") for i, a in enumerate(prof.annotations)]
     prof.syncs = [_build(SyncEvent, s, f"syncs[{i}]") for i, s in enumerate(prof.syncs)]
     prof.memcpys = [_build(Memcpy, m, f"memcpys[{i}]") for i, m in enumerate(prof.memcpys)]
@@ -436,6 +480,19 @@ def _build_profile(data: dict[str, Any]) -> Profile:
     ]
     prof.module_calls = [_build(ModuleCall, m, f"module_calls[{i}]") for i, m in enumerate(prof.module_calls)]
     return prof
+
+
+def _restore_op_strings(ops: list[Op], strings: Any) -> None:
+    """Ops' interned fields (`lib_file`, `lib_function`, `module_type`) from indices into `op_strings`."""
+    if type(strings) is not list or not all(type(x) is str for x in strings):
+        raise _Malformed("op_strings is not a list of strings")
+    for i, o in enumerate(ops):
+        for key in _INTERNED_OP_FIELDS:
+            value = getattr(o, key)
+            if type(value) is int:
+                if not 0 <= value < len(strings):
+                    raise _Malformed(f"ops[{i}].{key} {value} is not an index into op_strings")
+                setattr(o, key, strings[value])
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
@@ -467,7 +524,10 @@ def _shown(value: Any) -> str:
 # ---- the check of each field's JSON value against its annotation ------------------------------------------
 
 # As on disk, where that differs from the loaded model: a kernel's name is an index into `kernel_names`.
-_ON_DISK: dict[tuple[type, str], Any] = {(Kernel, "name"): int | str}
+_ON_DISK: dict[tuple[type, str], Any] = {
+    (Kernel, "name"): int | str,
+    **{(Op, key): int | str | None for key in _INTERNED_OP_FIELDS},  # indices into `op_strings`
+}
 _CHECKS: dict[type, tuple[dict[str, tuple[Callable[[Any], bool], Any]], list[str]]] = {}
 _SCALARS: dict[Any, tuple[type, ...]] = {
     str: (str,),

@@ -20,9 +20,10 @@ import shutil
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.profile import runs
@@ -31,7 +32,7 @@ from opadvisor.profile.memory import attach_memory
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
 from opadvisor.profile.target import Target
-from opadvisor.profile.userframes import set_search_path
+from opadvisor.profile.userframes import LibraryFile, set_search_path
 
 NO_SCRIPT = "<interactive>"  # the script of a run recorded in a notebook or `python -c` (a Trainer callback)
 
@@ -96,7 +97,7 @@ def build_profile(
     roots = results.experimental_event_tree()
     marks_ns = [(m.start_ns, m.end_ns) for m in recording.steps]
     origin_ns = _profiler_origin(roots, marks_ns)
-    reader = TreeReader(origin_ns, session.module_paths, cuda)
+    reader = TreeReader(origin_ns, session.module_paths, cuda, session.module_types)
     extracted = reader.read(roots)
     marks_us = [
         ((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)
@@ -131,7 +132,35 @@ def build_profile(
         module_calls=module_calls,
         memory_notes=list(session.memory.notes),
         memory_requested=session.config.memory_requested,
+        libraries=_libraries(extracted.library_files.values()),
+        library_sources={
+            lib.rel: h for lib in extracted.library_files.values() if (h := _sha256(lib.path)) is not None
+        },
+        modules=dict(session.modules),
     )
+
+
+def _libraries(files: Iterable[LibraryFile]) -> dict[str, dict[str, Any]]:
+    """{package: {"version", "root"}} of the installed packages these library files belong to."""
+    out: dict[str, dict[str, Any]] = {}
+    for lib in files:
+        if lib.package in out:
+            continue
+        root = lib.path[: len(lib.path) - len(lib.rel)].rstrip("/\\")
+        out[lib.package] = {"version": _package_version(lib.package), "root": root}
+    return dict(sorted(out.items()))
+
+
+def _package_version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        dists = metadata.packages_distributions().get(package) or [package]
+        return metadata.version(dists[0])
+    except (metadata.PackageNotFoundError, ValueError):
+        module = sys.modules.get(package)
+        version = getattr(module, "__version__", None)
+        return str(version) if version is not None else None
 
 
 def _step_marks_in_tree(roots: list, marks_ns: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -4,9 +4,11 @@ One `Session` is active while `opadvisor profile` runs a script. It installs, fo
 - a global optimizer step post hook: each `optimizer.step()` of the first optimizer that steps ends a
   training step (`opadvisor.step()` ends one explicitly and then takes over from the hook);
 - global module forward hooks: NVTX ranges named by module path (readable in Nsight Systems), the map
-  from module objects to their paths, and the time-window fallback for scripts that never step;
+  from module objects to their paths and classes, and the time-window fallback for scripts that never step;
 - wrappers around the constructors of optimizers, DataLoaders, nn.Linear and nn.Embedding that record
-  where the script built them (the fixes go there);
+  where the script built them (the fixes go there), and around nn.Module's that remember where each
+  module was built, so that the model whose forward the script calls is recorded with the line that
+  built or loaded it (`opadvisor apply` inserts `opadvisor.patch(model)` after it);
 - inside the window, per step: CUDA peak memory and the activation memory each module saves for
   backward (`memory.MemoryRecorder`, fed the module stack by the forward hooks), and where each module
   was called from (`modules.ModuleCalls`).
@@ -22,8 +24,10 @@ step events calls `callback_step()`, and the framework, not an exception, decide
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +36,15 @@ from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Construction
 from opadvisor.profile.modules import ModuleCalls
 from opadvisor.profile.quiet import without_usdt_lines
-from opadvisor.profile.userframes import innermost_user_frame
+from opadvisor.profile.userframes import (
+    construction_frame,
+    innermost_library_frame,
+    innermost_user_frame,
+    library_file,
+)
+
+# library functions that build a model from a configuration or a checkpoint (how the script made it)
+LOADERS = ("from_pretrained", "from_config", "_from_config")
 
 
 class WindowComplete(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -97,7 +109,10 @@ class Session:
         self.recording: Recording | None = None
         self.constructions: list[Construction] = []
         self.module_paths: dict[int, str] = {}
+        self.module_types: dict[int, str] = {}  # id(module) -> qualified class
+        self.modules: dict[str, str] = {}  # module path -> qualified class (the profile's `modules`)
         self._modules_by_construction: dict[int, Construction] = {}
+        self._built_at: Any = None  # WeakKeyDictionary: module -> (file, line, function, how)
         self._first_optimizer: int | None = None
         self._explicit = False
         self._profiler: Any = None
@@ -149,6 +164,8 @@ class Session:
         self._wrap_init(torch.utils.data.DataLoader, self._record_dataloader)
         self._wrap_init(torch.nn.Linear, self._record_module)
         self._wrap_init(torch.nn.Embedding, self._record_module)
+        self._built_at = weakref.WeakKeyDictionary()
+        self._wrap_init(torch.nn.Module, self._remember_site)
         _active = self
         if self.config.warmup == 0:
             self._start_window()
@@ -303,10 +320,19 @@ class Session:
     def _register_paths(self, root: Any) -> None:
         """Name every submodule of the first unknown module called: it is the outermost one."""
         self.memory.add_root(root)
+        first = not self.module_paths
         for name, sub in root.named_modules():
             # torch.compile(model) wraps the model: name its modules as the user's model names them
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             self.module_paths.setdefault(id(sub), name)
+            qualified = _qualified(type(sub))
+            self.module_types.setdefault(id(sub), qualified)
+            self.modules.setdefault(name, qualified)
+        if first:
+            try:
+                self._record_model(root)
+            except Exception as exc:  # recording a site must never break the user's script
+                self.warnings.append(f"could not record where the model was built: {exc}")
 
     def _check_time_window(self) -> None:
         if self.config.step_source != "script":
@@ -356,8 +382,42 @@ class Session:
             function=function,
             attrs=attrs,
         )
+        lib = innermost_library_frame()
+        if lib is not None:
+            site, lib_line = lib
+            construction.lib_file, construction.lib_line = site.file.rel, lib_line
+            construction.lib_function = site.function
         self.constructions.append(construction)
         return construction
+
+    def _remember_site(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Every nn.Module: the user's line that built it (the model's site is chosen at its first call)."""
+        if module in self._built_at:
+            return  # nn.Module.__init__ ran again for the same object (a subclass calling it twice)
+        found = construction_frame(module)
+        if found is None:
+            return
+        frame, libraries = found
+        how = next((name.lstrip("_") for name in libraries if name in LOADERS), "constructor")
+        self._built_at[module] = (*frame, how)
+
+    def _record_model(self, root: Any) -> None:
+        """The model whose forward the script calls: where it was built, how, and its library switches."""
+        model = _unwrap(root)
+        site = self._built_at.get(model) if self._built_at is not None else None
+        if site is None:
+            return
+        file, line, function, how = site
+        cls = type(model)
+        lib = library_file(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
+        attrs: dict[str, Any] = {"how": how, "package": lib.package if lib is not None else None}
+        config = getattr(model, "config", None)
+        attn = getattr(config, "_attn_implementation", None)
+        if isinstance(attn, str):
+            attrs["attn_implementation"] = attn
+        self.constructions.append(
+            Construction("model", _qualified(cls), file, line, function, module="", attrs=attrs)
+        )
 
     def _record_optimizer(self, opt: Any, args: tuple, kwargs: dict) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -412,6 +472,22 @@ class Session:
             }
         construction = self._add_construction("module", module, "torch.nn", attrs)
         self._modules_by_construction[id(module)] = construction
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _unwrap(module: Any) -> Any:
+    """The user's model inside torch.compile's and DistributedDataParallel's wrappers."""
+    for _ in range(4):
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and type(module).__name__ in ("DistributedDataParallel", "DataParallel"):
+            inner = getattr(module, "module", None)
+        if inner is None:
+            return module
+        module = inner
+    return module
 
 
 def _compiling() -> bool:

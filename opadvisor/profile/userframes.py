@@ -1,10 +1,21 @@
-"""Which source files are the user's: everything but torch, opadvisor, the standard library and site-packages."""
+"""Which source files are the user's, and which belong to an installed library.
+
+User code is everything but torch, opadvisor, the standard library and site-packages. *Library code* is
+a file of an installed package (site-packages / dist-packages) other than torch and opadvisor, plus the
+few places where torch itself writes a model rather than an operator (`TORCH_MODEL_CODE`:
+nn.MultiheadAttention's forward and `F.multi_head_attention_forward`, nn.Transformer*'s layers). Torch's
+operator layer (`F.softmax`, `nn.Linear.forward`, ...) is neither: an op reached through it belongs to the
+frame that called it, as in the user's case.
+"""
 
 from __future__ import annotations
 
+import ast
 import os
+import site
 import sys
 import sysconfig
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -41,6 +52,8 @@ def set_search_path(dirs: list[str]) -> None:
     global _SEARCH
     _SEARCH = tuple(dict.fromkeys(d or "." for d in dirs))
     resolve_user_file.cache_clear()
+    library_file.cache_clear()
+    library_site.cache_clear()
 
 
 def _locate(file_name: str) -> Path | None:
@@ -91,5 +104,171 @@ def innermost_user_frame(skip: int = 1) -> tuple[str, int, str] | None:
         user = resolve_user_file(frame.f_code.co_filename)
         if user is not None:
             return user, frame.f_lineno, frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+# ---- library code ---------------------------------------------------------------------------------------
+
+# Files of torch that hold model code (attention written out op by op), not operators: a frame there is a
+# library frame. None: every function of the file; else the qualified-name prefixes that count.
+TORCH_MODEL_CODE: dict[str, tuple[str, ...] | None] = {
+    "torch/nn/modules/transformer.py": None,
+    "torch/nn/modules/activation.py": ("MultiheadAttention.",),
+    "torch/nn/functional.py": ("multi_head_attention_forward", "_in_projection_packed", "_in_projection"),
+}
+
+
+@dataclass(frozen=True)
+class LibraryFile:
+    """A source file of an installed package."""
+
+    package: str  # the top-level import name: "transformers"
+    rel: str  # the path within site-packages: "transformers/models/bert/modeling_bert.py"
+    path: str  # absolute
+
+
+@dataclass(frozen=True)
+class LibrarySite:
+    file: LibraryFile
+    function: str | None  # qualified name of the function holding the line: "BertSelfOutput.forward"
+
+
+def _package_roots() -> tuple[str, ...]:
+    """Folders installed packages live in (longest first, so the most specific one wins)."""
+    roots: set[str] = set()
+    for key in ("purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            roots.add(path)
+    try:
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except AttributeError:  # pragma: no cover - virtualenv's old site module
+        pass
+    roots.update(p for p in sys.path if p.rstrip(os.sep).endswith(("site-packages", "dist-packages")))
+    try:
+        import torch
+
+        roots.add(str(Path(torch.__file__).resolve().parent.parent))
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    resolved = {str(Path(r).resolve()) for r in roots if r}
+    return tuple(sorted(resolved, key=len, reverse=True))
+
+
+_PACKAGE_ROOTS: tuple[str, ...] | None = None
+
+
+@lru_cache(maxsize=4096)
+def library_file(file_name: str) -> LibraryFile | None:
+    """The installed package file `file_name` names (as the profiler or a code object gives it), or None for
+    user code, the standard library, opadvisor and files that do not exist. torch's files are included
+    here; `library_site` decides which of their functions count."""
+    global _PACKAGE_ROOTS
+    if not file_name or file_name.startswith("<"):
+        return None
+    path = _locate(file_name)
+    if path is None:
+        return None
+    resolved = str(path.resolve())
+    if _PACKAGE_ROOTS is None:
+        _PACKAGE_ROOTS = _package_roots()
+    own = str(Path(opadvisor.__file__).resolve().parent)
+    if resolved.startswith(own + os.sep):
+        return None
+    for root in _PACKAGE_ROOTS:
+        if resolved.startswith(root + os.sep):
+            rel = Path(resolved[len(root) + 1 :]).as_posix()
+            package = rel.split("/", 1)[0].removesuffix(".py")
+            if package.endswith((".dist-info", ".egg-info")) or package == "__pycache__":
+                return None
+            return LibraryFile(package, rel, resolved)
+    return None
+
+
+@lru_cache(maxsize=64)
+def _function_spans(path: str) -> tuple[tuple[int, int, str], ...]:
+    """(first line, last line, qualified name) of every function in a file; decorators included."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
+        return ()
+    spans: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = (*scope, child.name)
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    spans.append((first, child.end_lineno or child.lineno, ".".join(name)))
+                visit(child, name)
+            else:
+                visit(child, scope)
+
+    visit(tree, ())
+    return tuple(spans)
+
+
+@lru_cache(maxsize=8192)
+def function_qualname(path: str, line: int) -> str | None:
+    """The qualified name of the innermost function of `path` holding `line` ("Cls.method", "f.<locals>"
+    is not added: nested functions read "outer.inner"), None when the line is outside any function."""
+    best: tuple[int, int, str] | None = None
+    for span in _function_spans(path):
+        if span[0] <= line <= span[1] and (best is None or span[0] >= best[0]):
+            best = span
+    return best[2] if best else None
+
+
+@lru_cache(maxsize=16384)
+def library_site(file_name: str, line: int) -> LibrarySite | None:
+    """The library site of a frame at `file_name`:`line`, or None when the frame is not library code."""
+    lib = library_file(file_name)
+    if lib is None:
+        return None
+    function = function_qualname(lib.path, line)
+    if lib.package == "torch":
+        if lib.rel not in TORCH_MODEL_CODE:
+            return None
+        prefixes = TORCH_MODEL_CODE[lib.rel]
+        if prefixes is not None and not (function or "").startswith(prefixes):
+            return None
+    return LibrarySite(lib, function)
+
+
+def innermost_library_frame(skip: int = 1) -> tuple[LibrarySite, int] | None:
+    """(site, line) of the innermost library frame on the current stack that is inside the innermost user
+    frame (a library that the user's code called); None when user code comes first or there is none."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if resolve_user_file(name) is not None:
+            return None
+        found = library_site(name, frame.f_lineno)
+        if found is not None:
+            return found, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def construction_frame(obj: object, skip: int = 1) -> tuple[tuple[str, int, str], list[str]] | None:
+    """Where the user's code built `obj`: (file, line, function) of the innermost user frame outside
+    `obj`'s own `__init__` methods (a user's model class builds itself in its `__init__`; the line that
+    matters is the one that called it), and the names of the library functions between (innermost first:
+    `from_pretrained` tells a checkpoint load). None when no user frame is on the stack."""
+    frame = sys._getframe(skip)
+    libraries: list[str] = []
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_varnames and frame.f_locals.get(code.co_varnames[0]) is obj:
+            frame = frame.f_back
+            continue
+        user = resolve_user_file(code.co_filename)
+        if user is not None:
+            return (user, frame.f_lineno, code.co_name), libraries
+        if library_file(code.co_filename) is not None:
+            libraries.append(code.co_name)
         frame = frame.f_back
     return None

@@ -92,7 +92,12 @@ def test_example_profile_names_exact_lines_and_shapes(bert_run: Path) -> None:
     assert len(prof.steps) == 3 and prof.complete and prof.step_detection == "optimizer_hook"
     assert prof.sources[example]
     kinds = {c.kind for c in prof.constructions}
-    assert kinds == {"module", "optimizer", "dataloader"}
+    assert kinds == {"module", "optimizer", "dataloader", "model"}
+    (model,) = [c for c in prof.constructions if c.kind == "model"]  # the user's own model: its own line
+    build_line = _line_of(ROOT / "examples" / "bert_train.py", "model = BertForMaskedLM(")
+    assert (model.file, model.line, model.attrs["how"]) == (example, build_line, "constructor")
+    assert model.cls.endswith(".BertForMaskedLM") and model.attrs["package"] is None
+    assert not any(o.lib_file for o in prof.ops) and prof.libraries == {}  # all user code
     head = [c for c in prof.constructions if c.module == "lm_head"]
     assert head and head[0].attrs["out_features"] == 30522
     assert (bert_run / "trace.json.gz").stat().st_size > 0

@@ -1,6 +1,14 @@
-"""opadvisor: find where a PyTorch training script loses GPU time, fix it, and prove the fix."""
+"""opadvisor: find where a PyTorch training script loses GPU time, fix it, and prove the fix.
+
+`opadvisor.patch(model)` / `opadvisor.unpatch(model)` (opadvisor/kernels/patch.py) are imported on first
+use: importing opadvisor does not import torch.
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {"patch": "patch", "unpatch": "unpatch", "patch_report": "patch_report"}
 
 
 def step() -> None:
@@ -11,3 +19,16 @@ def step() -> None:
     from opadvisor.profile import session
 
     session.mark_step()
+
+
+def __getattr__(name: str) -> Any:
+    """`opadvisor.patch`, `opadvisor.unpatch`, `opadvisor.patch_report`: opadvisor.kernels.patch's."""
+    if name in _LAZY:
+        from opadvisor.kernels import patch as _patch
+
+        return getattr(_patch, _LAZY[name])
+    raise AttributeError(f"module 'opadvisor' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

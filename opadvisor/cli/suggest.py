@@ -140,7 +140,25 @@ def finding_entry(f) -> dict[str, Any]:
             "notes": f.evidence.notes,
         },
         "details": f.details,
+        "library": _library_entry(f.library),
     }
+
+
+def _library_entry(library: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The finding's library block with its user-code paths shown as `path` is (relative when under cwd)."""
+    if library is None:
+        return None
+    entry = dict(library)
+    for key in ("called_from", "model"):
+        if isinstance(entry.get(key), dict) and entry[key].get("path"):
+            entry[key] = {**entry[key], "path": display_path(entry[key]["path"])}
+    return entry
+
+
+def where(f) -> str:
+    """file:line(-end) as the table shows it: a library file by its path within site-packages."""
+    path = f.library["file"] if f.library else display_path(f.path)
+    return f"{path}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
 
 
 def _round(v: float | None, digits: int = 3) -> float | None:
@@ -244,6 +262,40 @@ def _uri(path: str) -> dict[str, Any]:
     return {"uri": Path(shown).as_posix(), "uriBaseId": "%SRCROOT%"}
 
 
+def _location(path: str, line: int, end_line: int | None = None, text: str | None = None) -> dict[str, Any]:
+    loc: dict[str, Any] = {
+        "physicalLocation": {
+            "artifactLocation": _uri(path),
+            "region": {"startLine": max(1, line), "endLine": max(1, line, end_line or line)},
+        }
+    }
+    if text:
+        loc["message"] = {"text": text}
+    return loc
+
+
+def _fingerprint_path(f) -> str:
+    """A library finding's fingerprint names the file within site-packages (stable across machines)."""
+    return f.library["file"] if f.library else display_path(f.path)
+
+
+def _related_locations(library: dict[str, Any]) -> list[dict[str, Any]]:
+    """A library finding's user-code places: the call into the library, and where the model is built (the
+    primary location is the library's line, where the pattern is written)."""
+    related = []
+    call = library.get("called_from")
+    if call and call.get("path") and call.get("line"):
+        related.append(_location(call["path"], call["line"], text="called from here"))
+    model = library.get("model")
+    if model and model.get("path") and model.get("line") and library["fix"]["kind"] != "none":
+        related.append(
+            _location(model["path"], model["line"], text="the model is built here (the fix goes here)")
+        )
+    for i, loc in enumerate(related):
+        loc["id"] = i
+    return related
+
+
 def sarif_document(report, profiles) -> dict[str, Any]:
     """SARIF 2.1.0: one run, the rules that ran as reportingDescriptors, one result per finding; an
     incomplete run and the rules' notes as tool notifications."""
@@ -279,24 +331,21 @@ def sarif_document(report, profiles) -> dict[str, Any]:
         if f.ranks is not None:
             props["ranks"] = f.ranks
         text = f.message + (f". Fix: {f.advice}" if f.advice else "")
-        results.append(
-            {
-                "ruleId": f.rule,
-                "ruleIndex": index.get(f.rule, 0),
-                "level": level,
-                "message": {"text": text},
-                "locations": [
-                    {
-                        "physicalLocation": {
-                            "artifactLocation": _uri(f.path),
-                            "region": {"startLine": max(1, f.line), "endLine": max(1, f.line, f.end_line)},
-                        }
-                    }
-                ],
-                "partialFingerprints": {"opadvisor/v1": f"{f.rule}:{display_path(f.path)}:{f.line}"},
-                "properties": props,
-            }
-        )
+        result: dict[str, Any] = {
+            "ruleId": f.rule,
+            "ruleIndex": index.get(f.rule, 0),
+            "level": level,
+            "message": {"text": text},
+            "locations": [_location(f.path, f.line, f.end_line)],
+            "partialFingerprints": {"opadvisor/v1": f"{f.rule}:{_fingerprint_path(f)}:{f.line}"},
+            "properties": props,
+        }
+        if f.library is not None:
+            props["library"] = _library_entry(f.library)
+            related = _related_locations(f.library)
+            if related:
+                result["relatedLocations"] = related
+        results.append(result)
     run: dict[str, Any] = {
         "tool": {
             "driver": {
@@ -365,11 +414,11 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         table.add_column("what it found / fix", overflow="fold", ratio=1)
         suffix = f" {run_arg}" if run_arg else ""
         for i, f in enumerate(report.findings, 1):
-            where = f"{display_path(f.path)}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+            at = where(f)
             if f.source_status != "ok":
-                where += f"\n({'file changed' if f.source_status == 'changed' else 'file gone'})"
+                at += f"\n({'file changed' if f.source_status == 'changed' else 'file gone'})"
             if len(profiles) > 1 and f.ranks:
-                where += f"\n{'rank' if len(f.ranks) == 1 else 'ranks'} {', '.join(map(str, f.ranks))}"
+                at += f"\n{'rank' if len(f.ranks) == 1 else 'ranks'} {', '.join(map(str, f.ranks))}"
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             if cmd and f.advice and f.est_saving_ms_per_step == 0:
@@ -379,7 +428,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
                 str(i),
                 time,
                 fmt_ms(f.est_saving_ms_per_step),
-                f"{where}\n{f.rule}",
+                f"{at}\n{f.rule}",
                 f"{f.message}\nfix: {fix}",
             )
         console.print(table)

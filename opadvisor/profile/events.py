@@ -105,6 +105,15 @@ def _tag(event: Any) -> str:
     return type(event.extra_fields).__name__.replace("_ExtraFields_", "")
 
 
+def _text(frame_state: Any, attr: str) -> str | None:
+    """A string field of a profiled Python frame; None when torch hands back undecodable bytes (seen on
+    torch 2.13 for a frame of torch/profiler/_cupti_monitor.py: the name is garbage, not ours to read)."""
+    try:
+        return getattr(frame_state, attr)
+    except UnicodeDecodeError:
+        return None
+
+
 def _dtype_name(dtype: Any) -> str | None:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
@@ -205,37 +214,41 @@ class TreeReader:
 
     def _called_from(self, caller: Any, where: _Where) -> _Where:
         """The place of a call made at `caller` (a line in the user's code, a library's, or torch's)."""
-        caller_file = resolve_user_file(caller.file_name)
+        file_name = _text(caller, "file_name")
+        caller_file = resolve_user_file(file_name) if file_name else None
         if where.frame is not None and caller_file == where.frame.file:
             where.frame.last_line = caller.line_number
         if caller_file is not None:  # user code called: no library frame inside it (yet)
-            loc = _Loc(caller_file, caller.line_number, caller.function_name, True)
+            loc = _Loc(caller_file, caller.line_number, _text(caller, "function_name"), True)
             return _Where(loc, where.frame, None, where.lib_frame)
-        site = library_site(caller.file_name, caller.line_number)
+        site = library_site(file_name, caller.line_number) if file_name else None
         if site is None:
             return _Where(where.loc, where.frame, where.lib, where.lib_frame)
         self._library_files.setdefault(site.file.rel, site.file)
         if where.lib_frame is not None and site.file.rel == where.lib_frame.file:
             where.lib_frame.last_line = caller.line_number
-        lib = _Loc(site.file.rel, caller.line_number, site.function or caller.function_name, True)
+        lib = _Loc(site.file.rel, caller.line_number, site.function or _text(caller, "function_name"), True)
         return _Where(where.loc, where.frame, lib, where.lib_frame)
 
     def _enter(self, callsite: Any, module_call: bool, inner: _Where) -> None:
         """Update `inner` for the code of the function being entered (a user's, a library's, torch's)."""
-        callsite_file = resolve_user_file(callsite.file_name)
+        file_name = _text(callsite, "file_name")
+        callsite_file = resolve_user_file(file_name) if file_name else None
         if callsite_file is not None:
-            inner.frame = _Frame(callsite_file, callsite.function_name, callsite.line_number)
+            function = _text(callsite, "function_name") or "?"
+            inner.frame = _Frame(callsite_file, function, callsite.line_number)
             inner.lib = inner.lib_frame = None
             return
         if module_call:
             return  # nn.Module's call machinery: the frames of the code that called the module stay
         inner.frame = None  # not user code: ops below take the user's line of the call into it
-        site = library_site(callsite.file_name, callsite.line_number)
+        site = library_site(file_name, callsite.line_number) if file_name else None
         if site is None:  # torch's own code: ops below take the library's line of the call into it
             inner.lib_frame = None
             return
         self._library_files.setdefault(site.file.rel, site.file)
-        inner.lib_frame = _Frame(site.file.rel, site.function or callsite.function_name, callsite.line_number)
+        function = site.function or _text(callsite, "function_name") or "?"
+        inner.lib_frame = _Frame(site.file.rel, function, callsite.line_number)
 
     def _visit_torch_op(self, event, where, module, parent_op, backward, forward_op) -> None:
         name = event.name

@@ -346,4 +346,5 @@ def record_run(
         )
     elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
         outcome.status = "no_steps"
+    session.keep_alive.clear()
     return outcome

@@ -128,6 +128,10 @@ class Session:
         self.step_memory: list[StepMemory] = []
         self.module_calls = ModuleCalls()
         self._class_names: dict[type, str] = {}
+        # The profiled script's module, held until its profile is built: torch's Python tracer keeps the
+        # names of the functions it saw without owning their code objects, and when runpy drops the script's
+        # module they go with it; read afterwards they were garbage (seen with torch 2.13).
+        self.keep_alive: list[Any] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -240,6 +244,7 @@ class Session:
             from torch.profiler import _ExperimentalConfig
 
             kwargs["experimental_config"] = _ExperimentalConfig(enable_cuda_sync_events=True)
+        self.keep_alive.append(sys.modules.get("__main__"))
         self._profiler = profile(activities=activities, record_shapes=True, with_stack=True, **kwargs)
         if self.config.cuda:
             torch.cuda.synchronize()

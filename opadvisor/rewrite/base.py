@@ -36,6 +36,10 @@ class Note:
 class RuleCodemod(VisitorBasedCodemodCommand):
     RULE: ClassVar[str] = ""
     SAFETY: ClassVar[str] = "safe"  # "safe" or "unsafe": the safety of the rewrite this codemod makes
+    # True when its rewrite adds to code another rule may have rewritten (inserts a line next to it, adds a
+    # keyword): a target whose lines an earlier rule changed is still passed on (mapped onto the new text)
+    # instead of being refused as "already rewritten".
+    COMPOSES: ClassVar[bool] = False
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
 
     def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:

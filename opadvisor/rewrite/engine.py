@@ -121,9 +121,12 @@ def project_root() -> Path:
 
 
 def codemod_order(rules: Iterable[str]) -> list[str]:
+    """Rules' codemods in ORDER then registry order; the library fixes' codemods last (they insert next to
+    the model's construction, which another rule may have rewritten)."""
     rules = list(dict.fromkeys(rules))
     ordered = [r for r in ORDER if r in rules]
-    return ordered + [r for r in registry.CODEMODS if r in rules and r not in ordered]
+    ordered += [r for r in registry.CODEMODS if r in rules and r not in ordered]
+    return ordered + [r for r in registry.LIBRARY_CODEMODS if r in rules]
 
 
 def location_problem(path: Path, root: Path) -> str | None:
@@ -302,11 +305,12 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         for rule in job.rules:
             targets: list[Target] | None = None
             covered: list[tuple[Target, str]] = []
+            composes = registry.get_codemod(rule).COMPOSES
             if job.targets is not None:
                 targets = []
                 for target in job.targets.get(rule, []):
                     mapped, touched_by = _map_target(target, maps)
-                    if touched_by is not None:
+                    if touched_by is not None and not composes:
                         covered.append((target, touched_by))
                     else:
                         targets.append(mapped)
@@ -513,14 +517,17 @@ def apply_findings(
                     "same lines and is the bigger win"
                 )
                 continue
-        path = Path(f.path).resolve()
+        routed = library_target(f)
+        if routed is None and getattr(f, "library", None) is not None:
+            messages.append(f"{f.library['file']}:{f.line}: {f.rule}: not applied: {f.advice}")
+            continue
+        key, where, target = routed or (f.rule, f.path, Target(f.line, f.end_line, dict(f.details)))
+        path = Path(where).resolve()
         problem = location_problem(path, root)
         if problem is not None:
             refused.append(problem)
             continue
-        by_path.setdefault(path, {}).setdefault(f.rule, []).append(
-            Target(f.line, f.end_line, dict(f.details))
-        )
+        by_path.setdefault(path, {}).setdefault(key, []).append(target)
     if refused and not by_path:
         raise UserError(refused[0] + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""))
     for problem in dict.fromkeys(refused):
@@ -560,6 +567,26 @@ def apply_findings(
         _write(result, run_dir, applied)
         result.written = True
     return result
+
+
+def library_target(f: Any) -> tuple[str, str, Target] | None:
+    """For a finding in library code: (codemod, user file, target) of its fix, which goes into the user's
+    script (after the model's construction, or at the call into the library); None when it has none."""
+    library = getattr(f, "library", None)
+    if not isinstance(library, dict):
+        return None
+    fix = library.get("fix") or {}
+    if fix.get("kind") == "patch":
+        key, site = "library_patch", library.get("model")
+    elif fix.get("kind") == "switch":
+        key = fix.get("name")
+        site = library.get("called_from") if key == "mha_need_weights" else library.get("model")
+    else:
+        return None
+    if key not in registry.LIBRARY_CODEMODS or not site or not site.get("path") or not site.get("line"):
+        return None
+    details = {"rules": [f.rule], "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
+    return key, site["path"], Target(site["line"], site["line"], details)
 
 
 def _rel(path: str, root: Path) -> str:

@@ -21,14 +21,25 @@ CODEMODS: dict[str, str] = {
 }
 
 
+# Fixes for findings in library code (opadvisor/libraries.py), keyed by fix: not rules of their own, they
+# serve the findings of the rules above whose pattern is in an installed package (see rewrite/library.py).
+# In the order apply runs them: each inserts right after the model's line, so the patch ends up last.
+LIBRARY_CODEMODS: dict[str, str] = {
+    "library_patch": "opadvisor.rewrite.library:LibraryPatchCodemod",
+    "hf_attn_implementation": "opadvisor.rewrite.library:HfAttnImplementationCodemod",
+    "mha_need_weights": "opadvisor.rewrite.library:MhaNeedWeightsCodemod",
+}
+
+
 def has_codemod(rule_id: str) -> bool:
     return rule_id in CODEMODS
 
 
 def get_codemod(rule_id: str) -> type[RuleCodemod]:
-    if rule_id not in CODEMODS:
+    spec = CODEMODS.get(rule_id) or LIBRARY_CODEMODS.get(rule_id)
+    if spec is None:
         raise UserError(
             f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do"
         )
-    module_name, _, cls_name = CODEMODS[rule_id].partition(":")
+    module_name, _, cls_name = spec.partition(":")
     return getattr(importlib.import_module(module_name), cls_name)

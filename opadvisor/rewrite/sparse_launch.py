@@ -56,6 +56,9 @@ class CudaGraphsCodemod(RuleCodemod):
 
     RULE: ClassVar[str] = "sparse_launch"
     SAFETY: ClassVar[str] = "unsafe"
+    # it inserts `model = cuda_graphed(model)` before the optimizer's line, which fused_optimizer may have
+    # given `fused=True`: the two compose
+    COMPOSES: ClassVar[bool] = True
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
 
     def visit_Module(self, node: cst.Module) -> bool:

@@ -13,6 +13,10 @@ A rule that holds findings back unless the user asks (the memory rule: it report
 peak is high against the device) sets `ON_REQUEST = True` and takes `detect(profile, requested=...)`: it
 is asked when its id is in `requested` (`suggest --memory`, or the rule named by `apply --rule R`).
 
+Rules run on the profile's pattern view (`_library.pattern_view`): an op issued in an installed library's
+code carries the library's file and line, so a finding names the place where its pattern is written; such
+a finding gets `library` (package, module class, the user's call site, the fix for library code).
+
 Multi-rank runs: every rule runs on every rank; findings at the same rule and lines merge into one, with
 `ranks` listing where they were found and the largest per-step time of any rank (the slowest rank sets
 the step). `source_status` is set per finding by hashing the file now against `profile.sources`.
@@ -27,6 +31,7 @@ from typing import Literal
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Profile
 from opadvisor.rules import registry
+from opadvisor.rules._library import describe_library, pattern_view
 from opadvisor.rules._source import source_status
 from opadvisor.rules.finding import Finding
 
@@ -137,7 +142,8 @@ def analyse(
     report = Report(rules_run=rule_ids)
     per_rank: list[tuple[int, list[Finding]]] = []
     notes: dict[tuple[str, str], Note] = {}
-    for profile in profiles:
+    for user_profile in profiles:
+        profile = pattern_view(user_profile)
         found: list[Finding] = []
         for rid in rule_ids:
             try:
@@ -162,6 +168,7 @@ def analyse(
         for f in found:
             if f.source_status == "ok":
                 f.source_status = source_status(profile, f.path)
+            describe_library(f, profile)
         per_rank.append((profile.rank, found))
     report.findings = sort_findings(_merge(per_rank, multi), sort)
     link_alternatives(report.findings)

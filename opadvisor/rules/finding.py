@@ -41,6 +41,10 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)  # rule-specific facts the codemod may use
     source_status: Literal["ok", "changed", "missing"] = "ok"  # the file now vs. at profile time
     ranks: list[int] | None = None  # multi-rank runs: the ranks where it was found
+    # pattern in an installed library's code (then `path`/`line` are the library file's): the package,
+    # version, path within site-packages, module class, the user's call site, the model's construction
+    # site and the fix for library code (see opadvisor/rules/_library.py); None for the user's own code
+    library: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

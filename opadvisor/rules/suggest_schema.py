@@ -16,6 +16,63 @@ from typing import Any
 
 _NUM_OR_NULL: dict[str, Any] = {"type": ["number", "null"]}
 _LINE: dict[str, Any] = {"type": "integer", "minimum": 1}
+_STR_OR_NULL: dict[str, Any] = {"type": ["string", "null"]}
+_USER_LINE: dict[str, Any] = {  # a place in the user's code
+    "type": ["object", "null"],
+    "required": ["path", "line"],
+    "properties": {"path": {"type": "string"}, "line": _LINE},
+}
+
+# A finding whose pattern is written in an installed library's code (its `path`/`line` are that file's):
+# what the library is, whose code it is, where the user's code reached it, and the fix for library code.
+LIBRARY_SCHEMA: dict[str, Any] = {
+    "type": ["object", "null"],
+    "required": [
+        "package",
+        "version",
+        "file",
+        "line",
+        "end_line",
+        "function",
+        "module_class",
+        "called_from",
+        "model",
+        "fix",
+    ],
+    "properties": {
+        "package": {"type": "string"},  # top-level import name: "transformers", "torch"
+        "version": _STR_OR_NULL,
+        "file": {"type": "string"},  # path within site-packages: "transformers/models/bert/modeling_bert.py"
+        "line": _LINE,
+        "end_line": _LINE,
+        "function": _STR_OR_NULL,  # qualified: "BertSelfOutput.forward", "eager_attention_forward"
+        "module_class": _STR_OR_NULL,  # "transformers.models.bert.modeling_bert.BertSelfAttention"
+        "called_from": _USER_LINE,  # the user's line that called into the library
+        "model": {  # where the script built or loaded the model (a patch is inserted after it)
+            "type": ["object", "null"],
+            "required": ["path", "line", "cls", "how"],
+            "properties": {
+                "path": _STR_OR_NULL,
+                "line": {"type": ["integer", "null"]},
+                "cls": {"type": "string"},
+                "how": _STR_OR_NULL,  # "constructor", "from_pretrained", "from_config"
+                "attn_implementation": _STR_OR_NULL,
+            },
+        },
+        "fix": {
+            "type": "object",
+            "required": ["kind", "name", "safety", "summary", "rules", "advice"],
+            "properties": {
+                "kind": {"enum": ["switch", "patch", "none"]},
+                "name": _STR_OR_NULL,  # opadvisor/libraries.py's fix name
+                "safety": {"enum": ["safe", "unsafe", "none"]},
+                "summary": _STR_OR_NULL,
+                "rules": {"type": "array", "items": {"type": "string"}},
+                "advice": {"type": "string"},
+            },
+        },
+    },
+}
 
 FINDING_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -73,6 +130,7 @@ FINDING_SCHEMA: dict[str, Any] = {
             },
         },
         "details": {"type": "object"},  # rule-specific facts (what `apply` uses)
+        "library": LIBRARY_SCHEMA,  # null for the user's own code
     },
 }
 

@@ -175,8 +175,10 @@ def rule_times(
     findings: list[Any] | None
     try:
         from opadvisor.rules.engine import run_rules
+        from opadvisor.rules.registry import rule_ids
 
-        findings = list(run_rules([profile], select=applied.rules))
+        # the library fixes' codemods (library_patch, ...) are recorded under their own names: not rules
+        findings = list(run_rules([profile], select=[r for r in applied.rules if r in rule_ids()]))
     except (ImportError, UserError) as exc:
         findings = None
         notes.append(f"the rules could not run ({exc}): sites are the lines apply changed")

@@ -1,0 +1,823 @@
+"""`opadvisor.patch(model)` / `opadvisor.unpatch(model)`: fused forwards for modules that live in libraries.
+
+Most models people train are built from an installed package's classes (transformers' BERT and GPT-2,
+`nn.MultiheadAttention`, `nn.TransformerEncoderLayer`), whose source opadvisor must not edit. `patch`
+walks the model and replaces, **per instance**, the forward of each module it recognises with a fused
+equivalent built from `opadvisor.kernels` and PyTorch; `unpatch` puts every original forward back, so a
+model trained fast runs anywhere without opadvisor. The recognised modules and the rules each fix
+answers are listed in `opadvisor/libraries.py` (the same table `opadvisor suggest` reads):
+
+- BERT-family self-attention (transformers' BertSelfAttention and the classes that are BERT's, class for
+  class: RoBERTa, XLM-R, ELECTRA, ...), when the model runs the eager attention: one
+  `F.scaled_dot_product_attention`;
+- BERT-family output blocks (BertSelfOutput / BertOutput): the dense bias, dropout and residual add as one
+  `opadvisor.kernels.bias_dropout_add`, then `F.layer_norm`;
+- GPT-2's attention (eager) as one `scaled_dot_product_attention`, GPT-2's MLP activation (the tanh GELU
+  written op by op) as `F.gelu(x, approximate="tanh")`;
+- `nn.TransformerEncoderLayer` in training (its slow path): each dropout + residual add as one
+  `bias_dropout_add`; `nn.MultiheadAttention` called for weights it is not asked to give back
+  (`need_weights=False`: unsafe, the weights become None);
+- `nn.Linear` whose in/out features are not multiples of 8 (an LM head over a 30522- or 50257-word
+  vocabulary): the GEMM on padded sizes (`opadvisor.kernels.padded_linear`), on CUDA.
+
+How it stays honest:
+
+- Per instance: `types.MethodType` on the module object; never a class, never a global. A teacher and a
+  student in one process are patched (or not) each on its own.
+- Exact undo: `unpatch` restores each instance's `forward` as it was (the class's, or what another tool
+  such as `cuda_graphed` had put there) and drops opadvisor's attribute. Parameters and buffers are never
+  touched: `state_dict` keys and values are identical before, during and after.
+- Checked: the first call of each patched module runs the original forward and the replacement on copies
+  of its inputs with dropout off, and compares the outputs and the gradients (inputs and parameters);
+  where they differ beyond the rounding of the dtype, that module keeps its original forward and a
+  one-line warning says why. The check runs eagerly; under torch.compile or a CUDA-graph capture a
+  module not yet checked runs its original forward (patch before compiling, and run one eager step).
+- The source the replacements were written against is recognised, not assumed: a transformers class is
+  patched only when its forward is, statement for statement, the one opadvisor's replacement reproduces
+  (`_FINGERPRINTS`); a release that changed it is reported by name, never patched blindly.
+- Said out loud: `patch` prints what it patched and what it left, and why (`quiet=True` to silence it;
+  `patch_report(model)` returns it). A model with nothing opadvisor knows gets that message, never a
+  silent nothing.
+
+    import opadvisor
+    model = opadvisor.patch(model)                          # the safe replacements
+    model = opadvisor.patch(model, rules=["sdpa_attention"])  # only what fixes these rules' findings
+    opadvisor.unpatch(model)                                # the original model again
+"""
+
+from __future__ import annotations
+
+import ast
+import copy as copy_module
+import hashlib
+import inspect
+import sys
+import textwrap
+import types
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from opadvisor.libraries import FIXES, LibraryFix, fix_by_name
+
+from . import _backend
+from . import dropout_add as _dropout_add
+from . import linear as _linear
+
+__all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
+
+STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
+REPORT = "_opadvisor_patch_report"
+_MISSING = object()
+
+# Relative tolerance of the first-call check (max |replacement - original| / max |original|, per output
+# and per gradient), by the dtype the module computes in: the rounding of that dtype, with room for a
+# different order of summation (SDPA accumulates differently from matmul -> softmax -> matmul).
+_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+
+# ---- the report ------------------------------------------------------------------------------------------
+@dataclass
+class PatchReport:
+    """What `patch` did to one model: modules patched (path, class, fix) and left (path, class, why)."""
+
+    model: str
+    patched: list[tuple[str, str, str]] = field(default_factory=list)
+    left: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.patched:
+            groups = _grouped((fix, cls) for _, cls, fix in self.patched)
+            paths = _grouped(((fix, cls), path) for path, cls, fix in self.patched)
+            out.append(
+                f"opadvisor.patch: {self.model}: patched {len(self.patched)} modules: "
+                + "; ".join(
+                    f"{_short(cls)} x{n} ({fix}: {_paths(paths[(fix, cls)])})"
+                    for (fix, cls), n in groups.items()
+                )
+            )
+        for (cls, reason), n in _grouped((cls, reason) for _, cls, reason in self.left).items():
+            out.append(f"opadvisor.patch: {self.model}: left {_short(cls)} x{n}: {reason}")
+        if not self.patched and not self.left:
+            out.append(
+                f"opadvisor.patch: nothing to patch in {self.model}: none of its modules is one opadvisor knows "
+                f"({_known()}); the model runs as it was"
+            )
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _grouped(items: Iterable[Any]) -> dict[Any, Any]:
+    """Count equal items (insertion order); for pairs (key, value) collect the values per key instead."""
+    out: dict[Any, Any] = {}
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], tuple):
+            out.setdefault(item[0], []).append(item[1])
+        else:
+            out[item] = out.get(item, 0) + 1
+    return out
+
+
+def _paths(paths: list[str]) -> str:
+    import re
+
+    starred = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", p) or "<model>" for p in paths})
+    return ", ".join(starred[:3]) + (", ..." if len(starred) > 3 else "")
+
+
+def _short(cls: str) -> str:
+    return cls.rsplit(".", 1)[-1]
+
+
+def _known() -> str:
+    return (
+        "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
+        "...), GPT-2's attention and tanh GELU, nn.MultiheadAttention, nn.TransformerEncoderLayer, and "
+        "nn.Linear layers with sizes that are not multiples of 8"
+    )
+
+
+# ---- recognising the source a replacement was written against ------------------------------------------
+class _Normalise(ast.NodeTransformer):
+    """Drop what does not change behaviour (annotations, docstrings) and a class-name prefix."""
+
+    def __init__(self, prefix: str | None) -> None:
+        self.prefix = prefix
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        node.returns = None
+        node.decorator_list = []
+        for arg in [*node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg]:
+            if arg is not None:
+                arg.annotation = None
+        if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            node.body = node.body[1:] or [ast.Pass()]
+        self.generic_visit(node)
+        return node
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> ast.AST:
+        node.annotation = ast.Constant(None)
+        return self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if self.prefix and node.id.startswith(self.prefix):
+            node.id = "Bert" + node.id[len(self.prefix) :]
+        return node
+
+
+def source_fingerprint(function: Callable[..., Any], prefix: str | None = None) -> str | None:
+    """sha256 (16 hex digits) of a function's code as `ast` reads it, without annotations, docstrings,
+    comments and decorators, with class names starting with `prefix` renamed to Bert...; None when its
+    source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    tree = _Normalise(prefix).visit(ast.parse(source))
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+# The forwards the replacements reproduce (transformers 5.17 and 5.23 agree on these).
+_FINGERPRINTS: dict[str, frozenset[str]] = {
+    "BertSelfAttention.forward": frozenset({"d6e9993a5bff1cc1"}),
+    "BertSelfAttention.eager": frozenset({"326ea056ea955706"}),  # modeling_bert.eager_attention_forward
+    "BertOutput.forward": frozenset({"ed513d298e29767a"}),  # BertSelfOutput.forward is the same code
+    "GPT2Attention.forward": frozenset({"f64ca7673812edad"}),
+    "GPT2Attention.eager": frozenset({"3315a8ce884c5e69"}),  # modeling_gpt2.eager_attention_forward
+    "NewGELUActivation.forward": frozenset({"9981d4ae67e11be2"}),
+}
+
+
+# ---- the patchers ----------------------------------------------------------------------------------------
+@dataclass
+class _State:
+    """One patched instance: what its forward was, the original to call, and the first-call check."""
+
+    fix: str
+    path: str
+    prev: Any  # module.__dict__["forward"] before (or _MISSING)
+    original: Callable[..., Any]
+    status: str = "pending"  # "pending" -> "ok" | "failed"
+    attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
+
+
+@dataclass(frozen=True)
+class _Patcher:
+    fix: LibraryFix
+    check: Callable[[nn.Module], str | None]  # why this instance is left alone, or None
+    forward: Callable[..., Any]  # (module, state, *args, **kwargs) -> output
+    main_output: Callable[[Any], torch.Tensor] = lambda out: out  # what the first-call check compares
+
+
+def _original(module: nn.Module) -> Callable[..., Any]:
+    return module.__dict__[STATE].original
+
+
+def _no_hooks(*modules: nn.Module) -> str | None:
+    for m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            return f"its {type(m).__name__} has hooks (the fused forward would skip them)"
+    return None
+
+
+def _types(module: nn.Module, expected: dict[str, type]) -> str | None:
+    for name, cls in expected.items():
+        sub = getattr(module, name, None)
+        if type(sub) is not cls:
+            return f"its {name} is a {type(sub).__name__}, not {cls.__name__} (wrapped or replaced)"
+    return _no_hooks(*(getattr(module, n) for n in expected))
+
+
+def _fingerprint_problem(
+    cls: type, key: str, function: Callable[..., Any] | None, prefix: str | None
+) -> str | None:
+    if function is None:
+        return f"{key} is missing in this transformers"
+    got = source_fingerprint(function, prefix)
+    if got is None or got in _FINGERPRINTS[key]:
+        return None if got is not None else f"the source of {key} cannot be read"
+    version = getattr(sys.modules.get("transformers"), "__version__", "?")
+    return (
+        f"transformers {version} changed {key} (not the code this patch reproduces); "
+        "opadvisor needs an update for it"
+    )
+
+
+def _bert_prefix(cls: type, block: str) -> str:
+    return cls.__name__[: -len(block)]
+
+
+def _hf_eager(module: nn.Module) -> str | None:
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if attn != "eager":
+        return f'already runs attn_implementation="{attn}" (only the eager attention is replaced)'
+    return None
+
+
+# -- BERT-family self-attention --------------------------------------------------------------------------------
+def _check_bert_attention(module: nn.Module) -> str | None:
+    cls = type(module)
+    prefix = _bert_prefix(cls, "SelfAttention")
+    problem = _fingerprint_problem(cls, "BertSelfAttention.forward", cls.forward, prefix)
+    eager = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    problem = problem or _fingerprint_problem(cls, "BertSelfAttention.eager", eager, prefix)
+    return (
+        problem
+        or _hf_eager(module)
+        or _types(module, {"query": nn.Linear, "key": nn.Linear, "value": nn.Linear, "dropout": nn.Dropout})
+    )
+
+
+def _sdpa_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """An additive float mask in the query's dtype (SDPA wants bool or the query's dtype); the eager code
+    added it in whatever dtype it came in. Clamped so that float32's min does not become -inf in float16."""
+    if mask is None or mask.dtype == torch.bool or mask.dtype == like.dtype:
+        return mask
+    return mask.clamp(min=torch.finfo(like.dtype).min).to(like.dtype)
+
+
+def _bert_attention(
+    module: nn.Module, state: _State, hidden_states, attention_mask=None, past_key_values=None, **kwargs
+):
+    if past_key_values is not None:  # a decoder's cache: the original handles it
+        return state.original(hidden_states, attention_mask, past_key_values, **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.attention_head_size)
+    q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
+    k = module.key(hidden_states).view(*hidden_shape).transpose(1, 2)
+    v = module.value(hidden_states).view(*hidden_shape).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=_sdpa_mask(attention_mask, q),
+        dropout_p=module.dropout.p if module.training else 0.0,
+        scale=module.scaling,
+    )
+    return out.transpose(1, 2).reshape(*input_shape, -1).contiguous(), None
+
+
+# -- BERT-family output blocks (BertSelfOutput / BertOutput) -------------------------------------------------------
+def _check_bert_output(module: nn.Module) -> str | None:
+    cls = type(module)
+    block = "SelfOutput" if cls.__name__.endswith("SelfOutput") else "Output"
+    problem = _fingerprint_problem(cls, "BertOutput.forward", cls.forward, _bert_prefix(cls, block))
+    if problem is None and module.dense.bias is None:
+        problem = "its dense layer has no bias"
+    return problem or _types(module, {"dense": nn.Linear, "dropout": nn.Dropout, "LayerNorm": nn.LayerNorm})
+
+
+def _fold_bias(residual: torch.Tensor) -> bool:
+    """Whether bias_dropout_add takes the bias out of the GEMM: only where its fused kernel (or the CPU
+    reference) runs; where it would run the plain chain (small CUDA tensors) the bias stays in the GEMM's
+    epilogue, as in the original, so the chain is not one op longer."""
+    return _dropout_add.bias_dropout_add_backend(residual) != _backend.EAGER
+
+
+def _linear_dropout_add(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, p: float, training: bool):
+    """residual + dropout(linear(x)), the bias added inside the fused kernel where it runs."""
+    from . import bias_dropout_add  # looked up at call time: verify's harness swaps it for a p=0 version
+
+    if _fold_bias(residual):
+        return bias_dropout_add(F.linear(x, linear.weight), linear.bias, residual, p, training)
+    return bias_dropout_add(linear(x), None, residual, p, training)
+
+
+def _bert_output(module: nn.Module, state: _State, hidden_states, input_tensor):
+    h = _linear_dropout_add(module.dense, hidden_states, input_tensor, module.dropout.p, module.training)
+    ln = module.LayerNorm
+    return F.layer_norm(h, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+# -- GPT-2 ---------------------------------------------------------------------------------------------------
+def _check_gpt2_attention(module: nn.Module) -> str | None:
+    cls = type(module)
+    problem = _fingerprint_problem(cls, "GPT2Attention.forward", cls.forward, None)
+    eager = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+    problem = problem or _fingerprint_problem(cls, "GPT2Attention.eager", eager, None)
+    if problem is None and module.reorder_and_upcast_attn:
+        problem = "it upcasts and reorders its attention (reorder_and_upcast_attn): left as written"
+    if problem is None and module.is_cross_attention:
+        problem = "cross-attention: left as written"
+    return (
+        problem
+        or _hf_eager(module)
+        or _types(module, {"attn_dropout": nn.Dropout, "resid_dropout": nn.Dropout})
+    )
+
+
+def _gpt2_attention(
+    module: nn.Module,
+    state: _State,
+    hidden_states,
+    past_key_values=None,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    output_attentions=False,
+    **kwargs,
+):
+    if encoder_hidden_states is not None:
+        return state.original(
+            hidden_states,
+            past_key_values=past_key_values,
+            attention_mask=attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask,
+            output_attentions=output_attentions,
+            **kwargs,
+        )
+    q, k, v = module.c_attn(hidden_states).split(module.split_size, dim=2)
+    shape = (*k.shape[:-1], -1, module.head_dim)
+    q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+    if (
+        past_key_values is not None
+    ):  # GPT2Model passes a cache in training too (use_cache): fill it as the original
+        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+        k, v = cache.update(k, v, module.layer_idx)
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=_sdpa_mask(attention_mask, q),
+        dropout_p=module.attn_dropout.p if module.training else 0.0,
+        scale=module.scaling,
+    )
+    out = out.transpose(1, 2)
+    out = out.reshape(*out.shape[:-2], -1).contiguous()
+    return module.resid_dropout(module.c_proj(out)), None
+
+
+def _check_gelu(module: nn.Module) -> str | None:
+    return _fingerprint_problem(type(module), "NewGELUActivation.forward", type(module).forward, None)
+
+
+def _gelu_tanh(module: nn.Module, state: _State, input):
+    return F.gelu(input, approximate="tanh")
+
+
+# -- torch.nn ------------------------------------------------------------------------------------------------
+_MHA_PARAMS = ("self", "query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+_ENCODER_PARAMS = ("self", "src", "src_mask", "src_key_padding_mask", "is_causal")
+
+
+def _signature_problem(function: Callable[..., Any], expected: Sequence[str], what: str) -> str | None:
+    params = tuple(inspect.signature(function).parameters)
+    if params[: len(expected)] != tuple(expected):
+        return (
+            f"torch {torch.__version__} changed {what}'s signature to {params} (expected {tuple(expected)})"
+        )
+    return None
+
+
+def _check_mha(module: nn.Module) -> str | None:
+    return _signature_problem(type(module).forward, _MHA_PARAMS, "MultiheadAttention.forward")
+
+
+def _mha_weights_off(
+    module: nn.Module,
+    state: _State,
+    query,
+    key,
+    value,
+    key_padding_mask=None,
+    need_weights=True,
+    attn_mask=None,
+    average_attn_weights=True,
+    is_causal=False,
+):
+    out = state.original(
+        query,
+        key,
+        value,
+        key_padding_mask=key_padding_mask,
+        need_weights=False,
+        attn_mask=attn_mask,
+        average_attn_weights=average_attn_weights,
+        is_causal=is_causal,
+    )
+    return out[0], None
+
+
+def _check_encoder_layer(module: nn.Module) -> str | None:
+    problem = _signature_problem(type(module).forward, _ENCODER_PARAMS, "TransformerEncoderLayer.forward")
+    expected = {
+        "linear1": nn.Linear,
+        "linear2": nn.Linear,
+        "dropout": nn.Dropout,
+        "dropout1": nn.Dropout,
+        "dropout2": nn.Dropout,
+    }
+    if problem is None and module.linear2.bias is None:
+        problem = "its linear2 has no bias"
+    return problem or _types(module, expected)
+
+
+def _encoder_layer(
+    module: nn.Module, state: _State, src, src_mask=None, src_key_padding_mask=None, is_causal=False
+):
+    if not module.training:  # evaluation may take torch's fused fast path: the original decides
+        return state.original(src, src_mask, src_key_padding_mask, is_causal)
+
+    def attention(x: torch.Tensor) -> torch.Tensor:
+        return module.self_attn(
+            x,
+            x,
+            x,
+            attn_mask=src_mask,
+            key_padding_mask=src_key_padding_mask,
+            need_weights=False,
+            is_causal=is_causal,
+        )[0]
+
+    def feed_forward(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = module.dropout(module.activation(module.linear1(x)))
+        return _linear_dropout_add(module.linear2, h, residual, module.dropout2.p, True)
+
+    from . import bias_dropout_add
+
+    x = src
+    if module.norm_first:
+        x = bias_dropout_add(attention(module.norm1(x)), None, x, module.dropout1.p, True)
+        return feed_forward(module.norm2(x), x)
+    x = module.norm1(bias_dropout_add(attention(x), None, x, module.dropout1.p, True))
+    return module.norm2(feed_forward(x, x))
+
+
+def _check_linear(module: nn.Module) -> str | None:
+    if type(module) is not nn.Linear:
+        return "a subclass of nn.Linear (wrapped or replaced)"
+    if module.in_features % 8 == 0 and module.out_features % 8 == 0:
+        return "aligned"  # nothing to gain: not reported
+    return _no_hooks(module)
+
+
+def _padded_linear(module: nn.Module, state: _State, input):
+    if not _linear.should_pad(input):
+        return F.linear(input, module.weight, module.bias)
+    from . import padded_linear
+
+    return padded_linear(input, module.weight, module.bias)
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0]
+
+
+_PATCHERS: tuple[_Patcher, ...] = (
+    _Patcher(fix_by_name("hf_bert_self_attention"), _check_bert_attention, _bert_attention, _first),
+    _Patcher(fix_by_name("hf_bert_output"), _check_bert_output, _bert_output),
+    _Patcher(fix_by_name("hf_gpt2_attention"), _check_gpt2_attention, _gpt2_attention, _first),
+    _Patcher(fix_by_name("hf_gelu_tanh"), _check_gelu, _gelu_tanh),
+    _Patcher(fix_by_name("transformer_encoder_layer"), _check_encoder_layer, _encoder_layer),
+    _Patcher(fix_by_name("mha_weights_off"), _check_mha, _mha_weights_off, _first),
+    _Patcher(fix_by_name("padded_linear"), _check_linear, _padded_linear),
+)
+assert {p.fix.name for p in _PATCHERS} == {f.name for f in FIXES if f.kind == "patch"}
+
+# Library classes whose name says they are a model block: an unrecognised one is reported by name.
+_BLOCK_WORDS = ("Attention", "MLP", "SelfOutput", "FeedForward", "EncoderLayer", "DecoderLayer")
+
+
+# ---- patch / unpatch -------------------------------------------------------------------------------------------
+def patch(
+    model: nn.Module,
+    rules: Sequence[str] | None = None,
+    *,
+    unsafe: bool = False,
+    check: bool = True,
+    quiet: bool = False,
+) -> nn.Module:
+    """Replace, per instance, the forward of every module of `model` opadvisor recognises with a fused
+    equivalent (see the module docstring); returns `model` itself.
+
+    rules: only the replacements that fix these rules' findings (`sdpa_attention`, `fused_softmax`,
+        `fused_dropout_add`, `gemm_align`, ...) or these fix names (opadvisor/libraries.py); None: all.
+    unsafe: also the replacements labelled unsafe (they change what a caller can observe).
+    check: compare each replacement with the original on its first call (False: trust it).
+    quiet: do not print the report (`patch_report(model)` returns it either way).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"opadvisor.patch expects a torch.nn.Module, got {type(model).__name__}")
+    patchers = _selected(rules, unsafe)
+    report = PatchReport(type(model).__name__)
+    for path, module in model.named_modules():
+        _patch_one(module, path, patchers, check, report, rules is not None or unsafe)
+    _drop_known_containers(report)
+    model.__dict__[REPORT] = report
+    if not quiet:
+        print(str(report), file=sys.stderr)
+    return model
+
+
+def _drop_known_containers(report: PatchReport) -> None:
+    """An unknown block whose parts opadvisor knows (BertAttention holding BertSelfAttention and
+    BertSelfOutput, GPT2MLP holding its activation) is a container, not an unknown architecture."""
+    known = [path for path, _, _ in report.patched] + [
+        path for path, _, reason in report.left if not reason.startswith("unknown architecture")
+    ]
+
+    def inside(path: str, other: str) -> bool:
+        return other.startswith(path + ".") if path else bool(other)
+
+    report.left = [
+        entry
+        for entry in report.left
+        if not (entry[2].startswith("unknown architecture") and any(inside(entry[0], k) for k in known))
+    ]
+
+
+def _selected(rules: Sequence[str] | None, unsafe: bool) -> list[_Patcher]:
+    if isinstance(rules, str):
+        rules = [rules]
+    if rules is not None:
+        known = {r for p in _PATCHERS for r in p.fix.rules} | {p.fix.name for p in _PATCHERS}
+        unknown = [r for r in rules if r not in known]
+        if unknown:
+            raise ValueError(
+                f"opadvisor.patch: unknown rule(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+    chosen = []
+    for p in _PATCHERS:
+        if rules is not None and p.fix.name not in rules and not set(p.fix.rules) & set(rules):
+            continue
+        if p.fix.safety == "unsafe" and not unsafe:
+            continue
+        chosen.append(p)
+    return chosen
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _patch_one(
+    module: nn.Module, path: str, patchers: list[_Patcher], check: bool, report: PatchReport, asked: bool
+) -> None:
+    qualified = _qualified(type(module))
+    candidates = [p for p in _PATCHERS if qualified in p.fix.classes]
+    if STATE in module.__dict__:
+        report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
+        return
+    usable = [p for p in candidates if p in patchers]
+    for patcher in usable:
+        reason = patcher.check(module)
+        if reason is None:
+            _install(module, path, patcher, check)
+            report.patched.append((path, qualified, patcher.fix.name))
+            return
+        if reason != "aligned":
+            report.left.append((path, qualified, reason))
+            return
+    if candidates and not usable and asked:
+        names = ", ".join(p.fix.name for p in candidates)
+        report.left.append(
+            (path, qualified, f"not selected ({names}: by rules, or unsafe without unsafe=True)")
+        )
+    elif not candidates and _looks_like_a_block(module):
+        report.left.append((path, qualified, f"unknown architecture: opadvisor has no patch for {qualified}"))
+
+
+def _looks_like_a_block(module: nn.Module) -> bool:
+    cls = type(module)
+    package = cls.__module__.split(".", 1)[0]
+    return package not in ("torch", "__main__") and cls.__name__.endswith(_BLOCK_WORDS) and _is_library(cls)
+
+
+def _is_library(cls: type) -> bool:
+    from opadvisor.profile.userframes import library_file
+
+    source = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return bool(source) and library_file(source) is not None
+
+
+def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool) -> None:
+    state = _State(patcher.fix.name, path, module.__dict__.get("forward", _MISSING), module.forward)
+    state.status = "pending" if check else "ok"
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _call(self, state, patcher, args, kwargs)
+
+    module.__dict__[STATE] = state
+    module.forward = types.MethodType(forward, module)
+
+
+def _restore(module: nn.Module) -> None:
+    state: _State = module.__dict__.pop(STATE)
+    if state.prev is _MISSING:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = state.prev
+    for name, value in state.attrs.items():
+        setattr(module, name, value)
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo `patch` on every module of `model`: each original forward back, exactly; returns `model`."""
+    for module in model.modules():
+        if STATE in module.__dict__:
+            _restore(module)
+    model.__dict__.pop(REPORT, None)
+    return model
+
+
+def patch_report(model: nn.Module) -> PatchReport | None:
+    """What the last `patch(model)` did (None when it was never patched, or was unpatched since)."""
+    return model.__dict__.get(REPORT)
+
+
+# ---- calling a patched module, and the first-call check ----------------------------------------------------
+def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwargs: dict) -> Any:
+    if state.status == "pending":
+        if torch.compiler.is_compiling() or _backend.cuda_graph_capturing():
+            return state.original(*args, **kwargs)  # the check runs eagerly, at a later call
+        problem = _first_call_check(module, state, patcher, args, kwargs)
+        if problem is not None:
+            warnings.warn(
+                f"opadvisor.patch: {state.path or '<model>'} ({type(module).__name__}) keeps its original forward: "
+                f"the {state.fix} replacement {problem}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            original = state.original
+            _restore(module)
+            return original(*args, **kwargs)
+        state.status = "ok"
+    return patcher.forward(module, state, *args, **kwargs)
+
+
+def _first_call_check(
+    module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwargs: dict
+) -> str | None:
+    """None when the replacement gives the original's outputs and gradients (dropout off), else why not."""
+    saved = _dropout_off(module)
+    try:
+        with torch.enable_grad():
+            ref_args, ref_kwargs, ref_leaves = _copies(args, kwargs)
+            ref = patcher.main_output(state.original(*ref_args, **ref_kwargs))
+            new_args, new_kwargs, new_leaves = _copies(args, kwargs)
+            new = patcher.main_output(patcher.forward(module, state, *new_args, **new_kwargs))
+            problem = _compare("output", ref, new)
+            if problem is None and ref.requires_grad and new.requires_grad:
+                problem = _compare_grads(module, ref, new, ref_leaves, new_leaves)
+    except Exception as exc:  # noqa: BLE001 - a replacement that fails must fall back, not break the step
+        return f"failed on the first call ({type(exc).__name__}: {exc})"
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+    return problem
+
+
+def _dropout_off(module: nn.Module) -> list[tuple[Any, str, Any]]:
+    """Set every dropout probability under `module` to 0 (nn.Dropout's p, MultiheadAttention's dropout);
+    returns what to put back. Training flags stay: the replacement must take the path it takes in training."""
+    saved = []
+    for m in module.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            saved.append((m, "p", m.p))
+            m.p = 0.0
+        elif isinstance(m, nn.MultiheadAttention):
+            saved.append((m, "dropout", m.dropout))
+            m.dropout = 0.0
+    return saved
+
+
+def _copies(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Detached copies of the tensor arguments; those that required grad become leaves that do."""
+    leaves: list[torch.Tensor] = []
+
+    def copy(value: Any) -> Any:
+        if type(value).__name__.endswith("Cache"):  # a transformers KV cache: each run fills its own copy
+            return _copy_cache(value)
+        if not isinstance(value, torch.Tensor):
+            return value
+        out = value.detach().clone()
+        if value.requires_grad and out.is_floating_point():
+            out.requires_grad_(True)
+            leaves.append(out)
+        return out
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}, leaves
+
+
+def _copy_cache(value: Any, depth: int = 0) -> Any:
+    """A copy of a KV cache object whose updates leave the original alone: the objects are copied, their
+    tensors cloned (clones stay in the autograd graph; deepcopy refuses non-leaf tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, list):
+        return [_copy_cache(v, depth + 1) for v in value]
+    if isinstance(value, dict):
+        return {k: _copy_cache(v, depth + 1) for k, v in value.items()}
+    if depth > 4 or not hasattr(value, "__dict__") or isinstance(value, (type, types.ModuleType, nn.Module)):
+        return value
+    out = copy_module.copy(value)
+    for name, attr in vars(value).items():
+        if isinstance(attr, (torch.Tensor, list, dict)) or hasattr(attr, "__dict__"):
+            setattr(out, name, _copy_cache(attr, depth + 1))
+    return out
+
+
+def _tolerance(t: torch.Tensor) -> float:
+    tol = _TOLERANCE.get(t.dtype, 1e-3)
+    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        tol = 1e-2  # TF32 products round to 10 bits
+    return tol
+
+
+def _compare(
+    what: str, ref: torch.Tensor, new: torch.Tensor, tol_of: torch.Tensor | None = None, floor: float = 0.0
+) -> str | None:
+    """None when `new` is `ref` up to the rounding of the compute dtype: max |new - ref| within the
+    tolerance times the larger of ref's own scale and `floor` (the scale of the gradients around it: a
+    gradient that is zero in exact arithmetic, such as softmax's with respect to a key bias, is noise)."""
+    if ref.shape != new.shape:
+        return f"gives a different {what} shape ({tuple(new.shape)} vs {tuple(ref.shape)})"
+    ref32, new32 = ref.detach().float(), new.detach().float()
+    if not bool(torch.isfinite(new32).eq(torch.isfinite(ref32)).all()):
+        return f"gives non-finite values where the original does not ({what})"
+    finite = torch.isfinite(ref32)
+    if not bool(finite.any()):
+        return None
+    scale = max(ref32[finite].abs().max().item(), floor, 1e-12)
+    err = (new32 - ref32)[finite].abs().max().item()
+    tol = _tolerance(tol_of if tol_of is not None else ref)
+    if err > tol * scale:
+        return (
+            f"differs from it: {what} max |difference| {err:.3g}, {err / scale:.2g} of its scale "
+            f"(tolerance {tol:g})"
+        )
+    return None
+
+
+def _compare_grads(
+    module: nn.Module, ref: torch.Tensor, new: torch.Tensor, ref_leaves: list, new_leaves: list
+) -> str | None:
+    generator = torch.Generator(device=ref.device).manual_seed(0)  # leaves the global RNG alone
+    upstream = torch.randn(ref.shape, generator=generator, device=ref.device, dtype=torch.float32).to(
+        ref.dtype
+    )
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = [f"input {i}" for i in range(len(ref_leaves))]
+    names += [n for n, p in module.named_parameters() if p.requires_grad]
+    got_ref = torch.autograd.grad(ref, [*ref_leaves, *params], upstream, allow_unused=True)
+    got_new = torch.autograd.grad(new, [*new_leaves, *params], upstream, allow_unused=True)
+    scales = [g.detach().abs().max().item() for g in got_ref if g is not None and g.numel()]
+    floor = 1e-3 * max(scales, default=0.0)
+    for name, a, b in zip(names, got_ref, got_new, strict=True):
+        if a is None and b is None:
+            continue
+        a = torch.zeros_like(b) if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        problem = _compare(f"gradient of {name}", a, b, tol_of=ref, floor=floor)
+        if problem is not None:
+            return problem
+    return None

@@ -1,0 +1,173 @@
+"""What opadvisor can do about code that lives in an installed library: the fixes, by module class.
+
+Plain data, importable without torch: `suggest` reads it to say whether a finding in library code has a
+fix, `apply` to write it, and `opadvisor.kernels.patch` (the runtime side) to know which modules it may
+swap. Two kinds of fix:
+
+- a *switch* the library already has, written by `opadvisor apply` into the user's code: HuggingFace's
+  `attn_implementation="sdpa"` where the model is built or loaded, `need_weights=False` at a call of an
+  `nn.MultiheadAttention` whose weights the caller drops;
+- a *patch*: `opadvisor.patch(model)` swaps, per module instance, the forward of a recognised module for
+  a fused equivalent (opadvisor.kernels and PyTorch), checked against the original on its first call;
+  `opadvisor apply` inserts `model = opadvisor.patch(model, rules=[...])` after the line that built the
+  model.
+
+Each fix names the module classes whose code holds the pattern (qualified: `transformers.models.bert.
+modeling_bert.BertSelfAttention`), the rules whose findings it fixes, and its safety, as every fix does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["FIXES", "LibraryFix", "bert_family_classes", "fix_by_name", "fixes_for"]
+
+# HuggingFace families whose attention and output blocks are BERT's, class for class (checked against the
+# installed transformers by the patch at run time, and by tests/kernels/test_patch_hf.py): module name
+# under transformers.models, module file, class-name prefix, and which of the blocks match.
+_BERT_FAMILY: tuple[tuple[str, str, str, bool], ...] = (
+    # (package, module, prefix, output blocks match too)
+    ("bert", "modeling_bert", "Bert", True),
+    ("roberta", "modeling_roberta", "Roberta", True),
+    ("camembert", "modeling_camembert", "Camembert", True),
+    ("xlm_roberta", "modeling_xlm_roberta", "XLMRoberta", True),
+    ("electra", "modeling_electra", "Electra", True),
+    ("data2vec", "modeling_data2vec_text", "Data2VecText", True),
+    ("bert_generation", "modeling_bert_generation", "BertGeneration", True),
+    ("roc_bert", "modeling_roc_bert", "RoCBert", True),
+    ("ernie", "modeling_ernie", "Ernie", True),
+    ("xlm_roberta_xl", "modeling_xlm_roberta_xl", "XLMRobertaXL", False),
+    ("roberta_prelayernorm", "modeling_roberta_prelayernorm", "RobertaPreLayerNorm", False),
+)
+
+
+def bert_family_classes(block: Literal["SelfAttention", "SelfOutput", "Output"]) -> tuple[str, ...]:
+    """Qualified names of the BERT-family classes of one block ("SelfOutput": the attention's output)."""
+    out = []
+    for package, module, prefix, outputs in _BERT_FAMILY:
+        if block != "SelfAttention" and not outputs:
+            continue
+        out.append(f"transformers.models.{package}.{module}.{prefix}{block}")
+    return tuple(out)
+
+
+HF_ATTENTION_CLASSES = (
+    *bert_family_classes("SelfAttention"),
+    "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
+)
+MHA = "torch.nn.modules.activation.MultiheadAttention"
+ENCODER_LAYER = "torch.nn.modules.transformer.TransformerEncoderLayer"
+LINEAR = "torch.nn.modules.linear.Linear"
+ATTENTION_RULES = ("sdpa_attention", "fused_softmax")
+
+
+@dataclass(frozen=True)
+class LibraryFix:
+    """One fix for library code (see the module docstring)."""
+
+    name: str
+    kind: Literal["patch", "switch"]
+    classes: tuple[str, ...]  # module classes whose code holds the pattern
+    rules: tuple[str, ...]  # rules whose findings it fixes
+    safety: Literal["safe", "unsafe"]
+    summary: str  # what it does, in words
+    where: Literal["model", "call"] = "model"  # where apply writes it: after the model is built, at the call
+
+
+FIXES: tuple[LibraryFix, ...] = (
+    LibraryFix(
+        "hf_attn_implementation",
+        "switch",
+        HF_ATTENTION_CLASSES,
+        ATTENTION_RULES,
+        "safe",
+        'attn_implementation="sdpa" where the model is built: transformers\' own fused attention '
+        "(torch's scaled_dot_product_attention)",
+    ),
+    LibraryFix(
+        "mha_need_weights",
+        "switch",
+        (MHA,),
+        ATTENTION_RULES,
+        "safe",
+        "need_weights=False at the call: the caller drops the attention weights, and without them "
+        "nn.MultiheadAttention runs scaled_dot_product_attention",
+        where="call",
+    ),
+    LibraryFix(
+        "hf_bert_self_attention",
+        "patch",
+        bert_family_classes("SelfAttention"),
+        ATTENTION_RULES,
+        "safe",
+        "the eager attention (matmul, scale, + mask, softmax, dropout, matmul) as one "
+        "scaled_dot_product_attention call",
+    ),
+    LibraryFix(
+        "hf_bert_output",
+        "patch",
+        (*bert_family_classes("SelfOutput"), *bert_family_classes("Output")),
+        ("fused_dropout_add",),
+        "safe",
+        "dense bias + dropout + residual add as one opadvisor.kernels.bias_dropout_add, then F.layer_norm",
+    ),
+    LibraryFix(
+        "hf_gpt2_attention",
+        "patch",
+        ("transformers.models.gpt2.modeling_gpt2.GPT2Attention",),
+        ATTENTION_RULES,
+        "safe",
+        "GPT-2's eager attention as one causal scaled_dot_product_attention call",
+    ),
+    LibraryFix(
+        "hf_gelu_tanh",
+        "patch",
+        ("transformers.activations.NewGELUActivation",),
+        ("gelu_tanh", "hot_region"),
+        "safe",
+        'the tanh GELU written op by op (GPT-2\'s MLP) as F.gelu(x, approximate="tanh"): one kernel',
+    ),
+    LibraryFix(
+        "mha_weights_off",
+        "patch",
+        (MHA,),
+        ATTENTION_RULES,
+        "unsafe",
+        "nn.MultiheadAttention called with need_weights=False (scaled_dot_product_attention inside); "
+        "unsafe: the weights it returns become None",
+    ),
+    LibraryFix(
+        "transformer_encoder_layer",
+        "patch",
+        (ENCODER_LAYER,),
+        ("fused_dropout_add",),
+        "safe",
+        "nn.TransformerEncoderLayer's training path with each dropout + residual add (and the second "
+        "linear's bias) as one opadvisor.kernels.bias_dropout_add",
+    ),
+    LibraryFix(
+        "padded_linear",
+        "patch",
+        (LINEAR,),
+        ("gemm_align",),
+        "safe",
+        "an nn.Linear whose in/out features are not multiples of 8 computed on padded sizes "
+        "(opadvisor.kernels.padded_linear; the same function, on CUDA)",
+    ),
+)
+
+
+def fixes_for(module_class: str | None, rule: str) -> list[LibraryFix]:
+    """The fixes for a finding of `rule` in the code of `module_class`, switches first."""
+    if module_class is None:
+        return []
+    found = [f for f in FIXES if module_class in f.classes and rule in f.rules]
+    return sorted(found, key=lambda f: f.kind != "switch")
+
+
+def fix_by_name(name: str) -> LibraryFix:
+    for fix in FIXES:
+        if fix.name == name:
+            return fix
+    raise KeyError(name)

@@ -1,0 +1,379 @@
+"""Codemods for findings in library code: what `opadvisor apply` writes into the user's script when the
+pattern lives in an installed package (transformers, torch.nn's attention layers) it must not edit.
+
+The finding (`Finding.library`, opadvisor/rules/_library.py) names the fix (opadvisor/libraries.py) and
+the user's line it goes to; the engine targets that line:
+
+- `LibraryPatchCodemod` ("library_patch"): after the statement that builds or loads the model
+  (`model = BertForMaskedLM(config)`, `model = AutoModel.from_pretrained(...)`), inserts
+  `model = opadvisor.patch(model, rules=[...])` with `import opadvisor`; a construction that is not a plain
+  assignment (`return Model(...)`, `train(Model(...))`) gets its call wrapped instead:
+  `opadvisor.patch(Model(...), rules=[...])`. Idempotent: an existing `opadvisor.patch(...)` of that model
+  gets the missing rules added, nothing else. Safety: the patch's own (`unsafe=True` is written for an
+  unsafe one).
+- `HfAttnImplementationCodemod` ("hf_attn_implementation"): transformers' own switch for its fused
+  attention. `X.from_pretrained(...)` / `X.from_config(...)` get `attn_implementation="sdpa"` (an
+  explicit "eager" literal is changed); a model built by its constructor gets
+  `model.set_attn_implementation("sdpa")` on the next line. Refused with the reason: a computed value
+  (`attn_implementation=args.attn`), `**kwargs` that may set it. Safe: the same function (transformers'
+  SDPA path), dropout drawing its own masks.
+- `MhaNeedWeightsCodemod` ("mha_need_weights"): at the user's call of an `nn.MultiheadAttention` whose
+  weights are dropped (`out, _ = self.attn(q, k, v)`, `self.attn(q, k, v)[0]`), adds
+  `need_weights=False` (an explicit `need_weights=True` becomes False), so torch runs
+  `scaled_dot_product_attention` instead of materialising the weights. Refused where the weights are kept
+  (`out, w = ...`). Safe: the output is the same function.
+
+All three compose with the rules' own rewrites of the same lines (`COMPOSES`): they insert after a line or
+add a keyword, and a line another rule rewrote (`fused=True` on an optimizer) still takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.metadata import PositionProvider, QualifiedNameProvider
+
+from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
+from opadvisor.rewrite._match import code, qualified
+from opadvisor.rewrite.base import RuleCodemod, Target
+
+PATCH_NAMES = frozenset({"opadvisor.patch", "opadvisor.kernels.patch.patch"})
+LOADERS = ("from_pretrained", "from_config", "_from_config")
+
+
+def _rules_of(targets: Sequence[Target]) -> list[str]:
+    """The rules the targets ask the patch for, in a stable order."""
+    rules: list[str] = []
+    for t in targets:
+        for r in t.details.get("rules", []):
+            if r not in rules:
+                rules.append(r)
+    return sorted(rules)
+
+
+def _string_list(values: Sequence[str]) -> cst.List:
+    elements = [
+        cst.Element(
+            cst.SimpleString(f'"{v}"'),
+            comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+            if i < len(values) - 1
+            else cst.MaybeSentinel.DEFAULT,
+        )
+        for i, v in enumerate(values)
+    ]
+    return cst.List(elements)
+
+
+def _listed_strings(node: cst.BaseExpression) -> list[str] | None:
+    if not isinstance(node, cst.List | cst.Tuple):
+        return None
+    out = []
+    for el in node.elements:
+        if not isinstance(el.value, cst.SimpleString):
+            return None
+        out.append(el.value.evaluated_value)
+    return out
+
+
+class _AtStatement(RuleCodemod):
+    """A codemod whose targets are user lines holding one statement to edit or to insert a line after.
+
+    Statements are handled where their block is left (`leave_Module`, `leave_IndentedBlock`), so that the
+    statement after a target can be read: an inserted line that is already there makes no change.
+    """
+
+    COMPOSES: ClassVar[bool] = True
+    METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
+
+    def _targets_at(self, node: cst.CSTNode) -> list[Target]:
+        if self.targets is None:
+            return []  # no static mode: which model (or call) it is comes from the profile
+        start, end = self.lines_of(node)
+        return [t for t in self.targets if start <= t.line <= end]
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        return updated_node.with_changes(body=self._body(original_node.body, updated_node.body))
+
+    def leave_IndentedBlock(
+        self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
+    ) -> cst.IndentedBlock:
+        return updated_node.with_changes(body=self._body(original_node.body, updated_node.body))
+
+    def _body(self, original: Sequence[cst.BaseStatement], updated: Sequence[cst.BaseStatement]) -> list:
+        body = list(updated)
+        out: list[cst.BaseStatement] = []
+        for i, orig in enumerate(original):
+            targets = self._targets_at(orig) if isinstance(orig, cst.SimpleStatementLine) else []
+            if not targets:
+                out.append(body[i])
+                continue
+            emitted, later = self.statement(orig, body[i], body[i + 1 :], targets)  # type: ignore[arg-type]
+            out.extend(emitted)
+            for offset, stmt in later.items():
+                body[i + 1 + offset] = stmt
+        return out
+
+    def statement(
+        self,
+        original: cst.SimpleStatementLine,
+        updated: cst.SimpleStatementLine,
+        rest: list[cst.BaseStatement],
+        targets: list[Target],
+    ) -> tuple[list[cst.BaseStatement], dict[int, cst.BaseStatement]]:
+        """The statements that replace a targeted one, and replacements for statements after it (by their
+        index in `rest`)."""
+        raise NotImplementedError
+
+
+class LibraryPatchCodemod(_AtStatement):
+    """Insert `model = opadvisor.patch(model, rules=[...])` after the model's construction."""
+
+    RULE: ClassVar[str] = "library_patch"
+    SAFETY: ClassVar[str] = "safe"
+
+    def statement(self, original, updated, rest, targets):
+        rules = _rules_of(targets)
+        unsafe = any(t.details.get("unsafe") for t in targets)
+        stmt = original.body[0] if len(original.body) == 1 else None
+        if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+            return [self._wrap_call(original, updated, rules, unsafe)], {}
+        target = stmt.targets[0].target
+        if not isinstance(target, cst.Name | cst.Attribute) or self._patches(stmt.value):
+            return [self._wrap_call(original, updated, rules, unsafe)], {}
+        name = code(target)
+        # an earlier apply's line: after the construction, past other lines apply inserts there
+        offset = next((i for i, s in enumerate(rest) if not _set_attn_of(s, name)), None)
+        there = _patch_assignment(rest[offset]) if offset is not None else None
+        if there is not None and there[0] == name:
+            have, was_unsafe = there[1], there[2]
+            merged = sorted(set(have or []) | set(rules))
+            if have is None or (merged == sorted(have) and (was_unsafe or not unsafe)):
+                self.skip(original, f"already done: {name} goes through opadvisor.patch with these rules")
+                return [updated], {}
+            call = self._patch_call(cst.parse_expression(name), merged, unsafe or was_unsafe)
+            old = rest[offset]
+            new = old.with_changes(body=[old.body[0].with_changes(value=call)])  # type: ignore[attr-defined]
+            self.record_change(
+                original, f"opadvisor.patch(..., rules={merged}): rules added to the patch of {name}"
+            )
+            return [updated], {offset: new}
+        AddImportsVisitor.add_needed_import(self.context, "opadvisor")
+        call = self._patch_call(cst.parse_expression(name), rules, unsafe)
+        line = cst.SimpleStatementLine(body=[cst.Assign(targets=[cst.AssignTarget(target)], value=call)])
+        self.record_change(
+            original,
+            f"{name} = opadvisor.patch({name}, rules={rules}): fused forwards for the library's modules, per "
+            "instance, checked on their first call",
+        )
+        return [updated, line], {}
+
+    def _patch_call(self, model: cst.BaseExpression, rules: list[str], unsafe: bool) -> cst.Call:
+        args = [cst.Arg(model), cst.Arg(_string_list(rules), keyword=cst.Name("rules"), equal=_EQUAL)]
+        if unsafe:
+            args.append(cst.Arg(cst.Name("True"), keyword=cst.Name("unsafe"), equal=_EQUAL))
+        comma = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        args = [a.with_changes(comma=comma) for a in args[:-1]] + [args[-1]]
+        return cst.Call(cst.Attribute(cst.Name("opadvisor"), cst.Name("patch")), args)
+
+    def _patches(self, value: cst.BaseExpression) -> bool:
+        return isinstance(value, cst.Call) and bool(qualified(self, value.func) & PATCH_NAMES)
+
+    def _wrap_call(
+        self,
+        original: cst.SimpleStatementLine,
+        updated: cst.SimpleStatementLine,
+        rules: list[str],
+        unsafe: bool,
+    ) -> cst.SimpleStatementLine:
+        """`return Model(...)` / `f(Model(...))`: the construction call wrapped in opadvisor.patch."""
+        existing = [c for c in m.findall(original, m.Call()) if self._patches(c)]
+        if existing:
+            arg = keyword(existing[0], "rules")
+            have = _listed_strings(arg.value) if arg is not None else None
+            if have is None and arg is None or have is not None and set(rules) <= set(have):
+                self.skip(original, "already done: the model goes through opadvisor.patch with these rules")
+                return updated
+            self.skip(original, "the model already goes through opadvisor.patch here; add the rules by hand")
+            return updated
+        calls = [c for c in m.findall(original, m.Call()) if _builds_model(c)]
+        if len(calls) != 1:
+            self.skip(
+                original,
+                "cannot tell which call on this line builds the model; add `model = opadvisor.patch(model)` after "
+                "it by hand",
+            )
+            return updated
+        AddImportsVisitor.add_needed_import(self.context, "opadvisor")
+        wrapped = self._patch_call(calls[0], rules, unsafe)
+        self.record_change(original, f"opadvisor.patch({code(calls[0].func)}(...), rules={rules})")
+        return updated.deep_replace(_find_equal(updated, calls[0]), wrapped)  # type: ignore[return-value]
+
+
+def _builds_model(call: cst.Call) -> bool:
+    """A loader (`X.from_pretrained(...)`) or a class call (`BertForMaskedLM(config)`)."""
+    func = call.func
+    if isinstance(func, cst.Attribute) and func.attr.value in LOADERS:
+        return True
+    name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", "")
+    return bool(name) and name[:1].isupper()
+
+
+_EQUAL = cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace(""))
+
+
+def _find_equal(root: cst.CSTNode, node: cst.CSTNode) -> cst.CSTNode:
+    """The call in `root` (an updated tree) structurally equal to `node` from the original tree."""
+    for candidate in m.findall(root, m.Call()):
+        if candidate.deep_equals(node):
+            return candidate
+    return node
+
+
+def _set_attn_of(stmt: cst.BaseStatement, target: str) -> bool:
+    """Whether `stmt` is `<target>.set_attn_implementation(...)` (a line apply inserts after the model)."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return False
+    expr = stmt.body[0]
+    return (
+        isinstance(expr, cst.Expr)
+        and isinstance(expr.value, cst.Call)
+        and code(expr.value.func) == f"{target}.set_attn_implementation"
+    )
+
+
+def _patch_assignment(stmt: cst.BaseStatement) -> tuple[str, list[str] | None, bool] | None:
+    """(target, rules, unsafe) of a statement `X = opadvisor.patch(X, rules=[...])`, else None."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    assign = stmt.body[0]
+    if (
+        not isinstance(assign, cst.Assign)
+        or len(assign.targets) != 1
+        or not isinstance(assign.value, cst.Call)
+    ):
+        return None
+    call = assign.value
+    if code(call.func) not in ("opadvisor.patch", "opadvisor.kernels.patch.patch") or not call.args:
+        return None
+    target = code(assign.targets[0].target)
+    if code(call.args[0].value) != target:
+        return None
+    rules_arg = keyword(call, "rules")
+    rules = _listed_strings(rules_arg.value) if rules_arg is not None else None
+    unsafe_arg = keyword(call, "unsafe")
+    return target, rules, unsafe_arg is not None and code(unsafe_arg.value) == "True"
+
+
+class HfAttnImplementationCodemod(_AtStatement):
+    """transformers' attn_implementation="sdpa" where the model is built or loaded."""
+
+    RULE: ClassVar[str] = "hf_attn_implementation"
+    SAFETY: ClassVar[str] = "safe"
+
+    def statement(self, original, updated, rest, targets):
+        loaders = [
+            c
+            for c in m.findall(original, m.Call(func=m.Attribute()))
+            if c.func.attr.value in LOADERS  # type: ignore[attr-defined]
+        ]
+        if len(loaders) == 1:
+            return [self._set_keyword(original, updated, loaders[0])], {}
+        stmt = original.body[0] if len(original.body) == 1 else None
+        if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
+            self.skip(
+                original,
+                'cannot tell which call builds the model here: pass attn_implementation="sdpa" by hand',
+            )
+            return [updated], {}
+        target = code(stmt.targets[0].target)
+        if rest and _set_attn_of(rest[0], target):
+            self.skip(original, f"already done: {target}.set_attn_implementation follows")
+            return [updated], {}
+        line = cst.parse_statement(f'{target}.set_attn_implementation("sdpa")')
+        self.record_change(
+            original, f'{target}.set_attn_implementation("sdpa"): transformers\' fused attention (SDPA)'
+        )
+        return [updated, line], {}
+
+    def _set_keyword(
+        self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine, call: cst.Call
+    ) -> cst.SimpleStatementLine:
+        arg = keyword(call, "attn_implementation")
+        if arg is None and has_star_args(call):
+            self.skip(original, f"the call unpacks {has_star_args(call)}, which may set attn_implementation")
+            return updated
+        if arg is not None:
+            value = arg.value.evaluated_value if isinstance(arg.value, cst.SimpleString) else None
+            if value == "sdpa":
+                self.skip(original, 'already done: attn_implementation="sdpa"')
+                return updated
+            if value != "eager":
+                self.skip(
+                    original,
+                    f'attn_implementation={code(arg.value)} is computed here; the profile saw "eager": set it to '
+                    '"sdpa" by hand',
+                )
+                return updated
+            new = replace_keyword_value(call, "attn_implementation", cst.SimpleString('"sdpa"'))
+        else:
+            new = append_keywords(
+                call, [("attn_implementation", cst.SimpleString('"sdpa"'))], **layout(self, call)
+            )
+        self.record_change(original, 'attn_implementation="sdpa": transformers\' fused attention (SDPA)')
+        return updated.deep_replace(_find_equal(updated, call), new)  # type: ignore[return-value]
+
+
+class MhaNeedWeightsCodemod(_AtStatement):
+    """need_weights=False at a call of an nn.MultiheadAttention whose weights are dropped."""
+
+    RULE: ClassVar[str] = "mha_need_weights"
+    SAFETY: ClassVar[str] = "safe"
+
+    def statement(self, original, updated, rest, targets):
+        stmt = original.body[0] if len(original.body) == 1 else None
+        call = _dropped_weights_call(stmt)
+        if call is None:
+            self.skip(
+                original,
+                "the attention weights are kept here (or the result is not unpacked as `out, _ = ...` or indexed "
+                "`[0]`): need_weights=False would drop them",
+            )
+            return [updated], {}
+        arg = keyword(call, "need_weights")
+        if arg is not None and code(arg.value) == "False":
+            self.skip(original, "already done: need_weights=False")
+            return [updated], {}
+        if arg is None and has_star_args(call):
+            self.skip(original, f"the call unpacks {has_star_args(call)}, which may set need_weights")
+            return [updated], {}
+        if arg is not None:
+            new = replace_keyword_value(call, "need_weights", cst.Name("False"))
+        else:
+            new = append_keywords(call, [("need_weights", cst.Name("False"))], **layout(self, call))
+        self.record_change(original, "need_weights=False: the weights are dropped; torch then runs SDPA")
+        return [updated.deep_replace(_find_equal(updated, call), new)], {}
+
+
+def _dropped_weights_call(stmt: cst.BaseSmallStatement | None) -> cst.Call | None:
+    """The call in `out, _ = attn(...)` or `out = attn(...)[0]` (the weights unused), else None."""
+    if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
+        return None
+    target, value = stmt.targets[0].target, stmt.value
+    if isinstance(value, cst.Call) and isinstance(target, cst.Tuple) and len(target.elements) == 2:
+        second = target.elements[1].value
+        if isinstance(second, cst.Name) and second.value.startswith("_"):
+            return value
+        return None
+    if (
+        isinstance(value, cst.Subscript)
+        and isinstance(value.value, cst.Call)
+        and len(value.slice) == 1
+        and isinstance(value.slice[0].slice, cst.Index)
+        and code(value.slice[0].slice.value) == "0"
+    ):
+        return value.value
+    return None

@@ -1,0 +1,242 @@
+"""opadvisor.patch / unpatch on models whose code lives in libraries (transformers, torch.nn).
+
+Tiny models from config objects (nothing downloaded). Patched models must compute what the originals
+compute (values and gradients; dropout off), train with the same losses on the CPU through the reference
+path and through Triton's interpreter, and come back exactly after unpatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from opadvisor.kernels import patch as P
+
+import opadvisor
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_bert(attn: str = "eager", dropout: float = 0.0, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        vocab_size=101,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=attn,
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+def tiny_gpt2(attn: str = "eager", seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(
+        vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 101, (2, 16), generator=g)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 11:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def losses(model: nn.Module, steps: int = 3) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        loss = model(**batch()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+@pytest.fixture(params=["reference", "interpreter"])
+def kernel_path(request, monkeypatch):
+    """The CPU reference implementation, or the Triton kernels through the interpreter (conftest sets it)."""
+    if request.param == "reference":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    else:
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
+
+
+def _forwards(model: nn.Module) -> dict[str, object]:
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
+    model = tiny_bert()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = _forwards(model)
+    model.eval()
+    with torch.no_grad():
+        before = model(**batch()).logits
+    assert opadvisor.patch(model) is model
+    report = capsys.readouterr().err
+    assert "patched 7 modules" in report and "BertSelfAttention x2 (hf_bert_self_attention" in report
+    assert (
+        "BertOutput x2 (hf_bert_output" in report
+        and "Linear x1 (padded_linear: cls.predictions.decoder)" in report
+    )
+    with torch.no_grad():
+        during = model(**batch()).logits
+    torch.testing.assert_close(during, before, rtol=1e-4, atol=1e-5)
+    assert opadvisor.unpatch(model) is model
+    assert _forwards(model) == forwards and all("forward" not in m.__dict__ for m in model.modules())
+    assert not any(P.STATE in m.__dict__ for m in model.modules()) and P.patch_report(model) is None
+    after_state = model.state_dict()
+    assert list(after_state) == list(state) and all(torch.equal(after_state[k], v) for k, v in state.items())
+    with torch.no_grad():
+        assert torch.equal(model(**batch()).logits, before)
+
+
+def test_patched_bert_trains_with_the_originals_losses(kernel_path) -> None:
+    original = tiny_bert()
+    patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
+
+
+def test_patched_gpt2_trains_with_the_originals_losses(kernel_path) -> None:
+    original = tiny_gpt2()
+    patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    report = P.patch_report(patched)
+    assert {fix for _, _, fix in report.patched} == {"hf_gpt2_attention", "hf_gelu_tanh", "padded_linear"}
+    assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
+
+
+def test_encoder_layer_and_multihead_attention(kernel_path) -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    original = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    patched = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    fixes = {fix for _, _, fix in P.patch_report(patched).patched}
+    assert fixes == {"transformer_encoder_layer", "mha_weights_off"}
+    x = torch.randn(2, 8, 32)
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 6:] = True
+    for model in (original, patched):
+        model.train()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = original(xa, src_key_padding_mask=pad), patched(xb, src_key_padding_mask=pad)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-5)
+    mha = patched.layers[0].self_attn
+    out, weights = mha(x, x, x)
+    assert weights is None and out.shape == x.shape  # the unsafe part: weights are not returned
+
+
+def test_per_instance_never_the_class(capsys) -> None:
+    teacher, student = tiny_bert(), tiny_bert(seed=1)
+    opadvisor.patch(student)
+    assert not any(P.STATE in m.__dict__ for m in teacher.modules())
+    cls = transformers.models.bert.modeling_bert.BertSelfOutput
+    assert cls.forward.__qualname__ == "BertSelfOutput.forward"  # the class is untouched
+    assert "forward" in student.bert.encoder.layer[0].attention.output.__dict__
+
+
+def test_rules_select_and_unknown_rules_are_refused(capsys) -> None:
+    model = opadvisor.patch(tiny_bert(), rules=["fused_dropout_add"])
+    assert {fix for _, _, fix in P.patch_report(model).patched} == {"hf_bert_output"}
+    with pytest.raises(ValueError, match="unknown rule"):
+        opadvisor.patch(tiny_bert(), rules=["no_such_rule"])
+
+
+def test_default_attention_is_left_with_the_reason(capsys) -> None:
+    opadvisor.patch(tiny_bert("sdpa"))
+    err = capsys.readouterr().err
+    assert 'left BertSelfAttention x2: already runs attn_implementation="sdpa"' in err
+
+
+def test_nothing_to_patch_and_unknown_architectures_are_said(capsys) -> None:
+    opadvisor.patch(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    assert "nothing to patch in Sequential" in capsys.readouterr().err
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    opadvisor.patch(transformers.LlamaForCausalLM(config))
+    err = capsys.readouterr().err
+    assert (
+        "unknown architecture: opadvisor has no patch for transformers.models.llama.modeling_llama.LlamaAttention"
+        in err
+    )
+
+
+def test_a_replacement_that_differs_falls_back_with_a_warning(monkeypatch) -> None:
+    wrong = [
+        P._Patcher(p.fix, p.check, lambda m, s, x: torch.nn.functional.gelu(x) * 1.5, p.main_output)
+        if p.fix.name == "hf_gelu_tanh"
+        else p
+        for p in P._PATCHERS
+    ]
+    monkeypatch.setattr(P, "_PATCHERS", tuple(wrong))
+    model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
+    act = model.transformer.h[0].mlp.act
+    x = torch.randn(4, 32)
+    with pytest.warns(
+        RuntimeWarning, match=r"transformer\.h\.0\.mlp\.act .*keeps its original forward.*differs"
+    ):
+        y = act(x)
+    assert torch.equal(y, type(act).forward(act, x)) and "forward" not in act.__dict__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        act(x)  # once: the module is back to its original forward
+
+
+def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
+    """Fail loudly when a transformers release changes a forward a patch replaces (see _FINGERPRINTS)."""
+    import importlib
+
+    from opadvisor.libraries import FIXES
+
+    for fix in FIXES:
+        if fix.kind != "patch":
+            continue
+        for qualified in fix.classes:
+            if not qualified.startswith("transformers."):
+                continue
+            module_name, _, name = qualified.rpartition(".")
+            cls = getattr(importlib.import_module(module_name), name)
+            checks = {
+                "hf_bert_self_attention": [
+                    ("BertSelfAttention.forward", cls.forward, name[: -len("SelfAttention")])
+                ],
+                "hf_bert_output": [
+                    (
+                        "BertOutput.forward",
+                        cls.forward,
+                        name[: -len("SelfOutput" if name.endswith("SelfOutput") else "Output")],
+                    )
+                ],
+                "hf_gpt2_attention": [("GPT2Attention.forward", cls.forward, None)],
+                "hf_gelu_tanh": [("NewGELUActivation.forward", cls.forward, None)],
+                "hf_attn_implementation": [],
+            }[fix.name]
+            for key, function, prefix in checks:
+                assert P._fingerprint_problem(cls, key, function, prefix) is None, qualified
+
+
+def test_importing_opadvisor_does_not_import_torch() -> None:
+    code = "import sys, opadvisor; assert 'torch' not in sys.modules; opadvisor.patch; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -1,0 +1,75 @@
+"""Library-code tests: tiny transformers / torch.nn models whose code lives in installed packages.
+
+`library_run(name)` profiles scripts/<name>.py once per session, on the CPU, inside a project folder of
+its own (a copy of the script), and returns that folder's run; `project_copy(name, tmp_path)` gives a test
+a private copy of that project (script, run and all, paths moved) to apply fixes in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the models come from config objects
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def run_opadvisor(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    done = subprocess.run(
+        [sys.executable, "-m", "opadvisor", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    if check:
+        assert done.returncode == 0, (
+            f"opadvisor {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return done
+
+
+def line_of(path: Path, mark: str) -> int:
+    """The line of `path` carrying the comment `# expect: MARK`."""
+    for i, text in enumerate(path.read_text().splitlines(), 1):
+        if text.rstrip().endswith(f"# expect: {mark}"):
+            return i
+    raise AssertionError(f"{path.name} has no '# expect: {mark}'")
+
+
+@pytest.fixture(scope="session")
+def library_run(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            project = tmp_path_factory.mktemp(name)
+            shutil.copy(SCRIPTS / f"{name}.py", project / f"{name}.py")
+            run_opadvisor(project, "profile", f"{name}.py", "--steps", "2", "--warmup", "1")
+            cache[name] = project
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture
+def project_copy(library_run):
+    """A private copy of a profiled project, its run's absolute paths moved to the copy."""
+
+    def get(name: str, dest: Path) -> Path:
+        source = library_run(name)
+        shutil.copytree(source, dest, symlinks=True)
+        for profile in (dest / ".opadvisor" / "runs").glob("*/profile.json"):
+            profile.write_text(profile.read_text().replace(str(source), str(dest)))
+        return dest
+
+    return get

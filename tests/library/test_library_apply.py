@@ -1,0 +1,119 @@
+"""`opadvisor apply` on findings in library code: the library's switch or `opadvisor.patch`, written once
+into the user's script where it builds the model (or at its call into the library), then verified."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from conftest import line_of, run_opadvisor
+
+from opadvisor.rewrite.base import Target
+from opadvisor.rewrite.engine import rewrite_source
+
+
+def test_apply_all_writes_the_switch_and_the_patch_once(project_copy, tmp_path: Path) -> None:
+    project = project_copy("hf_bert", tmp_path / "p")
+    script = project / "hf_bert.py"
+    run_opadvisor(project, "apply", "--rule", "all")
+    lines = script.read_text().splitlines()
+    model_line = line_of(script, "model")  # one line lower: `import opadvisor` came in
+    assert lines[model_line] == 'model.set_attn_implementation("sdpa")'
+    assert lines[model_line + 1] == 'model = opadvisor.patch(model, rules=["fused_dropout_add"])'
+    assert lines.count("import opadvisor") == 1
+    text = script.read_text()
+    again = run_opadvisor(project, "apply", "--rule", "all")
+    assert script.read_text() == text and "nothing to rewrite" in again.stdout + again.stderr
+
+
+def test_apply_one_rule_then_another_merges_into_one_patch_line(project_copy, tmp_path: Path) -> None:
+    project = project_copy("hf_bert", tmp_path / "p")
+    script = project / "hf_bert.py"
+    run_opadvisor(project, "apply", "--rule", "fused_dropout_add")
+    assert script.read_text().count("opadvisor.patch(") == 1
+    run_opadvisor(project, "apply", "--rule", "sdpa_attention")  # the switch, next to the patch line
+    text = script.read_text()
+    assert text.count("opadvisor.patch(") == 1 and text.count("set_attn_implementation") == 1
+
+
+@pytest.mark.slow
+def test_verify_proves_the_library_fixes(project_copy, tmp_path: Path) -> None:
+    project = project_copy("hf_bert", tmp_path / "p")
+    run_opadvisor(project, "apply", "--rule", "all")
+    done = run_opadvisor(
+        project, "verify", "--steps", "4", "--warmup", "1", "--no-reprofile", "--no-timing", check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "parity passed" in done.stdout
+
+
+def test_apply_writes_need_weights_false_at_the_call(project_copy, tmp_path: Path) -> None:
+    project = project_copy("mha_block", tmp_path / "p")
+    script = project / "mha_block.py"
+    run_opadvisor(project, "apply", "--rule", "sdpa_attention")
+    line = script.read_text().splitlines()[line_of(script, "call") - 1]
+    assert line.strip() == "out, _ = self.attn(x, x, x, need_weights=False)  # expect: call"
+
+
+# ---- the codemods on the forms people write (targets as the engine passes them) ---------------------------
+def _rewrite(source: str, codemod: str, line: int, **details) -> tuple[str, list[str]]:
+    details.setdefault("rules", ["fused_dropout_add"])
+    new, result = rewrite_source(source.encode(), codemod, [Target(line, line, details)], "train.py")
+    cst.parse_module(new)
+    again, second = rewrite_source(new, codemod, [Target(line, line, details)], "train.py")
+    assert again == new, "not idempotent"
+    return new.decode(), [n.message for n in result.skipped]
+
+
+def test_patch_after_a_loader_with_rules_merged_into_an_existing_line() -> None:
+    src = (
+        "import torch\n"
+        "from transformers import AutoModelForMaskedLM\n\n"
+        "def main():\n"
+        "    model = AutoModelForMaskedLM.from_pretrained('bert-base-uncased')  # the checkpoint\n"
+        '    model = opadvisor.patch(model, rules=["gemm_align"])\n'
+        "    model.train()\n"
+    )
+    out, _ = _rewrite(src, "library_patch", 5)
+    assert '    model = opadvisor.patch(model, rules=["fused_dropout_add", "gemm_align"])\n' in out
+    assert out.count("opadvisor.patch(") == 1 and "# the checkpoint" in out
+
+
+def test_patch_wraps_a_returned_construction_and_an_attribute_target() -> None:
+    src = "def build(config):\n    return BertForMaskedLM(config)\n"
+    out, _ = _rewrite(src, "library_patch", 2, unsafe=True)
+    assert 'return opadvisor.patch(BertForMaskedLM(config), rules=["fused_dropout_add"], unsafe=True)' in out
+    assert out.startswith("import opadvisor\n")
+    src = "class Trainer:\n    def __init__(self, config):\n        self.model = GPT2LMHeadModel(config)\n"
+    out, _ = _rewrite(src, "library_patch", 3)
+    assert '        self.model = opadvisor.patch(self.model, rules=["fused_dropout_add"])\n' in out
+
+
+def test_attn_implementation_is_set_where_the_model_is_built() -> None:
+    src = "model = AutoModel.from_config(config)\n"
+    assert (
+        _rewrite(src, "hf_attn_implementation", 1)[0]
+        == 'model = AutoModel.from_config(config, attn_implementation="sdpa")\n'
+    )
+    src = "model = AutoModel.from_pretrained(name, attn_implementation='eager')\n"
+    assert (
+        _rewrite(src, "hf_attn_implementation", 1)[0]
+        == 'model = AutoModel.from_pretrained(name, attn_implementation="sdpa")\n'
+    )
+    src = "model = AutoModel.from_pretrained(name, attn_implementation=args.attn)\n"
+    out, skipped = _rewrite(src, "hf_attn_implementation", 1)
+    assert out == src and "computed here" in skipped[0]
+    src = "model = AutoModel.from_pretrained(name, **kwargs)\n"
+    out, skipped = _rewrite(src, "hf_attn_implementation", 1)
+    assert out == src and "**kwargs" in skipped[0]
+
+
+def test_need_weights_only_where_the_weights_are_dropped() -> None:
+    src = "def f(self, x):\n    y = self.attn(x, x, x)[0]\n    out, weights = self.attn(x, x, x)\n    return y, weights\n"
+    out, _ = _rewrite(src, "mha_need_weights", 2)
+    assert "y = self.attn(x, x, x, need_weights=False)[0]" in out
+    out, skipped = _rewrite(src, "mha_need_weights", 3)
+    assert out == src and "kept" in skipped[0]
+    src = "out, _w = attn(q, k, v, need_weights=True)\n"
+    assert _rewrite(src, "mha_need_weights", 1)[0] == "out, _w = attn(q, k, v, need_weights=False)\n"

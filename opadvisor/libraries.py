@@ -2,7 +2,7 @@
 
 Plain data, importable without torch: `suggest` reads it to say whether a finding in library code has a
 fix, `apply` to write it, and `opadvisor.kernels.patch` (the runtime side) to know which modules it may
-swap. Two kinds of fix:
+swap. Three kinds of fix:
 
 - a *switch* the library already has, written by `opadvisor apply` into the user's code: HuggingFace's
   `attn_implementation="sdpa"` where the model is built or loaded, `need_weights=False` at a call of an
@@ -10,7 +10,9 @@ swap. Two kinds of fix:
 - a *patch*: `opadvisor.patch(model)` swaps, per module instance, the forward of a recognised module for
   a fused equivalent (opadvisor.kernels and PyTorch), checked against the original on its first call;
   `opadvisor apply` inserts `model = opadvisor.patch(model, rules=[...])` after the line that built the
-  model.
+  model;
+- the *rule*'s own fix where it does not depend on whose code launched the work: CUDA graphs over the
+  whole model (`sparse_launch`) go into the user's script whatever library its modules come from.
 
 Each fix names the module classes whose code holds the pattern (qualified: `transformers.models.bert.
 modeling_bert.BertSelfAttention`), the rules whose findings it fixes, and its safety, as every fix does.
@@ -67,8 +69,8 @@ class LibraryFix:
     """One fix for library code (see the module docstring)."""
 
     name: str
-    kind: Literal["patch", "switch"]
-    classes: tuple[str, ...]  # module classes whose code holds the pattern
+    kind: Literal["patch", "switch", "rule"]
+    classes: tuple[str, ...]  # module classes whose code holds the pattern ("*": any)
     rules: tuple[str, ...]  # rules whose findings it fixes
     safety: Literal["safe", "unsafe"]
     summary: str  # what it does, in words
@@ -147,6 +149,16 @@ FIXES: tuple[LibraryFix, ...] = (
         "linear's bias) as one opadvisor.kernels.bias_dropout_add",
     ),
     LibraryFix(
+        "cuda_graphs",
+        "rule",
+        ("*",),
+        ("sparse_launch",),
+        "unsafe",
+        "the model's forward and backward replayed from CUDA graphs (`model = cuda_graphed(model)` before its "
+        "optimizer, in the script that calls it): the launches happen once per graph, whichever library wrote them",
+        where="call",
+    ),
+    LibraryFix(
         "padded_linear",
         "patch",
         (LINEAR,),
@@ -159,11 +171,9 @@ FIXES: tuple[LibraryFix, ...] = (
 
 
 def fixes_for(module_class: str | None, rule: str) -> list[LibraryFix]:
-    """The fixes for a finding of `rule` in the code of `module_class`, switches first."""
-    if module_class is None:
-        return []
-    found = [f for f in FIXES if module_class in f.classes and rule in f.rules]
-    return sorted(found, key=lambda f: f.kind != "switch")
+    """The fixes for a finding of `rule` in the code of `module_class` (None: unknown), switches first."""
+    found = [f for f in FIXES if (module_class in f.classes or "*" in f.classes) and rule in f.rules]
+    return sorted(found, key=lambda f: f.kind == "patch")
 
 
 def fix_by_name(name: str) -> LibraryFix:

@@ -581,9 +581,12 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
     elif fix.get("kind") == "switch":
         key = fix.get("name")
         site = library.get("called_from") if key == "mha_need_weights" else library.get("model")
+    elif fix.get("kind") == "rule":  # the rule's own codemod, in the script that calls into the library
+        key, site = f.rule, library.get("called_from")
     else:
         return None
-    if key not in registry.LIBRARY_CODEMODS or not site or not site.get("path") or not site.get("line"):
+    known = key in registry.LIBRARY_CODEMODS or (fix.get("kind") == "rule" and registry.has_codemod(key))
+    if not known or not site or not site.get("path") or not site.get("line"):
         return None
     details = {"rules": [f.rule], "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
     return key, site["path"], Target(site["line"], site["line"], details)

@@ -178,7 +178,7 @@ def describe_library(finding: Finding, view: Profile) -> None:
     owner = owners.most_common(1)[0][0] if owners else _module_class(view, finding)
     call = calls.most_common(1)[0][0] if calls else None
     model = index.models[0] if index.models else None
-    fix = _choose_fix(finding, owner, model)
+    fix = _choose_fix(finding, owner, model, call)
     finding.library = {
         "package": package,
         "version": (view.libraries.get(package) or {}).get("version"),
@@ -223,13 +223,15 @@ def _where_words(finding: Finding, rel: str, owner: str | None, call: tuple[str,
     return f"; in {function}{of} ({rel}:{lines}){called}"
 
 
-def _choose_fix(finding: Finding, owner: str | None, model: Construction | None) -> dict[str, Any]:
+def _choose_fix(
+    finding: Finding, owner: str | None, model: Construction | None, call: tuple[str, int] | None
+) -> dict[str, Any]:
     """The fix for library code that applies to this finding, or kind "none" with the reason."""
     reasons: list[str] = []
     for fix in fixes_for(owner, finding.rule):
-        reason = _not_applicable(fix, model)
+        reason = _not_applicable(fix, model, call)
         if reason is None:
-            return _fix_entry(fix, model)
+            return _fix_entry(fix, model, call)
         reasons.append(f"{fix.name}: {reason}")
     if not reasons:
         short = owner or "this library code"
@@ -244,9 +246,11 @@ def _choose_fix(finding: Finding, owner: str | None, model: Construction | None)
     }
 
 
-def _not_applicable(fix: LibraryFix, model: Construction | None) -> str | None:
+def _not_applicable(fix: LibraryFix, model: Construction | None, call: tuple[str, int] | None) -> str | None:
     if fix.where == "model" and (model is None or model.file is None):
         return "the profile did not record where the script built the model"
+    if fix.where == "call" and call is None:
+        return "the profile did not record where the script called into the library"
     if fix.name == "hf_attn_implementation":
         attn = model.attrs.get("attn_implementation") if model is not None else None
         if attn != "eager":
@@ -256,9 +260,16 @@ def _not_applicable(fix: LibraryFix, model: Construction | None) -> str | None:
     return None
 
 
-def _fix_entry(fix: LibraryFix, model: Construction | None) -> dict[str, Any]:
+def finding_rule(fix: LibraryFix) -> str:
+    return fix.rules[0]
+
+
+def _fix_entry(fix: LibraryFix, model: Construction | None, call: tuple[str, int] | None) -> dict[str, Any]:
     at = f"{Path(model.file).name}:{model.line}" if model is not None and model.file else "the model's line"
-    if fix.kind == "patch":
+    if fix.kind == "rule":
+        where = Path(call[0]).name if call else "the script"
+        advice = f"{fix.summary}: `opadvisor apply --rule {finding_rule(fix)}` writes it in {where}"
+    elif fix.kind == "patch":
         advice = (
             f"{fix.summary}: `opadvisor apply` inserts `model = opadvisor.patch(model, rules=[...])` after "
             f"{at}, where the script builds the model"

@@ -63,7 +63,7 @@ LIBRARY_SCHEMA: dict[str, Any] = {
             "type": "object",
             "required": ["kind", "name", "safety", "summary", "rules", "advice"],
             "properties": {
-                "kind": {"enum": ["switch", "patch", "none"]},
+                "kind": {"enum": ["switch", "patch", "rule", "none"]},
                 "name": _STR_OR_NULL,  # opadvisor/libraries.py's fix name
                 "safety": {"enum": ["safe", "unsafe", "none"]},
                 "summary": _STR_OR_NULL,

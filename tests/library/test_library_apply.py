@@ -117,3 +117,34 @@ def test_need_weights_only_where_the_weights_are_dropped() -> None:
     assert out == src and "kept" in skipped[0]
     src = "out, _w = attn(q, k, v, need_weights=True)\n"
     assert _rewrite(src, "mha_need_weights", 1)[0] == "out, _w = attn(q, k, v, need_weights=False)\n"
+
+
+def test_cuda_graphs_for_launches_in_library_code_go_into_the_users_script(
+    project_copy, tmp_path, monkeypatch
+):
+    """sparse_launch needs a GPU profile; its finding in library code is built here on the CPU profile's
+    view, at the attention's lines, and goes through the same description and apply as a real one."""
+    import hashlib
+
+    from opadvisor.profile.runs import load_run
+    from opadvisor.rewrite.engine import apply_findings, library_target
+    from opadvisor.rules._library import describe_library, pattern_view
+    from opadvisor.rules.engine import analyse
+    from opadvisor.rules.finding import Finding
+
+    project = project_copy("hf_bert", tmp_path / "p")
+    monkeypatch.chdir(project)
+    run_dir, profiles = load_run(None)
+    view = pattern_view(profiles[0])
+    sdpa = next(f for f in analyse(profiles).findings if f.rule == "sdpa_attention")
+    f = Finding(
+        "sparse_launch", sdpa.path, sdpa.line, sdpa.end_line, "GPU idle while ...", "unsafe", sdpa.function
+    )
+    describe_library(f, view)
+    assert f.library["fix"]["kind"] == "rule" and f.fix == "unsafe"
+    script = project / "hf_bert.py"
+    key, path, target = library_target(f)
+    assert (key, path, target.line) == ("sparse_launch", str(script.resolve()), line_of(script, "call"))
+    sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
+    apply_findings([f], ["sparse_launch"], run_dir, sources, allow_unsafe=True)
+    assert "model = cuda_graphed(model)\nopt = torch.optim.AdamW(" in script.read_text()

@@ -226,15 +226,12 @@ def function_qualname(path: str, line: int) -> str | None:
 def library_site(file_name: str, line: int) -> LibrarySite | None:
     """The library site of a frame at `file_name`:`line`, or None when the frame is not library code."""
     lib = library_file(file_name)
-    if lib is None:
+    if lib is None or lib.package == "torch" and lib.rel not in TORCH_MODEL_CODE:
         return None
     function = function_qualname(lib.path, line)
-    if lib.package == "torch":
-        if lib.rel not in TORCH_MODEL_CODE:
-            return None
-        prefixes = TORCH_MODEL_CODE[lib.rel]
-        if prefixes is not None and not (function or "").startswith(prefixes):
-            return None
+    prefixes = TORCH_MODEL_CODE.get(lib.rel) if lib.package == "torch" else None
+    if prefixes is not None and not (function or "").startswith(prefixes):
+        return None
     return LibrarySite(lib, function)
 
 

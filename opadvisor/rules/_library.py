@@ -192,6 +192,8 @@ def describe_library(finding: Finding, view: Profile) -> None:
         "fix": fix,
     }
     finding.message += _where_words(finding, rel, owner, call)
+    if fix["kind"] == "none" and finding.advice:  # the rule's own advice still says what would help
+        fix["advice"] += f"; {finding.advice}"
     finding.fix = fix["safety"]
     finding.advice = fix["advice"]
 

@@ -67,6 +67,7 @@ def applied_lines(output: str) -> list[str]:
         if ln.count(":") >= 3
         and "not applied" not in ln
         and ": note: " not in ln
+        and ": skipped: " not in ln
         and ln.split(":", 1)[0].endswith(".py")
     ]
 

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from e2e import applied_lines  # benchmarks/e2e.py: the lines apply prints for each rewrite it made
+
 from opadvisor.verify.compare import StepTimes, step_times
 from opadvisor.verify.runner import ChildSpec, run_child
 
@@ -172,17 +174,6 @@ def opadvisor(cwd: Path, deadline: Deadline, *args: str) -> subprocess.Completed
 def last_line(text: str) -> str:
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1][:300] if lines else "?"
-
-
-def applied_lines(output: str) -> list[str]:
-    """The `file:line: rule: what` lines apply prints for each rewrite it made."""
-    return [
-        ln.strip()
-        for ln in output.splitlines()
-        if ln.count(":") >= 3
-        and not any(word in ln for word in ("not applied", ": note: ", ": skipped: "))
-        and ".py:" in ln.split(" ")[0]
-    ]
 
 
 def write_script(folder: Path, model: str, tiny: bool) -> Path:

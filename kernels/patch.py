@@ -205,6 +205,7 @@ class _State:
     path: str
     prev: Any  # module.__dict__["forward"] before (or _MISSING)
     original: Callable[..., Any]
+    report: PatchReport | None = None  # the patch's report: a module that falls back moves to `left`
     status: str = "pending"  # "pending" -> "ok" | "failed"
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
 
@@ -611,7 +612,7 @@ def _patch_one(
     for patcher in usable:
         reason = patcher.check(module)
         if reason is None:
-            _install(module, path, patcher, check)
+            _install(module, path, patcher, check, report)
             report.patched.append((path, qualified, patcher.fix.name))
             return
         if reason != "aligned":
@@ -639,8 +640,8 @@ def _is_library(cls: type) -> bool:
     return bool(source) and library_file(source) is not None
 
 
-def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool) -> None:
-    state = _State(patcher.fix.name, path, module.__dict__.get("forward", _MISSING), module.forward)
+def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool, report: PatchReport) -> None:
+    state = _State(patcher.fix.name, path, module.__dict__.get("forward", _MISSING), module.forward, report)
     state.status = "pending" if check else "ok"
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -689,6 +690,11 @@ def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwar
             )
             original = state.original
             _restore(module)
+            if state.report is not None:
+                entry = next((e for e in state.report.patched if e[0] == state.path and e[2] == state.fix), None)
+                if entry is not None:
+                    state.report.patched.remove(entry)
+                    state.report.left.append((entry[0], entry[1], f"fell back at its first call: {problem}"))
             return original(*args, **kwargs)
         state.status = "ok"
     return patcher.forward(module, state, *args, **kwargs)
@@ -705,9 +711,11 @@ def _first_call_check(
             ref = patcher.main_output(state.original(*ref_args, **ref_kwargs))
             new_args, new_kwargs, new_leaves = _copies(args, kwargs)
             new = patcher.main_output(patcher.forward(module, state, *new_args, **new_kwargs))
-            problem = _compare("output", ref, new)
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tol = _tolerance(ref, tensors)
+            problem = _compare("output", ref, new, tol)
             if problem is None and ref.requires_grad and new.requires_grad:
-                problem = _compare_grads(module, ref, new, ref_leaves, new_leaves)
+                problem = _compare_grads(module, ref, new, ref_leaves, new_leaves, tol)
     except Exception as exc:  # noqa: BLE001 - a replacement that fails must fall back, not break the step
         return f"failed on the first call ({type(exc).__name__}: {exc})"
     finally:
@@ -766,16 +774,20 @@ def _copy_cache(value: Any, depth: int = 0) -> Any:
     return out
 
 
-def _tolerance(t: torch.Tensor) -> float:
-    tol = _TOLERANCE.get(t.dtype, 1e-3)
-    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+def _tolerance(t: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> float:
+    """The tolerance of the least precise dtype the module computed in: its output's, its inputs', and
+    autocast's when it is on (a LayerNorm's float32 output after a bfloat16 product carries bf16 error)."""
+    dtypes = {t.dtype, *(x.dtype for x in inputs if x.is_floating_point())}
+    device = t.device.type
+    if torch.is_autocast_enabled(device):
+        dtypes.add(torch.get_autocast_dtype(device))
+    tol = max(_TOLERANCE.get(d, 1e-3) for d in dtypes)
+    if dtypes == {torch.float32} and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         tol = 1e-2  # TF32 products round to 10 bits
     return tol
 
 
-def _compare(
-    what: str, ref: torch.Tensor, new: torch.Tensor, tol_of: torch.Tensor | None = None, floor: float = 0.0
-) -> str | None:
+def _compare(what: str, ref: torch.Tensor, new: torch.Tensor, tol: float, floor: float = 0.0) -> str | None:
     """None when `new` is `ref` up to the rounding of the compute dtype: max |new - ref| within the
     tolerance times the larger of ref's own scale and `floor` (the scale of the gradients around it: a
     gradient that is zero in exact arithmetic, such as softmax's with respect to a key bias, is noise)."""
@@ -789,7 +801,6 @@ def _compare(
         return None
     scale = max(ref32[finite].abs().max().item(), floor, 1e-12)
     err = (new32 - ref32)[finite].abs().max().item()
-    tol = _tolerance(tol_of if tol_of is not None else ref)
     if err > tol * scale:
         return (
             f"differs from it: {what} max |difference| {err:.3g}, {err / scale:.2g} of its scale "
@@ -799,7 +810,7 @@ def _compare(
 
 
 def _compare_grads(
-    module: nn.Module, ref: torch.Tensor, new: torch.Tensor, ref_leaves: list, new_leaves: list
+    module: nn.Module, ref: torch.Tensor, new: torch.Tensor, ref_leaves: list, new_leaves: list, tol: float
 ) -> str | None:
     generator = torch.Generator(device=ref.device).manual_seed(0)  # leaves the global RNG alone
     upstream = torch.randn(ref.shape, generator=generator, device=ref.device, dtype=torch.float32).to(
@@ -817,7 +828,7 @@ def _compare_grads(
             continue
         a = torch.zeros_like(b) if a is None else a
         b = torch.zeros_like(a) if b is None else b
-        problem = _compare(f"gradient of {name}", a, b, tol_of=ref, floor=floor)
+        problem = _compare(f"gradient of {name}", a, b, tol, floor=floor)
         if problem is not None:
             return problem
     return None

@@ -240,3 +240,16 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
 def test_importing_opadvisor_does_not_import_torch() -> None:
     code = "import sys, opadvisor; assert 'torch' not in sys.modules; opadvisor.patch; assert 'torch' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2])
+def test_first_call_checks_pass_under_bf16_autocast(build, kernel_path) -> None:
+    """Under autocast the check's tolerance is bf16's (a LayerNorm's float32 output after a bf16 product
+    carries bf16 rounding): no module falls back."""
+    model = opadvisor.patch(build(), quiet=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch()).loss
+        loss.backward()
+    assert not P.patch_report(model).left and len(P.patch_report(model).patched) >= 5

@@ -691,7 +691,9 @@ def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwar
             original = state.original
             _restore(module)
             if state.report is not None:
-                entry = next((e for e in state.report.patched if e[0] == state.path and e[2] == state.fix), None)
+                entry = next(
+                    (e for e in state.report.patched if e[0] == state.path and e[2] == state.fix), None
+                )
                 if entry is not None:
                     state.report.patched.remove(entry)
                     state.report.left.append((entry[0], entry[1], f"fell back at its first call: {problem}"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import libcst as cst
 import pytest
-from conftest import line_of, run_opadvisor
+from library_testlib import line_of, run_opadvisor
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source

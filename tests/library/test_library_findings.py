@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import line_of, run_opadvisor
+from library_testlib import line_of, run_opadvisor
 
 from opadvisor.profile.runs import load_run
 from opadvisor.rules.engine import analyse

@@ -379,6 +379,7 @@ def main() -> int:
         "--keep", type=Path, help="work in this new folder and keep it (scripts before/after)"
     )
     opts = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the models come from configurations: nothing to download
     import torch
 
     if opts.device == "cuda" and not torch.cuda.is_available():

@@ -126,7 +126,7 @@ FIXES: tuple[LibraryFix, ...] = (
         "hf_gelu_tanh",
         "patch",
         ("transformers.activations.NewGELUActivation",),
-        ("gelu_tanh", "hot_region"),
+        ("fuse_region",),
         "safe",
         'the tanh GELU written op by op (GPT-2\'s MLP) as F.gelu(x, approximate="tanh"): one kernel',
     ),

@@ -10,6 +10,10 @@
 - ``cell_sequence(cell, inputs, state=None, *, time_dim=0)``: an ``nn.LSTMCell`` / ``nn.GRUCell`` /
   ``nn.RNNCell`` run over a whole sequence in one call of the op ``nn.LSTM`` runs (cuDNN on CUDA), with
   the cell's own parameters.
+- ``dropout(x, p, training=True)``: ``F.dropout`` whose backward recomputes the mask from a seed.
+- ``quick_gelu(x)``: ``x * sigmoid(1.702 * x)``, one kernel each way.
+- ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
+- ``compile_region``: a decorator compiling one function with torch.compile, the original kept on failure.
 
 Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
 PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions before a call;
@@ -20,11 +24,15 @@ does not import Triton.
 
 from ._backend import backend
 from ._dispatch import dispatch_counts, reset_dispatch_counts
+from .activations import quick_gelu, quick_gelu_backend, reference_quick_gelu
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
 from .linear import PaddedLinear, padded_linear
+from .region import compile_region, region_state
+from .relpos import disentangled_bias, disentangled_bias_backend, reference_disentangled_bias
 from .rnn import cell_sequence
+from .seeded_dropout import dropout, dropout_backend, reference_dropout
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
 __all__ = [
@@ -33,15 +41,26 @@ __all__ = [
     "bias_dropout_add",
     "bias_dropout_add_backend",
     "cell_sequence",
+    "compile_region",
     "cross_entropy",
     "cross_entropy_backend",
     "cuda_graphed",
     "dispatch_counts",
+    "disentangled_bias",
+    "disentangled_bias_backend",
+    "dropout",
+    "dropout_backend",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",
+    "quick_gelu",
+    "quick_gelu_backend",
     "reference_bias_dropout_add",
     "reference_cross_entropy",
+    "reference_disentangled_bias",
+    "reference_dropout",
     "reference_masked_softmax",
     "reset_dispatch_counts",
+    "reference_quick_gelu",
+    "region_state",
 ]

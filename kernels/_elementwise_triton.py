@@ -1,0 +1,67 @@
+"""Triton kernels of `dropout` and `quick_gelu` (imported only when a kernel launches; see `seeded_dropout.py`
+and `activations.py`). Both work on a contiguous tensor seen as rows of its last dimension.
+
+dropout:     y = where(keep, x / (1 - p), 0)      (its backward is the same kernel on dy, same seed)
+quick_gelu:  y = x * sigmoid(1.702 x)
+             dx = dy * (s + 1.702 x s (1 - s)),   s = sigmoid(1.702 x)
+The dropout keep mask is `_rng`'s Philox stream (the one `bias_dropout_add` uses), recomputed in backward.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common_triton import keep_mask, rne_bf16, seed_words, widen
+
+
+@triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
+def dropout_kernel(
+    X,
+    Y,
+    n_rows,
+    n_cols,
+    keep_scale,
+    threshold,
+    k0,
+    k1,
+    stream,
+    SEED,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    RNE: tl.constexpr,
+    I64: tl.constexpr,
+    SEED_PTR: tl.constexpr,
+):
+    k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
+    rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
+    col0 = tl.program_id(1) * BLOCK
+    cols = col0 + tl.arange(0, BLOCK)
+    ok = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    off = rows[:, None] * n_cols + widen(cols, I64)[None, :]
+    v = tl.load(X + off, mask=ok, other=0.0).to(tl.float32)
+    keep = keep_mask(k0, k1, stream, threshold, rows, col0, ROWS, BLOCK, INTERLEAVE)
+    v = tl.where(keep, v * keep_scale, 0.0)
+    tl.store(Y + off, rne_bf16(v, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def quick_gelu_fwd_kernel(X, Y, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr):
+    offs = widen(tl.program_id(0), I64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    y = x * tl.sigmoid(1.702 * x)
+    tl.store(Y + offs, rne_bf16(y, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def quick_gelu_bwd_kernel(X, DY, DX, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr):
+    offs = widen(tl.program_id(0), I64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.sigmoid(1.702 * x)
+    # d/dx x * s(1.702 x) = s + 1.702 x s (1 - s)
+    dx = dy * (s + 1.702 * x * s * (1.0 - s))
+    tl.store(DX + offs, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok)

@@ -135,6 +135,9 @@ class Environment:
     capability: list[int] | None = None  # [major, minor]
     gpu_memory_bytes: int | None = None
     cpu_count: int | None = None
+    # Measured after the window: bytes read + written per second (GB/s) by one large device-to-device copy,
+    # the memory roofline that memory-bound kernels are judged against (None on CPU, or not measured).
+    copy_bandwidth_gbps: float | None = None
 
 
 @dataclass

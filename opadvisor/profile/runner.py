@@ -79,7 +79,34 @@ def environment(cuda: bool) -> Environment:
         env.sm_count = props.multi_processor_count
         env.capability = [props.major, props.minor]
         env.gpu_memory_bytes = props.total_memory
+        env.copy_bandwidth_gbps = copy_bandwidth_gbps()
     return env
+
+
+COPY_BYTES = 256 * 2**20  # large enough to stream from memory (the L2 of an H200 holds 50 MB)
+
+
+def copy_bandwidth_gbps(repeats: int = 5) -> float | None:
+    """GB/s (bytes read + written) of the fastest of `repeats` device-to-device copies of COPY_BYTES on
+    the current CUDA device, after one warm-up copy; None when the memory for it is not free."""
+    import torch
+
+    try:
+        src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    del src, dst
+    return round(2 * COPY_BYTES / (best / 1e3) / 1e9, 1) if best > 0 else None
 
 
 def _sha256(path: str) -> str | None:

@@ -3,7 +3,9 @@
 Subclasses implement `block_edits(stmts, indent)`: given the (original) statements of one block, return
 `BlockEdit`s. Each edit names the statements it spans (`first`..`last`), optionally keeps the first as a
 new statement (`kept_first`), and replaces nodes inside the last one (`replacements`, keyed by id() of the
-original node). Every statement strictly between is removed. Nothing else in the file is touched.
+original node). Every statement strictly between is removed, or, when the edit lists `removed`, exactly
+those statements (temporaries read only by the rewritten expression, with other statements in between
+kept). Nothing else in the file is touched.
 
 Comments are never dropped: the leading lines of removed statements, their end-of-line comments, and
 comments inside replaced code (outside the `carried` nodes that the rewrite reuses) become comment lines
@@ -32,6 +34,7 @@ class BlockEdit:
     carried: list[cst.CSTNode] = field(default_factory=list)  # original nodes reused by the rewrite
     kept_first: cst.SimpleStatementLine | None = None  # replaces stmts[first] when first < last
     kept_first_dropped: cst.CSTNode | None = None  # the part of stmts[first] that kept_first no longer has
+    removed: frozenset[int] | None = None  # exactly these statements go (instead of all between)
 
 
 class BlockRewriter(RuleCodemod):
@@ -105,13 +108,15 @@ class BlockRewriter(RuleCodemod):
         if not edits:
             return None
         by_last: dict[int, list[BlockEdit]] = {}
-        removed: set[int] = set()
+        removed: dict[int, BlockEdit] = {}
         firsts: dict[int, BlockEdit] = {}
         for edit in edits:
             by_last.setdefault(edit.last, []).append(edit)
-            if edit.first < edit.last:
+            if edit.removed is not None:
+                removed.update(dict.fromkeys(edit.removed, edit))
+            elif edit.first < edit.last:
                 firsts[edit.first] = edit
-                removed.update(range(edit.first + 1, edit.last))
+                removed.update(dict.fromkeys(range(edit.first + 1, edit.last), edit))
         body: list[cst.BaseStatement] = []
         moved: list[cst.EmptyLine] = []
         for index, stmt in enumerate(original):
@@ -128,7 +133,7 @@ class BlockRewriter(RuleCodemod):
                     moved.extend(_moved_lines(stmt, edit.carried))
                 continue
             if index in removed:
-                edit = next(e for e in edits if e.first < index < e.last)
+                edit = removed[index]
                 assert isinstance(stmt, cst.SimpleStatementLine)
                 moved.extend(_moved_lines(stmt, edit.carried))
                 continue

@@ -56,6 +56,15 @@ def is_torch_namespace(visitor: cst.MetadataDependent, node: cst.CSTNode) -> boo
     return any(name == "torch" or name.startswith("torch.") for name in qualified(visitor, node))
 
 
+def is_method(visitor: cst.MetadataDependent, func: cst.BaseExpression) -> bool:
+    """Whether a call's `func` is a method of a value (`x.tanh`, `f(x).pow`, `(a * b).sigmoid`), not a
+    function of a torch module (`torch.tanh`, `F.gelu`)."""
+    if not isinstance(func, cst.Attribute):
+        return False
+    value = func.value
+    return not isinstance(value, (cst.Name, cst.Attribute)) or not is_torch_namespace(visitor, value)
+
+
 def parent(visitor: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | None:
     try:
         return visitor.get_metadata(ParentNodeProvider, node, None)

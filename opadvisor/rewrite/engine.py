@@ -22,7 +22,9 @@ kept), after a byte-exact backup of what it was:
   (`{"schema": 1, "applied": [{"rule", "path", "backup", "sha256_before", "sha256_after",
   "changes": [{"line", "message"}]}]}`, one entry per file per apply, appended). The first backup of a
   file is kept: a later apply to the same file (another rule) records it again as that file's original,
-  so `backup` always holds the file as profiled.
+  so `backup` always holds the file as profiled. When a rule's codemod has a PARITY_BASELINE twin (rewrites
+  that swap one random stream for another), the original with the twin's rewrites goes to
+  `<run>/parity/<path>` and the entries name it ("parity_original"): verify's parity phase runs that.
 - static mode: the same layout under `.opadvisor/static/` (`applied.json` + `backup/`).
 
 `undo` restores every file recorded in a run's (or the static) applied.json to its backup, byte for byte,
@@ -52,6 +54,7 @@ from opadvisor.rewrite.base import Note, RuleCodemod, Target
 APPLIED_FILE = "applied.json"
 APPLIED_SCHEMA = 1
 BACKUP_DIR = "backup"
+PARITY_DIR = "parity"  # the original as verify's parity run sees it, when a rule asks (PARITY_BASELINE)
 STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
 
 # `--rule all` applies in this order; sdpa_attention first: where it and fused_softmax cover the same
@@ -76,6 +79,8 @@ class FileResult:
     before: bytes
     after: bytes
     rules: list[RuleResult] = field(default_factory=list)
+    # the original with only the rewrites that swap one random stream for another (see _parity_original)
+    parity_original: bytes | None = None
 
     @property
     def changed(self) -> bool:
@@ -228,7 +233,9 @@ def rewrite_source(
         expected_left = 0
     else:
         _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe)
-        expected_left = len(everything.changes) - len(codemod.changes)
+        # changes only a profile's targets ask for (say, a regional compile) have no static match
+        static_kind = len(codemod.changes) - getattr(codemod, "targets_only", 0)
+        expected_left = len(everything.changes) - static_kind
     again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path, allow_unsafe)
     if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
         raise UserError(
@@ -334,8 +341,28 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 maps.append((rule, LineMap(text, new_text)))
                 text = new_text
         file_result.after = text
+        if file_result.changed:
+            file_result.parity_original = _parity_original(job)
         results.append(file_result)
     return results
+
+
+def _parity_original(job: FileJob) -> bytes | None:
+    """The original with the rewrites of each codemod's PARITY_BASELINE twin applied (say, dropout written
+    by hand -> opadvisor.kernels.dropout), or None when no rule has one that changes it.
+
+    verify's parity run neutralises the dropout it knows (nn.Dropout, F.dropout, opadvisor.kernels) in both
+    programs; a hand-written dropout in the original it cannot reach, so the original it compares with
+    carries the same replacement, which the harness then neutralises like the rewrite's."""
+    text = job.original
+    for rule in job.rules:
+        twin = getattr(registry.get_codemod(rule), "PARITY_BASELINE", None)
+        if twin is None:
+            continue
+        targets = None if job.targets is None else job.targets.get(rule, [])
+        new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
+        text = new_module.bytes
+    return text if text != job.original else None
 
 
 def _unmatched(
@@ -696,6 +723,12 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
             backup = state / rel
             backup.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(backup, f.before, mode_from=f.path)
+        parity: dict[str, str] = {}
+        if f.parity_original is not None:
+            parity_rel = Path(PARITY_DIR) / rel.relative_to(BACKUP_DIR)
+            (state / parity_rel).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(state / parity_rel, f.parity_original)
+            parity["parity_original"] = parity_rel.as_posix()
         for (
             r
         ) in f.rules:  # one entry per rule that changed the file, chained: one's after is the next's before
@@ -709,6 +742,7 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
                     "sha256_before": sha256(r.before),
                     "sha256_after": sha256(r.after),
                     "changes": [{"line": n.line, "message": n.message} for n in r.changes],
+                    **parity,
                 }
             )
     done: list[FileResult] = []

@@ -18,6 +18,7 @@ CODEMODS: dict[str, str] = {
     "manual_layernorm": "opadvisor.rewrite.manual_layernorm:ManualLayerNormCodemod",
     "fp32_gemm": "opadvisor.rewrite.fp32_gemm:Fp32GemmCodemod",
     "sparse_launch": "opadvisor.rewrite.sparse_launch:CudaGraphsCodemod",
+    "fuse_region": "opadvisor.rewrite.fuse_region:FuseRegionCodemod",
 }
 
 

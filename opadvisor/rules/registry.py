@@ -29,6 +29,7 @@ RULE_MODULES: tuple[str, ...] = (
     "activation_checkpointing",
     "rnn_cell_loop",
     "cudnn_rnn",
+    "fuse_region",
 )
 
 

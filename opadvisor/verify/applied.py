@@ -8,6 +8,9 @@
 
 with one entry per file per apply, in the order they were made. The original program is the current tree
 with each rewritten file replaced by its earliest backup (the copy taken before the first rewrite).
+An entry may add "parity_original" (relative to the run folder): the original with the rewrites that swap
+one random stream for another (hand-written dropout -> opadvisor.kernels.dropout), which verify's parity
+phase runs instead of the backup, since it can neutralise only the dropout it knows.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class AppliedFile:
     rules: list[str] = field(default_factory=list)  # in the order they were applied
     changes: list[Change] = field(default_factory=list)
     edited_since: bool = False  # the file on disk is not what the last apply wrote
+    parity_original: Path | None = None  # the original for the parity phase, when apply wrote one
 
 
 @dataclass
@@ -59,6 +63,10 @@ class Applied:
     def sources(self) -> dict[str, str]:
         """{rewritten file: its original (backup)}, as the harness config wants it."""
         return {str(f.path): str(f.original) for f in self.files}
+
+    def parity_sources(self) -> dict[str, str]:
+        """`sources()` for the parity phase: a file's parity original where apply wrote one."""
+        return {str(f.path): str(f.parity_original or f.original) for f in self.files}
 
 
 def sha256_file(path: Path) -> str:
@@ -101,6 +109,9 @@ def load_applied(run_dir: Path) -> Applied:
         f = files[target]
         if e["rule"] not in f.rules:
             f.rules.append(e["rule"])
+        parity = e.get("parity_original")
+        if isinstance(parity, str) and (run_dir / parity).is_file():
+            f.parity_original = (run_dir / parity).resolve()
         for c in e.get("changes") or []:
             if isinstance(c, dict) and isinstance(c.get("line"), int):
                 f.changes.append(Change(e["rule"], c["line"], str(c.get("message", ""))))

@@ -216,12 +216,18 @@ def verify(
             mode=mode,
             warmup=opts.warmup if mode == "timing" else 0,
             seed=opts.seed,
-            sources=sources if original else {},
+            sources=(applied.parity_sources() if mode == "parity" else sources) if original else {},
             module=profile.module,
             import_root=profile.import_root,
         )
 
     notes = [DROPOUT_NOTE]
+    notes += [
+        f"{display_path(f.path)}: for the parity phase the original's dropout written by hand ran as "
+        "opadvisor.kernels.dropout too (disabled like the rest); its distribution is the kernel tests' business"
+        for f in applied.files
+        if f.parity_original is not None
+    ]
     notes += [
         f"{display_path(f.path)} was edited after apply: verifying the file as it is now"
         for f in applied.files

@@ -1,0 +1,275 @@
+"""Hot regions of memory-bound kernels: hand-written activations, dropout, gathers and elementwise chains.
+
+What it finds
+    Places in the source (a function, or a run of lines inside one; a model's own code or, through its
+    call site, a library's) whose GPU time goes to chains of memory-bound kernels: elementwise ops,
+    reductions, gathers and scatters, casts, random masks, with no matrix product inside. Each run of such
+    ops in one call of one function is a region; its runs in every layer and step are added up and the
+    regions ranked by measured time (forward and backward). A region whose ops another rule fixes as a
+    pattern (fused_softmax, sdpa_attention, fused_dropout_add, manual_layernorm, fused_cross_entropy)
+    is left to that rule. Recognised chains are named: a tanh or erf GELU written by hand, SiLU,
+    x * sigmoid(1.702 x) (QuickGELU), dropout written by hand (a `rand`/`bernoulli` mask, `masked_fill`
+    or a multiply, the 1/(1-p) scale; inline or in an autograd Function), DeBERTa's relative-position
+    gather with its clamp and scaling. On a CPU profile the op chain is the same, so the named chains are
+    found there too (with CPU times).
+
+Why it is slow
+    Each kernel of the chain reads its inputs from memory and writes its output back: a tanh GELU written
+    by hand is 8 kernels forward and about 12 backward over the [tokens, 4 x hidden] activation, where one
+    kernel reading x and writing y would do. Such kernels run at the memory's speed, so the time scales
+    with the passes; when they are short, with the launches. The finding gives the floor: the bytes one
+    fused kernel must still read and write (an estimate from the shapes the profile recorded), at the copy
+    bandwidth `opadvisor profile` measured on the device.
+
+Example
+    def new_gelu(x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+Fix and its safety
+    `opadvisor apply --rule fuse_region`, best first:
+    - an exact equivalent where one exists: tanh GELU -> `F.gelu(x, approximate="tanh")`, erf GELU ->
+      `F.gelu(x)`, SiLU -> `F.silu(x)`, QuickGELU -> `opadvisor.kernels.quick_gelu(x)` (one kernel each
+      way); safe, the same function up to rounding. Dropout written by hand -> `opadvisor.kernels.dropout`:
+      safe, the same distribution (kept with probability 1-p, scaled by 1/(1-p)) from a different random
+      stream, so losses agree in distribution, not bit for bit;
+    - DeBERTa's relative-position scores -> `opadvisor.kernels.disentangled_bias` (one kernel each way);
+    - any other region: the function it is in is compiled on its own (`@opadvisor.kernels.compile_region`,
+      regional torch.compile), which fuses the chain even where compiling the whole model fails; if
+      compiling fails it prints one line and runs the original. Safe (floating-point order may differ).
+    A region at a script's top level (no function to compile) has no automatic fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from opadvisor.profile.model import Op, Profile
+from opadvisor.rules._findings import build_finding, cost_words, fmt_ms
+from opadvisor.rules._index import ProfileIndex, index_of
+from opadvisor.rules._regions import (
+    CHAIN_LABELS,
+    Site,
+    bytes_moved,
+    find_regions,
+    merge_same_fix,
+    op_does_work,
+)
+from opadvisor.rules.finding import Finding
+
+ID = "fuse_region"
+TITLE = "Hot chain of memory-bound kernels"
+FIX = "safe"
+
+# Rules whose patterns are chains of memory-bound ops: their ops are theirs, never a region's.
+OWNER_RULES = (
+    "fused_softmax",
+    "sdpa_attention",
+    "fused_dropout_add",
+    "manual_layernorm",
+    "fused_cross_entropy",
+)
+MIN_KERNELS = 3  # a region of unnamed ops needs at least this many kernels (ops on a CPU profile) forward
+MIN_SHARE = 0.005  # ... and at least this share of the step
+MAX_FINDINGS = 10
+OPTIMIZER_MARK = "Optimizer.step"
+# autograd nodes of views: their backward is another view (no kernel)
+VIEW_BACKWARD = tuple(
+    f"{n}Backward"
+    for n in "View UnsafeView Transpose Permute Expand Squeeze Unsqueeze Slice Select Alias T Split "
+    "Unbind AsStrided Reshape Detach".split()
+)
+
+# chain -> (what apply writes, in words); unnamed regions get the regional compile
+FIXES = {
+    "gelu_tanh": 'torch.nn.functional.gelu(x, approximate="tanh")',
+    "gelu_erf": "torch.nn.functional.gelu(x)",
+    "silu": "torch.nn.functional.silu(x)",
+    "sigmoid_gate": "opadvisor.kernels.quick_gelu(x) (when c is 1.702), else the regional compile",
+    "dropout": "opadvisor.kernels.dropout(x, p)",
+    "relpos_gather": "opadvisor.kernels.disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)",
+}
+COMPILE_FIX = "@opadvisor.kernels.compile_region on {function} (regional torch.compile)"
+
+
+def detect(profile: Profile) -> list[Finding]:
+    ix = index_of(profile)
+    owned = _owned_by_other_rules(profile)
+    in_optimizer = _in_optimizer_step(profile)
+    findings = []
+    for site in merge_same_fix(find_regions(ix, lambda op: owned(op) or in_optimizer(op))):
+        # on a CPU profile every op is work, data preparation included: only the named chains are kept
+        f = _finding(ix, site) if ix.gpu or site.chain is not None else None
+        if f is not None:
+            findings.append(f)
+    findings.sort(key=lambda f: -(f.time_ms_per_step or 0.0))
+    return findings[:MAX_FINDINGS]
+
+
+def _owned_by_other_rules(profile: Profile) -> Callable[[Op], bool]:
+    """A test: does another rule's finding hold this op (its file, function and lines)?"""
+    from opadvisor.rules import registry
+    from opadvisor.rules.engine import NotApplicable
+
+    spans: dict[str, list[tuple[int, int, str | None]]] = {}
+    for rid in OWNER_RULES:
+        try:
+            found = registry.get_rule(rid).detect(profile)
+        except NotApplicable:
+            continue
+        for f in found:
+            spans.setdefault(f.path, []).append((f.line, f.end_line, f.function))
+
+    def owned(op: Op) -> bool:
+        if op.file is None or op.line is None:
+            return False
+        return any(
+            a <= op.line <= b and (fn is None or fn == op.function) for a, b, fn in spans.get(op.file, ())
+        )
+
+    return owned
+
+
+def _in_optimizer_step(profile: Profile) -> Callable[[Op], bool]:
+    """A test: did this op run inside an optimizer's step (fused_optimizer's and sparse_launch's business)?"""
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for a in profile.annotations:
+        if a.name.startswith(OPTIMIZER_MARK):
+            spans.setdefault(a.thread, []).append((a.start_us, a.start_us + a.duration_us))
+
+    def inside(op: Op) -> bool:
+        return any(s <= op.start_us <= e for s, e in spans.get(op.thread, ()))
+
+    return inside
+
+
+def _wrapper_backward(ix: ProfileIndex, ops: list[Op]) -> list[Op]:
+    """Backward ops of an autograd.Function (or named range) whose forward is entirely in `ops`: its
+    backward belongs to the region, though autograd links it to the Function, not to the ops inside."""
+    inside = {o.id for o in ops}
+    out = []
+    for wid in {ix.root(o).id for o in ops if ix.root(o) is not o}:
+        wrapper = ix.profile.ops[wid]
+        work = [d for d in ix.descendants(wrapper) if d.parent == wid and op_does_work(ix, d)]
+        if work and all(d.id in inside for d in work):
+            out.extend(ix.backward_ops(wrapper))
+    return out
+
+
+def _backward_counts(ix: ProfileIndex, ops: list[Op]) -> tuple[int, float]:
+    """(kernels or ops, cost in us) of the backward of one run."""
+    bwd = [b for o in ops for b in ix.backward_ops(o)] + _wrapper_backward(ix, ops)
+    cost = sum(ix.cost_us(b) for b in bwd)
+    if ix.gpu:
+        return sum(ix.kernel_count(b) for b in bwd), cost
+    # CPU: the innermost aten ops that did work under each backward node, or the node itself when the
+    # profile kept nothing under it (a view's backward counts for nothing)
+    count = 0
+    for b in bwd:
+        leaves = [
+            d
+            for d in ix.descendants(b)
+            if d.name.startswith("aten::")
+            and op_does_work(ix, d)
+            and not any(ix.profile.ops[c].name.startswith("aten::") for c in ix.children[d.id])
+        ]
+        node = b.name.rsplit(": ", 1)[-1]
+        count += len(leaves) or (not node.startswith(VIEW_BACKWARD))
+    return count, cost
+
+
+def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
+    first = site.occurrences[0]
+    fwd = sum(ix.kernel_count(o) for o in first) if ix.gpu else len(first)
+    if site.chain is None and fwd < MIN_KERNELS:
+        return None
+    bwd_n, _ = _backward_counts(ix, first)
+    total_us = sum(sum(ix.cost_us(o) for o in occ) + _backward_counts(ix, occ)[1] for occ in site.occurrences)
+    time_ms = ix.per_step_ms(total_us)
+    share = ix.share_of_step(time_ms)
+    if site.chain is None and (share is None or share < MIN_SHARE):
+        return None
+    floor_ms, bytes_info = _floor(ix, site, bwd_n > 0)
+    saving = None if (floor_ms is None or not ix.gpu) else max(0.0, time_ms - floor_ms)
+    label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
+    function = site.function or "?"
+    fix_words = FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
+    top_level = site.def_line is None and site.chain is None
+    unit = "kernels" if ix.gpu else "ops"
+    head = f"{label} ({_op_names(first)})"
+    f = build_finding(
+        ix,
+        rule=ID,
+        fix="none" if top_level else FIX,
+        path=site.file,
+        line=site.line,
+        end_line=site.end_line,
+        function=function,
+        occurrences=site.occurrences,
+        head=head,
+        fused_kernels=None,
+        est_saving_ms=saving,
+        advice=(
+            "no automatic fix: the region is not inside a function (move it into one, then compile it with "
+            "@opadvisor.kernels.compile_region)"
+            if top_level
+            else f"fuse it: {fix_words} (opadvisor apply --rule fuse_region)"
+        ),
+        details={
+            "chain": site.chain,
+            "function": site.function,
+            "def_line": site.def_line,
+            "kernels_forward": fwd,
+            "kernels_backward": bwd_n,
+            "count_unit": unit,
+            **bytes_info,
+            "fix": fix_words,
+        },
+        notes=(["the fused dropout draws its own random mask: losses agree in distribution"]
+               if site.chain == "dropout" else []),
+    )  # fmt: skip
+    f.time_ms_per_step = time_ms
+    f.evidence.time_ms_per_step = time_ms
+    f.evidence.share_of_step = share
+    f.message = _message(ix, f, label, fwd, bwd_n, unit, floor_ms, bytes_info)
+    return f
+
+
+def _op_names(ops: list[Op]) -> str:
+    short = [o.name.rsplit("::", 1)[-1] for o in ops]
+    return " -> ".join(short) if len(short) <= 8 else " -> ".join([*short[:7], f"... ({len(short)} ops)"])
+
+
+def _floor(ix: ProfileIndex, site: Site, has_backward: bool) -> tuple[float | None, dict]:
+    """(floor in ms per step or None, facts about it for `details`)."""
+    read, written = bytes_moved(site.occurrences[0])
+    # backward of a fused region: read the output's gradient and the saved inputs, write their gradients
+    bwd = written + 2 * read if has_backward else 0
+    per_run = read + written + bwd
+    runs_per_step = len(site.occurrences) / ix.steps_recorded
+    bw = ix.profile.environment.copy_bandwidth_gbps
+    info = {"bytes_per_run": per_run, "runs_per_step": round(runs_per_step, 2), "copy_bandwidth_gbps": bw}
+    if not ix.gpu or not bw:
+        return None, info
+    floor_ms = per_run * runs_per_step / (bw * 1e9) * 1e3
+    info["floor_ms_per_step"] = floor_ms
+    return floor_ms, info
+
+
+def _message(ix, f: Finding, label, fwd, bwd, unit, floor_ms, info) -> str:
+    per_step = f.evidence.occurrences
+    parts = [f"{label}: {fwd} {unit} forward, {bwd} backward"]
+    if per_step > 1:
+        parts.append(f"{per_step}x per step")
+    parts.append(cost_words(ix, f.time_ms_per_step, f.evidence.share_of_step))
+    text = ", ".join(parts)
+    if floor_ms is not None:
+        text += (
+            f"; one fused pass would move {info['bytes_per_run'] / 2**20:.0f} MiB per run: "
+            f"{fmt_ms(floor_ms)}/step at the measured {info['copy_bandwidth_gbps']:.0f} GB/s"
+        )
+    elif ix.gpu:
+        text += "; copy bandwidth not measured in this profile (profile again to get the floor)"
+    return text
+
+
+__all__ = ["FIX", "ID", "TITLE", "detect"]

@@ -123,6 +123,8 @@ class DropoutMatcher:
                     mask = attached
                 pending.extend(inner)
                 continue
+            if factor is None and isinstance(node, (cst.Name, cst.Attribute)):
+                factor = self.conv.poly(node)  # `/ keep`: a divisor is never the data
             if factor is None:
                 return None
             if inverted:

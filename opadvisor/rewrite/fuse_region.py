@@ -57,13 +57,14 @@ SERVES = {
     "relpos": "relpos_gather",
 }
 WORDS = {
-    "gelu_tanh": "tanh GELU",
-    "gelu_erf": "erf GELU",
+    "gelu_tanh": "a tanh GELU",
+    "gelu_erf": "an erf GELU",
     "silu": "SiLU",
     "sigmoid_gate": "x * sigmoid(c * x)",
     "quick_gelu": "QuickGELU",
-    "dropout": "dropout by hand",
-    "relpos_gather": "relative-position gather",
+    "dropout": "a dropout",
+    "relpos": "DeBERTa's relative-position scores",
+    "relpos_gather": "DeBERTa's relative-position scores",
 }
 
 
@@ -87,10 +88,17 @@ class _Assigned(cst.CSTVisitor):
         self.names: set[str] = set()
 
     def _target(self, node: cst.CSTNode) -> None:
-        for n in nodes_of(node, cst.Name):
-            self.names.add(n.value)
-        if isinstance(node, cst.Attribute):
+        if isinstance(node, cst.Attribute):  # ctx.p = ...: binds `ctx.p`, not the names inside
             self.names.add(code(node))
+        elif isinstance(node, cst.Subscript):  # x[i] = ...: changes x
+            self._target(node.value)
+        elif isinstance(node, (cst.Tuple, cst.List)):
+            for el in node.elements:
+                self._target(el.value)
+        elif isinstance(node, cst.StarredElement):
+            self._target(node.value)
+        elif isinstance(node, cst.Name):
+            self.names.add(node.value)
 
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self._target(node.target)
@@ -202,7 +210,7 @@ class FuseRegionCodemod(BlockRewriter):
                 return True
             if chain in WORDS and chain != SERVES[kind]:
                 self.served.add(i)
-                self.skip(node, f"the profile saw a {WORDS[chain]} here, the source has a {WORDS[kind]}")
+                self.skip(node, f"the profile saw {WORDS[chain]} here, the source computes {WORDS[kind]}")
             return False
         return False
 
@@ -346,7 +354,7 @@ class FuseRegionCodemod(BlockRewriter):
         x = conv.leaves[x_text]
         removed, why = self._temporaries(stmts, k, node, [x], resolver)
         if why is not None:
-            self.skip(node, f"{WORDS[kind]} written by hand: not rewritten, {why}")
+            self.skip(node, f"{WORDS[kind]} written by hand, not rewritten: {why}")
             return None
         if kind == "gelu_tanh":
             new = cst.Call(
@@ -368,7 +376,7 @@ class FuseRegionCodemod(BlockRewriter):
         removed, why = self._temporaries(stmts, k, node, [dm.x, dm.p], resolver)
         if why is not None:
             self.skip(
-                node, f"dropout written by hand: not rewritten, {why} (its mask must stay the one applied)"
+                node, f"a dropout written by hand, not rewritten: {why} (its mask must stay the one applied)"
             )
             return None
         new = cst.Call(self.ref(f"{KERNELS}.dropout"), [cst.Arg(dm.x, comma=_comma()), cst.Arg(dm.p)])

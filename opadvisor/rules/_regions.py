@@ -151,8 +151,14 @@ def op_does_work(ix: ProfileIndex, op: Op) -> bool:
 
 
 def _is_compute(op: Op) -> bool:
-    """A matrix product / convolution / attention, or an op outside aten (a fused kernel, a custom op)."""
-    return op.name in COMPUTE_OPS or not op.name.startswith("aten::")
+    """A matrix product / convolution / attention, an op outside aten (a fused kernel, a custom op), or an
+    optimizer's multi-tensor update (fused_optimizer's business, and not a chain of one region)."""
+    name = op.name
+    return (
+        name in COMPUTE_OPS
+        or not name.startswith("aten::")
+        or name.startswith(("aten::_foreach_", "aten::_fused_"))
+    )
 
 
 class _Identity:
@@ -216,8 +222,7 @@ def find_regions(ix: ProfileIndex, owned: Callable[[Op], bool], min_ops: int = 2
         if not spans:
             continue
         line, end = min(s[0] for s in spans), max(s[1] for s in spans)
-        names_key = tuple(o.name for o in region.ops)
-        key = (region.file, region.function, region.def_line, line, end, names_key)
+        key = (region.file, region.function, region.def_line, line, end)
         site = sites.get(key)
         if site is None:
             site = sites[key] = Site(region.file, region.function, region.def_line, line, end)
@@ -273,9 +278,10 @@ def chain_of(ops: Sequence[Op]) -> str | None:
     """The name of a recognised chain (see CHAIN_LABELS) from the ops' names and shapes, else None."""
     ns = [o.name for o in ops]
     present = set(ns)
-    if "aten::tanh" in present and present <= _GELU_TANH and len(ns) >= 4:
+    # one GELU: a single tanh (erf) among a handful of multiplies and adds (a cube: pow, or more multiplies)
+    if ns.count("aten::tanh") == 1 and present <= _GELU_TANH and 5 <= len(ns) <= 10:
         return "gelu_tanh"
-    if "aten::erf" in present and present <= _GELU_ERF and len(ns) >= 3:
+    if ns.count("aten::erf") == 1 and present <= _GELU_ERF and 3 <= len(ns) <= 7:
         return "gelu_erf"
     if ns == ["aten::sigmoid", "aten::mul"] and shape(ops[0], 0) in (shape(ops[1], 0), shape(ops[1], 1)):
         return "silu"

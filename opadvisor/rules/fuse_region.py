@@ -70,6 +70,7 @@ OWNER_RULES = (
 )
 MIN_KERNELS = 3  # a region of unnamed ops needs at least this many kernels (ops on a CPU profile) forward
 MIN_SHARE = 0.005  # ... and at least this share of the step
+MIN_SHARE_TOP_LEVEL = 0.02  # ... this much at a script's top level, where there is no function to fix
 MAX_FINDINGS = 10
 OPTIMIZER_MARK = "Optimizer.step"
 # autograd nodes of views: their backward is another view (no kernel)
@@ -177,23 +178,30 @@ def _backward_counts(ix: ProfileIndex, ops: list[Op]) -> tuple[int, float]:
     return count, cost
 
 
+def _per_run(ix: ProfileIndex, site: Site) -> tuple[list[Op], int]:
+    """(a typical run, its forward kernels or ops): the most common count over the site's runs (a function
+    called twice in a row with nothing between gives one run of twice the ops)."""
+    counts = [sum(ix.kernel_count(o) for o in occ) if ix.gpu else len(occ) for occ in site.occurrences]
+    typical = max(set(counts), key=lambda c: (counts.count(c), -c))
+    return site.occurrences[counts.index(typical)], typical
+
+
 def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
-    first = site.occurrences[0]
-    fwd = sum(ix.kernel_count(o) for o in first) if ix.gpu else len(first)
+    first, fwd = _per_run(ix, site)
     if site.chain is None and fwd < MIN_KERNELS:
         return None
     bwd_n, _ = _backward_counts(ix, first)
     total_us = sum(sum(ix.cost_us(o) for o in occ) + _backward_counts(ix, occ)[1] for occ in site.occurrences)
     time_ms = ix.per_step_ms(total_us)
     share = ix.share_of_step(time_ms)
-    if site.chain is None and (share is None or share < MIN_SHARE):
+    top_level = site.def_line is None and site.chain is None
+    if site.chain is None and (share is None or share < (MIN_SHARE_TOP_LEVEL if top_level else MIN_SHARE)):
         return None
     floor_ms, bytes_info = _floor(ix, site, bwd_n > 0)
     saving = None if (floor_ms is None or not ix.gpu) else max(0.0, time_ms - floor_ms)
     label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
     function = site.function or "?"
     fix_words = FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
-    top_level = site.def_line is None and site.chain is None
     unit = "kernels" if ix.gpu else "ops"
     head = f"{label} ({_op_names(first)})"
     f = build_finding(

@@ -59,6 +59,7 @@ from opadvisor.rules.finding import Finding
 ID = "fuse_region"
 TITLE = "Hot chain of memory-bound kernels"
 FIX = "safe"
+FIX_CAVEAT = "none for a region at a script's top level (no function to compile)"
 
 # Rules whose patterns are chains of memory-bound ops: their ops are theirs, never a region's.
 OWNER_RULES = (

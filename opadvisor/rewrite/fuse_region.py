@@ -41,7 +41,7 @@ from libcst.codemod import CodemodContext
 from opadvisor.rewrite._algebra import Converter, activation_of
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
-from opadvisor.rewrite._match import code, names_in, nodes_of, qualified
+from opadvisor.rewrite._match import code, names_in, nodes_of, parent, qualified
 from opadvisor.rewrite.base import Note, Target
 
 KERNELS = "opadvisor.kernels"
@@ -179,6 +179,7 @@ class FuseRegionCodemod(BlockRewriter):
         self.targets_only = 0  # changes static mode never makes (regional compiles): see the engine
         self.plan = _Plan()
         self._classes: list[bool] = []  # per enclosing class: is it an autograd.Function?
+        self.compile_with: dict[int, list[tuple[int, str]]] = {}  # id(caller def) -> (target line, Function)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> bool:
         self._classes.append(any(qualified(self, b.value) & AUTOGRAD_FUNCTION for b in node.bases))
@@ -240,7 +241,42 @@ class FuseRegionCodemod(BlockRewriter):
                             f"{name} is a dropout written by hand, but nothing in this file calls {name}.apply",
                         )
                     )
+        if self.targets is not None and not self.RANDOM_ONLY:
+            self._compile_callers(node)
         return True
+
+    def _compile_callers(self, module: cst.Module) -> None:
+        """A region inside an autograd.Function (other than a dropout it replaces) is compiled with the
+        code that calls it: the functions holding its `Fn.apply(...)` calls get the decorator (dynamo
+        traces the Function's forward and backward inside them)."""
+        calls: dict[str, list[cst.Call]] = {}
+        for call in nodes_of(module, cst.Call):
+            name = _apply_of(call)
+            if name in self.plan.class_lines:
+                calls.setdefault(name, []).append(call)
+        for name, (start, end) in self.plan.class_lines.items():
+            for i, t in enumerate(self.targets or ()):
+                if i in self.served or not (start <= t.line and t.end_line <= end):
+                    continue
+                callers = {id(f): f for c in calls.get(name, []) if (f := self._enclosing_def(c)) is not None}
+                self.served.add(i)
+                if t.details.get("chain") == "dropout" and name in self.plan.refused:
+                    why = self.plan.refused[name]
+                    self.skipped.append(
+                        Note(t.line, f"{name}: not replaced by opadvisor.kernels.dropout: {why}")
+                    )
+                if not callers:
+                    self.skipped.append(Note(t.line, f"not compiled: {name} is an autograd.Function and nothing "
+                                             f"in this file calls {name}.apply"))  # fmt: skip
+                    continue
+                for fid in callers:
+                    self.compile_with.setdefault(fid, []).append((t.line, name))
+
+    def _enclosing_def(self, node: cst.CSTNode) -> cst.FunctionDef | None:
+        current = parent(self, node)
+        while current is not None and not isinstance(current, cst.FunctionDef):
+            current = parent(self, current)
+        return current
 
     def _scan_function(self, cls: cst.ClassDef) -> None:
         name = cls.name.value
@@ -445,6 +481,9 @@ class FuseRegionCodemod(BlockRewriter):
     ) -> cst.FunctionDef:
         if self.targets is None or self.RANDOM_ONLY:
             return updated_node
+        done = self._decorate_caller(original_node, updated_node)
+        if done is not None:
+            return done
         start, end = self.lines_of(original_node)
         mine = [
             i
@@ -468,6 +507,29 @@ class FuseRegionCodemod(BlockRewriter):
         )
         self.targets_only += 1
         return updated_node.with_changes(decorators=[*updated_node.decorators, deco])
+
+    def _decorate_caller(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef | None:
+        """The caller of an autograd.Function holding a region, decorated (see `_compile_callers`)."""
+        wanted = self.compile_with.get(id(original))
+        if not wanted:
+            return None
+        line = self.lines_of(original)[0]
+        cls = self._class_of(original)
+        qualname = f"{cls.name.value}.{original.name.value}" if cls is not None else original.name.value
+        why = self._cannot_compile(original)
+        for target_line, name in wanted:
+            if why is not None:
+                self.skipped.append(
+                    Note(target_line, f"not compiled with its caller {original.name.value}: {why}")
+                )
+            else:
+                self.changes.append(Note(target_line, f"{name} (an autograd.Function) compiled with its caller: "
+                                         f"{qualname} (line {line}) gets @compile_region"))  # fmt: skip
+        if why is not None:
+            return updated
+        self.targets_only += len(wanted)
+        deco = cst.Decorator(decorator=self.ref(COMPILE_REGION))
+        return updated.with_changes(decorators=[*updated.decorators, deco])
 
     def _in_nested(self, fn: cst.FunctionDef, target: Target) -> bool:
         """Whether a function nested in `fn` holds the target (then that one is compiled)."""

@@ -108,7 +108,10 @@ RUNNABLE = [c for c in CASES if "def make_inputs" in c.read_text() and c.read_te
 
 
 @pytest.mark.parametrize("case", RUNNABLE, ids=lambda p: p.name.removesuffix(".in.py"))
-def test_same_values_and_gradients(case: Path) -> None:
+def test_same_values_and_gradients(case: Path, monkeypatch) -> None:
+    # a function given @compile_region runs as written here: what the rewrite must keep is the function;
+    # inductor's code for it is torch's business (tests/kernels compiles one for real)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     before = _outputs_and_grads(case.read_text(), "before")
     after = _outputs_and_grads(_out(case).read_text(), "after")
     for a, b in zip([*before[0], *before[1]], [*after[0], *after[1]], strict=True):

@@ -100,6 +100,19 @@ def _apply(work: Path, args: list[str], opts, info: dict, key: str) -> bool:
     return bool(lines)
 
 
+def _warnings(script: Path, args: list[str], opts) -> list[str]:
+    """What the rewritten script says on stderr in a few steps: a regional compile or a CUDA graph that
+    fell back says so there (one line each), and the table should not hide it."""
+    import subprocess
+
+    cmd = [sys.executable, str(script), *args[:-2], "--steps", "4"]
+    proc = subprocess.run(
+        cmd, cwd=script.parent, capture_output=True, text=True, timeout=opts.timeout, check=False
+    )
+    keys = ("opadvisor", "warn", "Warning", "fall", "uncompiled", "Error")
+    return [ln.strip()[:300] for ln in proc.stderr.splitlines() if any(k in ln for k in keys)][:12]
+
+
 def bench(name: str, tmp: Path, opts) -> tuple[list[dict], dict]:
     script_name, sizes = MODELS[name]
     orig_dir, work_dir = tmp / name / "original", tmp / name / "work"
@@ -128,9 +141,11 @@ def bench(name: str, tmp: Path, opts) -> tuple[list[dict], dict]:
     if _apply(work_dir, [], opts, info, "safe_applied"):
         info["safe_parity"] = parity(work_dir, opts) if opts.parity else "skipped"
         _row(rows, name, "safe fixes (apply --rule all), eager", work, args, opts, info["safe_parity"])
+        info["safe_warnings"] = _warnings(work, args, opts) if opts.diagnose else []
     if opts.unsafe and _apply(work_dir, ["--unsafe"], opts, info, "unsafe_applied"):
         info["all_parity"] = parity(work_dir, opts) if opts.parity else "skipped"
         _row(rows, name, "all fixes (+ --unsafe, CUDA graphs), eager", work, args, opts, info["all_parity"])
+        info["unsafe_warnings"] = _warnings(work, args, opts) if opts.diagnose else []
     return rows, info
 
 
@@ -153,6 +168,11 @@ def markdown(rows: list[dict], infos: dict[str, dict], header: dict[str, str]) -
                 f"{sp} | {r['note']} |"
             )
     out += [""] + [line for name in infos for line in _targets(name, rows)]
+    for name, info in infos.items():
+        for key, what in (("safe_warnings", "safe fixes"), ("unsafe_warnings", "all fixes")):
+            if info.get(key):
+                out += ["", f"{name}, {what}: the rewritten script said, in 4 steps:"]
+                out += [f"    {line}" for line in info[key]]
     return "\n".join(out) + "\n"
 
 
@@ -192,6 +212,12 @@ def main() -> int:
     )
     parser.add_argument("--no-unsafe", dest="unsafe", action="store_false", help="stop after the safe fixes")
     parser.add_argument("--no-parity", dest="parity", action="store_false", help="skip opadvisor verify")
+    parser.add_argument(
+        "--no-diagnose",
+        dest="diagnose",
+        action="store_false",
+        help="skip the 4-step run of each rewrite that collects its warnings (fallbacks of compile / CUDA graphs)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     parser.add_argument("--keep", type=Path, help="work in this new folder and keep it")
     opts = parser.parse_args()

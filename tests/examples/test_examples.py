@@ -30,7 +30,9 @@ def _losses(script: str, *extra: str) -> list[float]:
     return [loss for _, loss in steps]
 
 
-@pytest.mark.parametrize("script", ["bert_train.py", "gpt_train.py"])
+@pytest.mark.parametrize(
+    "script", ["bert_train.py", "gpt_train.py", "gpt2_gelu_train.py", "deberta_train.py"]
+)
 def test_example_trains_and_is_reproducible(script: str) -> None:
     first = _losses(script)
     assert all(math.isfinite(x) for x in first)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op
-from opadvisor.rules._chains import GEMM_OPS, dtype_of, names, norm_dtype, shape
+from opadvisor.rules._chains import GEMM_OPS, PASS_THROUGH_OPS, dtype_of, names, norm_dtype, shape
 from opadvisor.rules._index import ProfileIndex, module_related, owner_module
 from opadvisor.rules._source import load_profiled_source, locate_each
 
@@ -63,47 +63,15 @@ COMPUTE_OPS: frozenset[str] = GEMM_OPS | names(
     "rnn_relu",
     "_cudnn_rnn",
 )
-# Ops that launch nothing (a new view of the same memory, an allocation, a size query).
-VIEW_OPS: frozenset[str] = names(
-    "view",
-    "_unsafe_view",
-    "_reshape_alias",
-    "transpose",
-    "permute",
-    "t",
-    "expand",
-    "expand_as",
-    "unsqueeze",
-    "squeeze",
-    "flatten",
-    "unflatten",
-    "slice",
-    "select",
-    "narrow",
-    "as_strided",
-    "detach",
-    "alias",
-    "lift_fresh",
-    "size",
-    "stride",
-    "numel",
-    "split",
-    "chunk",
-    "unbind",
-    "view_as",
-    "resolve_conj",
-    "resolve_neg",
-    "empty",
-    "empty_like",
-    "empty_strided",
-    "new_empty",
-    "is_nonzero",
-    "dim",
-)
 # Ops that copy only sometimes (`x.to(x.dtype)`, `.contiguous()` of a contiguous tensor return x): on a
 # CPU profile they count as work only when they ran a copy underneath.
 COPY_IF_NEEDED: frozenset[str] = names("to", "contiguous", "type_as", "reshape", "_to_copy")
 COPY_OPS: frozenset[str] = names("copy_", "clone", "_to_copy")
+# Ops that launch nothing (a new view of the same memory, an allocation, a size query): the chains'
+# pass-through ops, less those that copy.
+VIEW_OPS: frozenset[str] = (PASS_THROUGH_OPS - COPY_IF_NEEDED - COPY_OPS) | names(
+    "empty_strided", "new_empty", "is_nonzero", "dim"
+)
 RANDOM_OPS: frozenset[str] = names(
     "bernoulli", "bernoulli_", "rand", "rand_like", "uniform_", "randn_like", "normal_", "randint_like"
 )

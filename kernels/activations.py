@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from . import _backend
+from . import _backend, _dispatch
 from . import _layout as layout
 from ._launch import Launcher
 
@@ -25,6 +25,7 @@ BLOCK = 2048
 # masked_softmax measured for the same autograd.Function host cost (~0.07 ms forward, ~0.2 ms
 # forward+backward) against the GPU time of a few elementwise passes.
 SMALL_NUMEL = 1 << 22
+OP = "quick_gelu"  # its name in the dispatch record and in warnings
 
 
 def quick_gelu_backend(x: torch.Tensor) -> str:
@@ -52,6 +53,8 @@ def _meta(n: int, t: torch.Tensor) -> tuple[tuple[int], dict]:
 class QuickGeluFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
+        if not x.is_contiguous():
+            _dispatch.warn_fallback(OP, "a non-contiguous input is copied first")
         x = x.contiguous()
         y = torch.empty_like(x)
         _backend.check_launch(x)
@@ -73,6 +76,11 @@ class QuickGeluFunction(torch.autograd.Function):
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 * x)``, one kernel forward and one backward on CUDA (see the module doc)."""
     backend = quick_gelu_backend(x)
-    if backend in (_backend.REFERENCE, _backend.EAGER) or torch.compiler.is_compiling():
+    if backend == _backend.REFERENCE:
+        _dispatch.record_reference(OP, _backend.fallback_reason(x))
         return reference_quick_gelu(x)
+    if backend == _backend.EAGER or torch.compiler.is_compiling():
+        _dispatch.record(OP, _dispatch.CHAIN)
+        return reference_quick_gelu(x)
+    _dispatch.record(OP, _dispatch.KERNEL)
     return QuickGeluFunction.apply(x)

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from . import _backend
+from . import _backend, _dispatch
 from . import _layout as layout
 from ._launch import Launcher
 
@@ -32,6 +32,7 @@ BLOCK = 512
 # CUDA score tables with fewer elements run the PyTorch chain: not measured for this kernel; the value
 # masked_softmax measured for the same autograd.Function host cost.
 SMALL_NUMEL = 1 << 22
+OP = "disentangled_bias"  # its name in the dispatch record and in warnings
 
 
 def disentangled_bias_backend(table: torch.Tensor) -> str:
@@ -199,6 +200,11 @@ def disentangled_bias(
     n, sq, sk, ci, pi = _check(c2p, p2c, c2p_index, p2c_index)
     table = c2p if c2p is not None else p2c
     backend = disentangled_bias_backend(table) if n * sq * sk > 0 else _backend.REFERENCE
-    if backend in (_backend.REFERENCE, _backend.EAGER) or torch.compiler.is_compiling():
+    if backend == _backend.REFERENCE:
+        _dispatch.record_reference(OP, _backend.fallback_reason(table) if n * sq * sk > 0 else None)
         return reference_disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)
+    if backend == _backend.EAGER or torch.compiler.is_compiling():
+        _dispatch.record(OP, _dispatch.CHAIN)
+        return reference_disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)
+    _dispatch.record(OP, _dispatch.KERNEL)
     return DisentangledBiasFunction.apply(c2p, p2c, ci, pi, float(scale), n, sq, sk)

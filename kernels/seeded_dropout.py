@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import _backend, _rng
+from . import _backend, _dispatch, _rng
 from . import _layout as layout
 from ._launch import Launcher
 
@@ -33,6 +33,7 @@ RNG_INTERLEAVE = False
 # element), which pays for that host time only on large tensors. Inside a CUDA graph capture (no host
 # cost per replay) every size takes the kernel.
 SMALL_NUMEL = 1 << 25
+OP = "dropout"  # its name in the dispatch record and in warnings
 
 
 def dropout_backend(x: torch.Tensor) -> str:
@@ -100,6 +101,8 @@ class DropoutFunction(torch.autograd.Function):
     def forward(ctx, x, p):
         seed = _rng.draw_seed(x.device)
         ctx.args = (p, seed)
+        if not x.is_contiguous():
+            _dispatch.warn_fallback(OP, "a non-contiguous input is copied first")
         return _launch_dropout(x.contiguous(), p, seed)
 
     @staticmethod
@@ -126,6 +129,11 @@ def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Ten
     if not training or p == 0:
         return x
     backend = dropout_backend(x)
-    if backend in (_backend.REFERENCE, _backend.EAGER) or torch.compiler.is_compiling():
+    if backend == _backend.REFERENCE:
+        _dispatch.record_reference(OP, _backend.fallback_reason(x))
         return F.dropout(x, p, True)
+    if backend == _backend.EAGER or torch.compiler.is_compiling():
+        _dispatch.record(OP, _dispatch.CHAIN)
+        return F.dropout(x, p, True)
+    _dispatch.record(OP, _dispatch.KERNEL)
     return DropoutFunction.apply(x, float(p))

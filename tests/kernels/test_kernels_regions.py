@@ -202,6 +202,29 @@ def test_disentangled_bias_rejects_mismatched_inputs():
         disentangled_bias(c2p, p2c, None, pi, 1.0)
 
 
+# ---- the dispatch record ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("every_size")
+def test_dispatch_record_and_fallback_warnings(monkeypatch):
+    from opadvisor.kernels import _dispatch, dispatch_counts, reset_dispatch_counts
+
+    monkeypatch.setattr(_dispatch, "_WARNED", set())  # warnings are once per process: start afresh
+    reset_dispatch_counts()
+    x = torch.randn(4, 8)
+    c2p, p2c, ci, pi = _relpos_inputs(2, 5, 2, "cpu")
+    dropout(x, 0.1), quick_gelu(x), disentangled_bias(c2p, p2c, ci, pi, 2.0)
+    with pytest.warns(RuntimeWarning, match=r"opadvisor.kernels.quick_gelu: .*float64"):
+        quick_gelu(x.double())
+    with pytest.warns(RuntimeWarning, match=r"opadvisor.kernels.dropout: a non-contiguous input is copied"):
+        dropout(x.t(), 0.1)
+    assert dispatch_counts() == {
+        "dropout": {"kernel": 2},
+        "quick_gelu": {"kernel": 1, "reference": 1},
+        "disentangled_bias": {"kernel": 1},
+    }
+
+
 # ---- compile_region -------------------------------------------------------------------------------------
 
 

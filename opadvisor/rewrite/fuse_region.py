@@ -568,6 +568,7 @@ class RandomOnlyCodemod(FuseRegionCodemod):
     """The dropout rewrites alone: what verify's parity phase runs as the original (see the engine's
     `_parity_original`), so that the original's hand-written dropout is neutralised like the rewrite's."""
 
+    RULE = "fuse_region (parity original)"  # not the rule's codemod: apply never picks it by name
     RANDOM_ONLY = True
 
 

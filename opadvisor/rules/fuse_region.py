@@ -35,8 +35,11 @@ Fix and its safety
     - DeBERTa's relative-position scores -> `opadvisor.kernels.disentangled_bias` (one kernel each way);
     - any other region: the function it is in is compiled on its own (`@opadvisor.kernels.compile_region`,
       regional torch.compile), which fuses the chain even where compiling the whole model fails; if
-      compiling fails it prints one line and runs the original. Safe (floating-point order may differ).
-    A region at a script's top level (no function to compile) has no automatic fix.
+      compiling fails it prints one line and runs the original. Safe (floating-point order may differ). A
+      region inside an autograd.Function (DeBERTa's XSoftmax) is compiled with the functions that call it.
+    A region at a script's top level (no function to compile) has no automatic fix. `opadvisor verify`
+    compares losses with dropout disabled; for a replaced hand-written dropout the original it runs has
+    the same replacement (which it can disable), so the rest of the rewrite is still checked exactly.
 """
 
 from __future__ import annotations

@@ -4,22 +4,35 @@ A training step of a mid-sized transformer launches about two thousand kernels; 
 the GPU waits for the host to launch the next one (the BERT-base example after `opadvisor apply`: the GPU
 busy 18 ms of a 29 ms step, the rest launch time). A CUDA graph launches all of a forward's (or a
 backward's) kernels at once. `cuda_graphed` captures them with `torch.cuda.make_graphed_callables` (the
-forward and backward as one autograd node) the first time it sees a set of input shapes, and replays them
+forward and backward as one autograd node) the first time it sees a call signature, and replays them
 afterwards; everything else in the step (data, loss, optimizer) stays as written.
 
 Returns the same module object with its `forward` replaced (an instance attribute): parameters, buffers,
-`state_dict`, `isinstance` and attribute access are unchanged. Each call runs the original forward eagerly,
-which is always correct, unless all of these hold:
+`state_dict`, `isinstance` and attribute access are unchanged.
 
-- gradients are enabled, every positional argument is a CUDA tensor, no keyword arguments, and neither
-  torch.compile is tracing nor another graph capturing (torch.compile traces the original forward; the
-  tested order is the other one, `cuda_graphed(torch.compile(model))`, which captures the compiled code);
+Calls: positional and keyword arguments (`model(**batch)` with input_ids / attention_mask / labels, say).
+CUDA tensors are the graph's inputs (copied into its input buffers at each replay); every other argument
+(None, flags such as `return_dict=True`, numbers, strings) is static: it is part of the signature, with the
+tensors' shapes, strides, dtypes and requires_grad, the module's training flag and the autocast state, so
+another value captures another graph. Outputs: tensors, and tuples, lists, dicts and dict-like objects of them
+(HuggingFace's ModelOutput, an OrderedDict subclass, comes back as a ModelOutput of the same class), with
+None / number / string leaves kept as captured.
+
+Each call runs the original forward eagerly, which is always correct, unless all of these hold:
+
+- gradients are enabled, every tensor argument is a CUDA tensor, every other argument is hashable and holds
+  no tensor, and neither torch.compile is tracing nor another graph capturing (torch.compile traces the
+  original forward; the tested order is the other one, `cuda_graphed(torch.compile(model))`, which captures
+  the compiled code);
 - the module has no forward/backward hooks on any submodule and no global module hooks (they would run
   only at capture);
-- the parameters are the ones captured (same storage, dtype and requires_grad), the autocast state is the
-  captured one (it is part of the key), and at most `max_graphs` input signatures have been captured;
+- the parameters are the ones captured (same storage, dtype and requires_grad) and at most `max_graphs`
+  signatures have been captured;
 - the previous graphed forward's backward has run or its autograd graph is gone: a second forward before
-  the first one's backward would overwrite the activations the first backward needs, so it runs eagerly.
+  the first one's backward would overwrite the activations the first backward needs, so it runs eagerly;
+- the output holds only what is listed above (a cache object, say, cannot be rebuilt from a graph).
+
+Each of these fallbacks warns once per module and reason (RuntimeWarning), except torch.compile's tracing.
 
 What a caller must not rely on, and why this rewrite is "unsafe" for `opadvisor apply`: outputs live in the
 graph's memory and are overwritten by the next graphed call (keep `.detach().clone()` of an output you
@@ -30,6 +43,12 @@ BatchNorm statistics are restored afterwards). A capture that fails (a host sync
 dependent shape in forward) warns once and leaves the module eager, with the device's random generator
 taken out of the capture mode the failed capture left it in (`_release_rng_capture`).
 
+Captures do not depend on what ran before in the process: garbage is collected before a capture and the
+collector is off during it, so a dead object that holds CUDA memory or an earlier graph (an earlier graphed
+module in a reference cycle, say) is never freed in the middle of a capture, where freeing it is an
+operation the capture does not permit (it invalidates the capture: "operation not permitted when stream is
+capturing").
+
 Gradients are returned in fresh memory when a parameter's `.grad` is None (the usual `zero_grad()`), so a
 parameter's `.grad` never aliases the graph's memory and gradient accumulation adds what it should.
 """
@@ -37,8 +56,11 @@ parameter's `.grad` never aliases the graph's memory and gradient accumulation a
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import warnings
 import weakref
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,6 +68,7 @@ import torch.nn as nn
 
 MAX_GRAPHS = 4  # input signatures captured per module; further ones run eagerly (memory per graph)
 WARMUP_ITERS = 3  # make_graphed_callables' warm-up passes before capture (cuDNN/cuBLAS lazy init)
+_STATIC_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 def cuda_graphed(module: nn.Module, *, max_graphs: int = MAX_GRAPHS) -> nn.Module:
@@ -57,30 +80,140 @@ def cuda_graphed(module: nn.Module, *, max_graphs: int = MAX_GRAPHS) -> nn.Modul
     return module
 
 
-class _Capture(nn.Module):
-    """The surface `make_graphed_callables` graphs: the module's parameters and its original forward."""
+# ---------------------------------------------------------------------------------------------------
+# A call's arguments: the tensors (graph inputs) and the static rest (part of the signature)
+# ---------------------------------------------------------------------------------------------------
 
-    def __init__(self, module: nn.Module, forward: Any) -> None:
+_TENSOR = object()  # a tensor's slot in a call's static layout
+
+
+class NotGraphable(Exception):
+    """A call or an output that a CUDA graph cannot stand for; the message says why."""
+
+
+def split_call(
+    args: tuple, kwargs: dict[str, Any], *, cuda: bool = True
+) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """(the call's tensors in order, its static layout): positional arguments, then keyword arguments by
+    name. The layout holds each non-tensor argument (with its type, so 1, 1.0 and True differ) and is
+    hashable; raises NotGraphable for an argument a graph cannot take (with `cuda`, a tensor not on a CUDA
+    device too) or a call without tensors."""
+    tensors: list[torch.Tensor] = []
+    slots = [_slot(a, f"argument {i}", tensors, cuda) for i, a in enumerate(args)]
+    names = tuple(sorted(kwargs))
+    slots += [_slot(kwargs[name], f"argument {name!r}", tensors, cuda) for name in names]
+    if not tensors:
+        raise NotGraphable("a call without tensor arguments")
+    return tuple(tensors), (len(args), names, tuple(slots))
+
+
+def _slot(value: Any, where: str, tensors: list[torch.Tensor], cuda: bool) -> Any:
+    if isinstance(value, torch.Tensor):
+        if cuda and not value.is_cuda:
+            raise NotGraphable(f"{where} is a {value.device.type} tensor (graphs take CUDA tensors)")
+        tensors.append(value)
+        return _TENSOR
+    if any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value)):
+        raise NotGraphable(f"{where} is a {type(value).__name__} holding tensors (pass tensors directly)")
+    try:
+        hash(value)
+    except TypeError:
+        raise NotGraphable(f"{where} is an unhashable {type(value).__name__}") from None
+    return (type(value), value)
+
+
+def rebuild_call(tensors: tuple[torch.Tensor, ...], layout: tuple) -> tuple[tuple, dict[str, Any]]:
+    """The (args, kwargs) that `split_call` split into `tensors` and `layout`."""
+    n_args, names, slots = layout
+    it = iter(tensors)
+    values = [next(it) if slot is _TENSOR else slot[1] for slot in slots]
+    return tuple(values[:n_args]), dict(zip(names, values[n_args:], strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Outputs: flattened to the tensors a graph returns, rebuilt around them at each replay
+# ---------------------------------------------------------------------------------------------------
+
+
+def flatten_output(out: Any) -> tuple[list[torch.Tensor], Any]:
+    """(tensors, spec) of a forward's output: tensors, tuples / lists (namedtuples too), dicts and
+    dict-like objects (ModelOutput) of them, None / number / string leaves kept as they are. Raises
+    NotGraphable for anything else."""
+    tensors: list[torch.Tensor] = []
+    return tensors, _flatten(out, tensors)
+
+
+def _flatten(out: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(out, torch.Tensor):
+        tensors.append(out)
+        return _TENSOR
+    if isinstance(out, _STATIC_LEAVES):
+        return ("static", out)
+    if isinstance(out, Mapping):
+        keys = list(out.keys())
+        return ("map", out, keys, [_flatten(out[k], tensors) for k in keys])
+    if isinstance(out, (tuple, list)):
+        return ("seq", type(out), [_flatten(v, tensors) for v in out])
+    raise NotGraphable(f"the output holds a {type(out).__name__}, which cannot be rebuilt from a graph")
+
+
+def unflatten_output(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], spec: Any) -> Any:
+    """The output `flatten_output` gave `spec` for, around new `tensors`."""
+    return _unflatten(iter(tensors), spec)
+
+
+def _unflatten(it: Iterator[torch.Tensor], spec: Any) -> Any:
+    if spec is _TENSOR:
+        return next(it)
+    kind = spec[0]
+    if kind == "static":
+        return spec[1]
+    if kind == "map":
+        _, template, keys, children = spec
+        out = copy.copy(template)  # the same class (a ModelOutput stays one); every key is set again below
+        for key, child in zip(keys, children, strict=True):
+            out[key] = _unflatten(it, child)
+        return out
+    _, cls, children = spec
+    values = [_unflatten(it, child) for child in children]
+    return cls(*values) if hasattr(cls, "_fields") else cls(values)  # a namedtuple takes fields
+
+
+# ---------------------------------------------------------------------------------------------------
+# Capture and replay
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Capture(nn.Module):
+    """The surface `make_graphed_callables` graphs: the module's parameters, and its original forward called
+    with one call layout's static arguments around the tensors, returning the output's tensors."""
+
+    def __init__(self, module: nn.Module, forward: Any, layout: tuple) -> None:
         super().__init__()
         self.inner = module
         self.__dict__["_run"] = forward  # not a submodule or parameter
+        self.layout = layout
+        self.output_spec: Any = None
 
-    def forward(self, *args: torch.Tensor) -> Any:
-        return self._run(*args)
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        args, kwargs = rebuild_call(tensors, self.layout)
+        flat, self.output_spec = flatten_output(self._run(*args, **kwargs))
+        return tuple(flat)
 
 
 class _Graph:
     """One captured signature: its graphed callable, the parameters it read, and its pending backward."""
 
-    def __init__(self, call: Any, params: tuple[nn.Parameter, ...]) -> None:
+    def __init__(self, call: Any, params: tuple[nn.Parameter, ...], output_spec: Any) -> None:
         self.call = call
         self.params = params
         self.param_state = _param_state(params)
+        self.output_spec = output_spec
         self.pending: weakref.ref | None = None  # the last replay's backward node, until it has run
 
 
 class GraphedForward:
-    """The replacement `forward`: graphs per input signature, the original forward otherwise."""
+    """The replacement `forward`: graphs per call signature, the original forward otherwise."""
 
     def __init__(self, module: nn.Module, max_graphs: int) -> None:
         self.original = module.forward  # a bound method (or torch.compile's forward): holds the module
@@ -88,60 +221,95 @@ class GraphedForward:
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
         self.disabled_reason: str | None = None
+        self.warned: set[str] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or kwargs or not _graphable_call(args):
+        if torch.compiler.is_compiling():
             return self.original(*args, **kwargs)  # torch.compile traces the original forward
-        module = self.module
-        key = _signature(module, args)
+        reason = _eager_reason(args, kwargs)
+        if reason is not None:
+            return self._eager(reason, args, kwargs)
+        try:
+            tensors, layout = split_call(args, kwargs)
+        except NotGraphable as exc:
+            return self._eager(str(exc), args, kwargs)
+        key = _signature(self.module, tensors, layout)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self._capture(module, key, args)
+            graph = self._capture(key, tensors, layout)
             if graph is None:
-                return self.original(*args)
-        if _backward_pending(graph) or _param_state(graph.params) != graph.param_state:
-            return self.original(*args)
-        out = graph.call(*args)
-        _track_backward(graph, out, n_inputs=len(args))
-        return out
+                return self._eager(self.disabled_reason or self._capture_skip_reason(), args, kwargs)
+        if _backward_pending(graph):
+            return self._eager("a second forward before the first one's backward", args, kwargs)
+        if _param_state(graph.params) != graph.param_state:
+            return self._eager(
+                "the parameters changed since the capture (moved, cast or frozen)", args, kwargs
+            )
+        flat = graph.call(*tensors)
+        _track_backward(graph, flat, n_inputs=len(tensors))
+        return unflatten_output(flat, graph.output_spec)
 
-    def _capture(self, module: nn.Module, key: tuple, args: tuple) -> _Graph | None:
+    def _eager(self, reason: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """The original forward, with a warning the first time this reason sends a call there."""
+        if reason not in self.warned:
+            self.warned.add(reason)
+            name = type(self.module).__name__
+            warnings.warn(
+                f"opadvisor.kernels.cuda_graphed: {name} runs its forward eagerly: {reason}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return self.original(*args, **kwargs)
+
+    def _capture_skip_reason(self) -> str:
+        return f"more than {self.max_graphs} call signatures (max_graphs)"
+
+    def _capture(self, key: tuple, tensors: tuple[torch.Tensor, ...], layout: tuple) -> _Graph | None:
         if self.disabled_reason is not None or len(self.graphs) >= self.max_graphs:
             return None
+        module = self.module
         reason = _hooks_in(module)
         if reason is not None:
-            self._disable(reason)
+            self.disabled_reason = reason
             return None
         params = tuple(module.parameters())
         buffers = [b.detach().clone() for b in module.buffers()]
-        surface = _Capture(module, self.original)
+        surface = _Capture(module, self.original, layout)
         surface.training = module.training  # not .train(): that would recurse into the module
         # static inputs of their own: the caller's first batch must not become the graph's input buffer
-        sample = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
         try:
-            with _autocast_without_cache():
+            with _autocast_without_cache(), _collector_off():
                 graphed = torch.cuda.make_graphed_callables(
                     surface, sample, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
                 )
-        except Exception as exc:  # the forward cannot be captured: say so once, stay eager
-            _release_rng_capture(args[0].device)
-            self._disable(f"capture failed ({type(exc).__name__}: {exc})")
+        except NotGraphable as exc:  # found while warming up, before any capture began
+            self.disabled_reason = str(exc)
+            return None
+        except Exception as exc:  # the forward cannot be captured: stay eager
+            _release_rng_capture(tensors[0].device)
+            self.disabled_reason = f"capture failed ({type(exc).__name__}: {exc})"
             return None
         finally:
             with torch.no_grad():
                 for buf, saved in zip(module.buffers(), buffers, strict=True):
                     buf.copy_(saved)
-        graph = self.graphs[key] = _Graph(graphed.forward, params)
+        graph = self.graphs[key] = _Graph(graphed.forward, params, surface.output_spec)
         return graph
 
-    def _disable(self, reason: str) -> None:
-        self.disabled_reason = reason
-        name = type(self.module).__name__
-        warnings.warn(
-            f"opadvisor.kernels.cuda_graphed: {name} runs without CUDA graphs: {reason}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """Collect garbage now and keep the collector off until the capture ends (see the module docstring:
+    an object freed during a capture can invalidate it, and `torch.cuda.graph` no longer collects)."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _release_rng_capture(device: torch.device) -> None:
@@ -160,22 +328,23 @@ def _release_rng_capture(device: torch.device) -> None:
             scratch.add_(1)
 
 
-def _graphable_call(args: tuple) -> bool:
-    return (
-        bool(args)
-        and torch.is_grad_enabled()
-        and all(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-        and not torch.cuda.is_current_stream_capturing()
-    )
+def _eager_reason(args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why this call runs eagerly whatever its arguments, or None."""
+    if not torch.is_grad_enabled():
+        return "gradients are disabled (no_grad / inference): graphs capture training steps"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "another CUDA graph is being captured (the outer graph captures this forward)"
+    return None
 
 
-def _signature(module: nn.Module, args: tuple) -> tuple:
+def _signature(module: nn.Module, tensors: tuple[torch.Tensor, ...], layout: tuple) -> tuple:
     autocast = torch.is_autocast_enabled("cuda")
     return (
         module.training,
         autocast,
         torch.get_autocast_dtype("cuda") if autocast else None,
-        tuple((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args),
+        layout,
+        tuple((t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors),
     )
 
 
@@ -204,16 +373,9 @@ def _backward_pending(graph: _Graph) -> bool:
     return graph.pending is not None and graph.pending() is not None
 
 
-def _track_backward(graph: _Graph, out: Any, n_inputs: int) -> None:
+def _track_backward(graph: _Graph, flat: tuple[torch.Tensor, ...], n_inputs: int) -> None:
     """Remember the replay's backward node until it runs; give parameters fresh gradient memory."""
-    node = next(
-        (
-            t.grad_fn
-            for t in torch.utils._pytree.tree_leaves(out)
-            if isinstance(t, torch.Tensor) and t.grad_fn
-        ),
-        None,
-    )
+    node = next((t.grad_fn for t in flat if t.grad_fn is not None), None)
     if node is None:
         graph.pending = None
         return

@@ -1,13 +1,16 @@
 """`cuda_graphed`: the module stays the module (CPU: the original forward, untouched results), and on a GPU the
 graphed forward and backward compute what the eager ones compute, through the cases that could go wrong:
 gradient accumulation, zero_grad without set_to_none, a second forward before the first backward, new
-shapes, eval / no_grad, autocast, buffers, hooks and captures that cannot work."""
+shapes, eval / no_grad, autocast, buffers, hooks and captures that cannot work, keyword and static arguments
+and dict-like outputs (library-style calls), and captures after earlier code left garbage behind."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import warnings
+from collections import OrderedDict, namedtuple
 from pathlib import Path
 
 import pytest
@@ -236,3 +239,214 @@ def test_graphs_over_a_compiled_module():
         cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Library-style calls: keyword tensors, static arguments, dict-like outputs
+# ---------------------------------------------------------------------------------------------------
+
+
+class Output(OrderedDict):
+    """Like HuggingFace's ModelOutput: an OrderedDict subclass whose keys are also attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+def test_split_and_rebuild_a_keyword_call():
+    ids, mask = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3)
+    args, kwargs = (ids,), {"return_dict": True, "attention_mask": mask, "labels": None, "scale": 1}
+    tensors, layout = graphs.split_call(args, kwargs, cuda=False)
+    assert tensors == (ids, mask)  # positional first, then keywords by name
+    hash(layout)
+    back_args, back_kwargs = graphs.rebuild_call(tensors, layout)
+    assert back_args == args and back_kwargs == kwargs
+    # static values (with their types) are part of the layout: another value is another graph
+    assert graphs.split_call(args, {**kwargs, "return_dict": False}, cuda=False)[1] != layout
+    assert graphs.split_call(args, {**kwargs, "scale": 1.0}, cuda=False)[1] != layout
+    assert graphs.split_call(args, {**kwargs, "scale": True}, cuda=False)[1] != layout
+    # keyword order does not matter
+    assert graphs.split_call(args, dict(reversed(kwargs.items())), cuda=False)[1] == layout
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (([torch.zeros(2)],), "argument 0 is a list holding tensors"),
+        (({"a": 1},), "argument 0 is an unhashable dict"),
+        ((3,), "a call without tensor arguments"),
+    ],
+)
+def test_arguments_a_graph_cannot_take(args, reason):
+    with pytest.raises(graphs.NotGraphable, match=reason):
+        graphs.split_call(args, {}, cuda=False)
+    with pytest.raises(graphs.NotGraphable, match="argument 0 is a cpu tensor"):
+        graphs.split_call((torch.zeros(2),), {})
+
+
+def test_outputs_flatten_and_rebuild():
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    out = Output(loss=a, logits=b, extra=(c, None, Pair(a, 3)))
+    tensors, spec = graphs.flatten_output(out)
+    assert tensors == [a, b, c, a]
+    new = [t + 10 for t in tensors]
+    back = graphs.unflatten_output(new, spec)
+    assert type(back) is Output and list(back) == ["loss", "logits", "extra"]
+    assert back.loss is new[0] and back["logits"] is new[1]
+    assert back.extra[0] is new[2] and back.extra[1] is None
+    assert isinstance(back.extra[2], Pair) and back.extra[2].first is new[3] and back.extra[2].second == 3
+    assert out.loss is a  # the captured output is left alone
+    assert graphs.unflatten_output([b], graphs.flatten_output(a)[1]) is b
+    with pytest.raises(graphs.NotGraphable, match="the output holds a object"):
+        graphs.flatten_output((a, object()))
+
+
+def test_cpu_calls_run_eagerly_and_warn_once():
+    torch.manual_seed(0)
+    model = cuda_graphed(Tiny())
+    ids, lengths = _batch("cpu")
+    with pytest.warns(RuntimeWarning, match="argument 0 is a cpu tensor"):
+        model(ids, lengths)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(ids, lengths)  # once per reason
+    assert not model.forward.graphs
+
+
+class KeywordModel(nn.Module):
+    """A library-style forward: keyword tensors, a static flag, a dict-like output with the loss."""
+
+    def __init__(self, vocab=50, hidden=32):
+        super().__init__()
+        self.body = Tiny(vocab, hidden)
+
+    def forward(self, input_ids, attention_mask=None, labels=None, return_dict=True):
+        lengths = attention_mask.sum(-1) if attention_mask is not None else None
+        logits = self.body(input_ids, lengths)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        if not return_dict:
+            return (loss, logits) if loss is not None else (logits,)
+        return Output(loss=loss, logits=logits) if loss is not None else Output(logits=logits)
+
+
+def _keyword_batch(seed):
+    ids, lengths = _batch("cuda", seed=seed)
+    mask = (torch.arange(ids.shape[1], device="cuda")[None, :] < lengths[:, None]).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+@pytest.mark.gpu
+def test_keyword_calls_with_dict_outputs_match_eager():
+    torch.manual_seed(0)
+    a, b = KeywordModel().cuda(), KeywordModel().cuda()
+    b.load_state_dict(a.state_dict())
+    cuda_graphed(b)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback on the way
+        for step in range(4):
+            batch = _keyword_batch(step)
+            outs = []
+            for m, opt in zip((a, b), opts, strict=True):
+                out = m(**batch)
+                out.loss.backward()
+                opt.step()
+                opt.zero_grad()
+                outs.append(out)
+            assert type(outs[1]) is Output and list(outs[1]) == ["loss", "logits"]
+            torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-4, atol=1e-5)
+    assert len(b.forward.graphs) == 1
+    # another static value is another signature: a graph of its own, a tuple output
+    loss, logits = b(**_keyword_batch(5), return_dict=False)
+    assert len(b.forward.graphs) == 2 and isinstance(logits, torch.Tensor)
+    torch.testing.assert_close(loss, a(**_keyword_batch(5)).loss, rtol=1e-4, atol=1e-5)
+
+
+class CacheOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x), object()  # e.g. a cache object: cannot be rebuilt around replayed tensors
+
+
+@pytest.mark.gpu
+def test_output_a_graph_cannot_rebuild_warns_and_stays_eager():
+    model = cuda_graphed(CacheOutput().cuda())
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="the output holds a object"):
+        y, _ = model(x)
+    y.sum().backward()
+    assert not model.forward.graphs and x.grad is not None
+
+
+@pytest.mark.gpu
+def test_capture_does_not_depend_on_garbage_left_by_earlier_code():
+    """Graphed modules sit in reference cycles (module -> forward -> module), so after a test (or a training
+    run) ends they wait for the garbage collector with their graphs and memory pools. A collection that ran
+    in the middle of a later capture freed them there, which the capture does not permit: it failed with
+    "operation not permitted when stream is capturing" and the module stayed eager (the GPU suite's
+    test_new_shapes_eval_and_no_grad after the other tests). Here the collector runs at nearly every
+    allocation, so it would run inside the capture."""
+    for seed in range(3):
+        old = cuda_graphed(Tiny().cuda())
+        _loss(old, *_batch("cuda", seed=seed)).backward()
+        assert len(old.forward.graphs) == 1
+        del old
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        a, b = _pair("cuda")
+        batches = [_batch("cuda", seed=s) for s in range(3)]
+        la, lb = _train(a, batches), _train(b, batches)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert b.forward.disabled_reason is None and len(b.forward.graphs) == 1
+    torch.testing.assert_close(torch.tensor(lb), torch.tensor(la), rtol=1e-4, atol=1e-5)
+
+
+def _tiny_bert():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+@pytest.mark.gpu
+def test_huggingface_model_called_with_keywords():
+    """transformers' BertForMaskedLM (a tiny configuration, no dropout) called as `model(**batch)`: the
+    graphed module returns a MaskedLMOutput and trains as the eager one does."""
+    torch.manual_seed(0)
+    a = _tiny_bert().cuda()
+    b = _tiny_bert().cuda()
+    b.load_state_dict(a.state_dict())
+    cuda_graphed(b)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 64, (4, 16), generator=g).cuda()
+        mask = torch.ones_like(ids)
+        mask[:, 12:] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+        losses = []
+        for m, opt in zip((a, b), opts, strict=True):
+            out = m(**batch)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.detach())
+        assert type(out).__name__ == "MaskedLMOutput"
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    assert b.forward.disabled_reason is None and len(b.forward.graphs) == 1

@@ -81,12 +81,18 @@ def for_tensor(x: torch.Tensor, small_numel: int) -> str:
     work: each op says what it runs then) unless the current stream is capturing a CUDA graph. Under
     torch.compile small tensors always go to "eager": the traced graph must not depend on the capture state
     of the stream it was traced on, and asking dynamo about it breaks the graph."""
-    be = backend(x)
-    if be == REFERENCE:
-        return be
-    if x.dtype not in KERNEL_DTYPES or x.dim() == 0 or x.numel() == 0:
+    if x.is_cuda and HAS_TRITON and not interpret_requested():  # `backend(x)` for the usual GPU case
+        be = TRITON
+    else:
+        be = backend(x)
+        if be == REFERENCE:
+            return be
+    if x.dtype not in KERNEL_DTYPES or x.dim() == 0:
         return REFERENCE
-    if be == TRITON and x.numel() < small_numel:
+    n = x.numel()
+    if n == 0:
+        return REFERENCE
+    if be == TRITON and n < small_numel:
         if torch.compiler.is_compiling() or not cuda_graph_capturing():
             return EAGER
     return be
@@ -119,15 +125,10 @@ def cuda_graph_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def emulate_rne(t: torch.Tensor) -> bool:
-    """Whether kernels writing `t` must round to bfloat16 themselves (the interpreter truncates)."""
-    return t.dtype == torch.bfloat16 and interpret_requested()
-
-
-def check_launch(t: torch.Tensor) -> None:
-    """Before a kernel launch on `t`: under the interpreter, check that Triton was imported in
-    interpret mode (a cheap test on the GPU path: one environment read)."""
-    if t.device.type == "cpu" or interpret_requested():
+def check_launch(device: torch.device) -> None:
+    """Before the first launch on `device` (a launch plan's): under the interpreter, check that Triton was
+    imported in interpret mode."""
+    if device.type == "cpu" or interpret_requested():
         _check_interpreter_ready()
 
 

@@ -7,8 +7,10 @@ reaches 2**31 elements (I64), int32 otherwise.
 Forward, per row i with target t = T[i]:
     lse_i  = log(sum_j exp(x_ij))                  (one pass: online max / sum-exp, see `_row_lse`)
     loss_i = lse_i - x_it,  0 when t == ignore_index, NaN when t is outside [0, C)
-    LSE[i] = lse_i (saved for the backward), LOSS[i] = loss_i (float32; the launcher reduces)
-Backward, with g_i = G[i * sg] (the upstream gradient, already divided by the count for "mean"):
+    LSE[i] = lse_i (saved for the backward), LOSS[i] = loss_i (float32; the launcher reduces), and with
+    COUNT VALID[i] = 1.0 if t != ignore_index else 0.0 ("mean" divides by their sum: the launcher reduces
+    LOSS and VALID, two rows of one buffer, in one sum)
+Backward, with g_i = G[i * sg] (the upstream gradient; for "mean" (MEAN) divided here by COUNT[0]):
     dx_ij = (exp(x_ij - lse_i) - [j == t]) * g_i,  0 for ignored rows, NaN for out-of-range targets
     DX has X's row stride when X's rows do not overlap (a column slice of a padded tensor gives a
     gradient laid out the same way: 16-byte aligned rows, vector stores), else C.
@@ -69,15 +71,19 @@ def cross_entropy_fwd_kernel(
     T,
     LOSS,
     LSE,
+    VALID,
     n_cols,
     sx0,
     st0,
     ignore_index,
     BLOCK: tl.constexpr,
     I64: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     row = widen(tl.program_id(0), I64)
     t = tl.load(T + row * st0)
+    if COUNT:
+        tl.store(VALID + row, tl.where(t != ignore_index, 1.0, 0.0))
     if t != ignore_index:
         xo = row * sx0
         lse = _row_lse(X, xo, n_cols, BLOCK, I64)
@@ -121,6 +127,7 @@ def cross_entropy_bwd_kernel(
     T,
     LSE,
     G,
+    COUNT,
     DX,
     n_cols,
     sx0,
@@ -131,6 +138,7 @@ def cross_entropy_bwd_kernel(
     BLOCK: tl.constexpr,
     RNE: tl.constexpr,
     I64: tl.constexpr,
+    MEAN: tl.constexpr,
 ):
     """DX [N, C] (row stride sdx0, unit column stride) in its own dtype, rounded once from float32."""
     row = widen(tl.program_id(0), I64)
@@ -141,6 +149,8 @@ def cross_entropy_bwd_kernel(
     if t != ignore_index:
         lse = tl.load(LSE + row)
         g = tl.load(G + row * sg0).to(tl.float32)
+        if MEAN:
+            g = g / tl.load(COUNT)
         in_range = (t >= 0) & (t < n_cols)
         # In range, t < C < 2**31: compare in int32 against the int32 column indices.
         tc = tl.where(in_range, t, -1).to(tl.int32)

@@ -186,51 +186,63 @@ def _launchers() -> tuple[Launcher, Launcher]:
     return Launcher(k.cross_entropy_fwd_kernel), Launcher(k.cross_entropy_bwd_kernel)
 
 
-def _forward(x: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss per row, lse per row), both float32 [N]. x: [N, C] with unit column stride, N, C > 0."""
-    loss = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    lse = torch.empty_like(loss)
-    _backend.check_launch(x)
-    grid, (n_cols, sx0, _, st0), meta = _plan(tuple(x.shape), x.stride(), target.stride(0), MAX_BLOCK)
-    _launchers()[0](grid, (x, target, loss, lse, n_cols, sx0, st0, ignore_index), meta)
-    return loss, lse
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(backward, shape, x_strides, t_stride, call, device, flag, max_block):
+    """(Launch, integer args) of the forward or backward kernel for logits of `shape` [N, C]. call: what
+    else Triton specialises the launch on, (logits dtype, target dtype, ignore_index), and for the backward
+    also (upstream gradient dtype, its stride); flag: COUNT (forward) or MEAN (backward), both: reduction
+    "mean". Cached: the per-call work is the lookup."""
+    grid, (n_cols, sx0, sdx0, st0), meta = _plan(shape, x_strides, t_stride, max_block)
+    launcher = _launchers()[1 if backward else 0]
+    _backend.check_launch(device)
+    if backward:
+        rne = launcher.interpreted and call[0] == torch.bfloat16
+        return launcher.prepare(grid, {"RNE": rne, "MEAN": flag, **meta}), (n_cols, sx0, sdx0, st0)
+    return launcher.prepare(grid, {"COUNT": flag, **meta}), (n_cols, sx0, st0)
+
+
+def _forward(
+    x: torch.Tensor, target: torch.Tensor, ignore_index: int, count: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per row [N] loss, or with `count` [2, N]: the loss and 1.0 where the row is not ignored; lse per
+    row [N]), all float32. x: [N, C] with unit column stride, N, C > 0."""
+    n = x.shape[0]
+    rows = torch.empty((2, n) if count else (n,), dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    call = (x.dtype, target.dtype, ignore_index)
+    launch, ints = _launch_plan(
+        False, x.shape, x.stride(), target.stride(0), call, x.device, count, MAX_BLOCK
+    )
+    loss = rows[0] if count else rows
+    launch((x, target, loss, lse, rows[1] if count else loss, *ints, ignore_index))
+    return rows, lse
 
 
 def _backward(
-    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, count: torch.Tensor | None,
+    ignore_index: int,
+) -> torch.Tensor:  # fmt: skip
     """dx [N, C] in x's dtype (row stride `grad_row_stride`); g: the gradient per row, [N] (any stride)
-    or 0-d (shared by all rows)."""
+    or 0-d (shared by all rows), divided by `count` (0-d) for "mean"."""
     dx = _empty_grad(x)
-    _backend.check_launch(x)
-    grid, ints, meta = _plan(tuple(x.shape), x.stride(), target.stride(0), MAX_BLOCK)
+    mean = count is not None
     sg0 = g.stride(0) if g.dim() == 1 else 0
-    _launchers()[1](
-        grid,
-        (x, target, lse, g, dx, *ints, sg0, ignore_index),
-        {"RNE": _backend.emulate_rne(dx), **meta},
-    )
+    call = (x.dtype, target.dtype, ignore_index, g.dtype, sg0)
+    launch, ints = _launch_plan(True, x.shape, x.stride(), target.stride(0), call, x.device, mean, MAX_BLOCK)
+    launch((x, target, lse, g, count if mean else g, dx, *ints, sg0, ignore_index))
     return dx
 
 
-def _reduce(
-    rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, out_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss in out_dtype, the count of rows not ignored as float32 for "mean", else an empty tensor).
-    Sums run in float32 and round once; no host sync (0 / 0 gives "mean"'s NaN for all-ignored)."""
+def _reduce(rows: torch.Tensor, reduction: str, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss in out_dtype, the count of rows not ignored as float32 0-d for "mean", else an empty tensor)
+    from `_forward`'s rows ([2, N] for "mean"). Sums run in float32 and round once; no host sync (0 / 0
+    gives "mean"'s NaN for all-ignored)."""
     if reduction == "none":
         return rows.to(out_dtype), rows.new_empty(0)
     if reduction == "sum":
         return rows.sum().to(out_dtype), rows.new_empty(0)
-    count = (target != ignore_index).sum(dtype=torch.float32)
-    return (rows.sum() / count).to(out_dtype), count
-
-
-def _row_grads(dloss: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
-    """The upstream gradient per row, [N] for "none", else one 0-d value that every row shares."""
-    if reduction == "mean":
-        return dloss.float() / count
-    return dloss
+    total, count = rows.sum(1).unbind()
+    return (total / count).to(out_dtype), count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,18 +255,17 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, ignore_index, reduction, out_dtype):
-        rows, lse = _forward(x, target, ignore_index)
-        loss, count = _reduce(rows, target, ignore_index, reduction, out_dtype)
+        rows, lse = _forward(x, target, ignore_index, reduction == "mean")
+        loss, count = _reduce(rows, reduction, out_dtype)
         ctx.save_for_backward(x, target, lse, count)
-        ctx.args = (ignore_index, reduction)
+        ctx.args = (ignore_index, reduction == "mean")
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         x, target, lse, count = ctx.saved_tensors
-        ignore_index, reduction = ctx.args
-        dx = _backward(x, target, lse, _row_grads(dloss, count, reduction), ignore_index)
-        return dx, None, None, None, None
+        ignore_index, mean = ctx.args
+        return _backward(x, target, lse, dloss, count if mean else None, ignore_index), None, None, None, None
 
 
 @torch.library.custom_op("opadvisor::cross_entropy_fwd", mutates_args=())
@@ -265,8 +276,8 @@ def cross_entropy_fwd_op(
 
     out_dtype is an argument, decided where the call is traced: autocast is not in effect where the
     compiled graph later runs the op."""
-    rows, lse = _forward(x, target, ignore_index)
-    loss, count = _reduce(rows, target, ignore_index, reduction, out_dtype)
+    rows, lse = _forward(x, target, ignore_index, reduction == "mean")
+    loss, count = _reduce(rows, reduction, out_dtype)
     return loss, lse, count
 
 
@@ -280,14 +291,15 @@ def _(x, target, ignore_index, reduction, out_dtype):
 
 @torch.library.custom_op("opadvisor::cross_entropy_bwd", mutates_args=())
 def cross_entropy_bwd_op(
-    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, ignore_index: int
-) -> torch.Tensor:
-    """dx in x's dtype; g as `_backward` takes it."""
-    return _backward(x, target, lse, g, ignore_index)
+    x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, count: torch.Tensor,
+    ignore_index: int, mean: bool,
+) -> torch.Tensor:  # fmt: skip
+    """dx in x's dtype; g as `_backward` takes it, divided by `count` when `mean`."""
+    return _backward(x, target, lse, g, count if mean else None, ignore_index)
 
 
 @cross_entropy_bwd_op.register_fake
-def _(x, target, lse, g, ignore_index):
+def _(x, target, lse, g, count, ignore_index, mean):
     return _empty_grad(x)
 
 
@@ -295,14 +307,13 @@ def _setup_context(ctx, inputs, output):
     x, target, ignore_index, reduction, _ = inputs
     _, lse, count = output
     ctx.save_for_backward(x, target, lse, count)
-    ctx.args = (ignore_index, reduction)
+    ctx.args = (ignore_index, reduction == "mean")
 
 
 def _op_backward(ctx, dloss, _dlse, _dcount):
     x, target, lse, count = ctx.saved_tensors
-    ignore_index, reduction = ctx.args
-    dx = cross_entropy_bwd_op(x, target, lse, _row_grads(dloss, count, reduction), ignore_index)
-    return dx, None, None, None, None
+    ignore_index, mean = ctx.args
+    return cross_entropy_bwd_op(x, target, lse, dloss, count, ignore_index, mean), None, None, None, None
 
 
 torch.library.register_autograd(cross_entropy_fwd_op, _op_backward, setup_context=_setup_context)

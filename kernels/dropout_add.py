@@ -92,8 +92,7 @@ def philox_keep_like(x: torch.Tensor, seed: _rng.Seed, p: float) -> torch.Tensor
 
 
 def _out_dtype(x, bias, residual):
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    return torch.promote_types(dtype, bias.dtype) if bias is not None else dtype
+    return _promote(x.dtype, None if bias is None else bias.dtype, residual.dtype)
 
 
 @functools.cache
@@ -106,17 +105,29 @@ def _config(n_cols: int, tile: int) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _fwd_plan(shape, x_strides, r_strides, tile):
-    """(grid, integer args, launch meta) for one layout, or None when it needs a copy first."""
+def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
+    """(Launch, integer args, output dtype) for one layout, or None when it needs a copy first.
+
+    dtypes: (x, bias or None, residual); flags: (DROPOUT, BYTE_MASK, SEED_PTR, INTERLEAVE). Cached: a
+    training step that repeats its shapes pays for the layout arithmetic once."""
     got = layout.row_layout(shape, [x_strides, r_strides], len(shape) - 1)
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_x, s_r) = got
     rows, block, warps = _config(n_cols, tile)
     grid = (triton_cdiv(n_rows, rows), triton_cdiv(n_cols, block))
-    i64 = layout.needs_int64(shape, [x_strides, r_strides])
-    meta = {"ROWS": rows, "BLOCK": block, "I64": i64, "num_warps": warps}
-    return grid, (n_rows, n_cols, d1, d2, *s_x, *s_r), meta
+    x_dtype, b_dtype, r_dtype = dtypes
+    out_dtype = _promote(x_dtype, b_dtype, r_dtype)
+    launcher = _launchers()[0]
+    _backend.check_launch(device)
+    dropout, byte_mask, seed_ptr, interleave = flags
+    meta = {
+        "HAS_BIAS": b_dtype is not None, "DROPOUT": dropout, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "RNE": launcher.interpreted and out_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
+        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [x_strides, r_strides]),
+        "num_warps": warps,
+    }  # fmt: skip
+    return launcher.prepare(grid, meta), (n_rows, n_cols, d1, d2, *s_x, *s_r), out_dtype
 
 
 @functools.cache
@@ -126,27 +137,30 @@ def _launchers() -> tuple[Launcher, Launcher]:
     return Launcher(k.bias_dropout_add_fwd_kernel), Launcher(k.bias_dropout_add_bwd_kernel)
 
 
+def _promote(x_dtype, b_dtype, r_dtype):
+    dtype = torch.promote_types(x_dtype, r_dtype)
+    return torch.promote_types(dtype, b_dtype) if b_dtype is not None else dtype
+
+
 def _forward(x, bias, residual, p, seed):
     """(y, keep bytes or None): the 1-byte mask only in MASK_MODE "byte"."""
-    y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
     byte_mask = p > 0 and MASK_MODE == "byte"
-    keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None
     if x.numel() == 0:
-        return y, keep
-    _backend.check_launch(x)
-    plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
+        y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
+        return y, (torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None)
+    dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype)
+    flags = (p > 0, byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+    plan = _fwd_plan(x.shape, x.stride(), residual.stride(), dtypes, x.device, flags, TILE)
     if plan is None:
         _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         x, residual = x.contiguous(), residual.contiguous()
-        plan = _fwd_plan(x.shape, x.stride(), residual.stride(), TILE)
-    grid, ints, meta = plan
-    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, y)
-    _launchers()[0](
-        grid,
-        (x, bias if bias is not None else x, residual, y, keep if byte_mask else y, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
-        {"HAS_BIAS": bias is not None, "DROPOUT": p > 0, "BYTE_MASK": byte_mask,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), "SEED_PTR": from_ptr, **meta},
+        plan = _fwd_plan(x.shape, x.stride(), residual.stride(), dtypes, x.device, flags, TILE)
+    launch, ints, out_dtype = plan
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None
+    launch(
+        (x, x if bias is None else bias, residual, y, keep if byte_mask else y, *ints,
+         _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, y))
     )  # fmt: skip
     return y, keep
 
@@ -159,20 +173,30 @@ def _programs_target(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd_plan(shape, dy_strides, tile, programs):
-    """(grid, integer args, launch meta): each program sums dbias over a run of rows of one column block."""
+def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
+    """(Launch, integer args, rows of partial dbias sums) for one layout of dy, or None (copy first).
+
+    dtypes: (dy, dx); flags: (HAS_BIAS, BYTE_MASK, SEED_PTR, INTERLEAVE). Each program sums dbias over a
+    run of rows of one column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
     rows, block, warps = _config(n_cols, tile)
     col_blocks = triton_cdiv(n_cols, block)
-    row_progs = max(1, min(triton_cdiv(n_rows, rows), programs // col_blocks))
+    row_progs = max(1, min(triton_cdiv(n_rows, rows), _programs_target(device) // col_blocks))
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     row_progs = triton_cdiv(n_rows, rows_per_prog)
+    launcher = _launchers()[1]
+    _backend.check_launch(device)
+    has_bias, byte_mask, seed_ptr, interleave = flags
+    meta = {
+        "HAS_BIAS": has_bias, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "RNE": launcher.interpreted and dtypes[1] == torch.bfloat16, "SEED_PTR": seed_ptr,
+        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
+    }  # fmt: skip
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
-    i64 = layout.needs_int64(shape, [dy_strides])
-    return (row_progs, col_blocks), ints, {"ROWS": rows, "BLOCK": block, "I64": i64, "num_warps": warps}
+    return launcher.prepare((row_progs, col_blocks), meta), ints, row_progs
 
 
 def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
@@ -183,67 +207,66 @@ def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, (dy.new_zeros(dy.shape[-1], dtype=torch.float32) if need_dbias else None)
-    _backend.check_launch(dy)
-    plan = _bwd_plan(dy.shape, dy.stride(), TILE, _programs_target(dy.device))
+    flags = (need_dbias, byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+    dtypes = (dy.dtype, x_dtype)
+    plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
     if plan is None:
         dy = dy.contiguous()
-        plan = _bwd_plan(dy.shape, dy.stride(), TILE, _programs_target(dy.device))
-    grid, ints, meta = plan
+        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
+    launch, ints, row_progs = plan
     partial = (
-        torch.empty((grid[0], dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
+        torch.empty((row_progs, dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
     )
-    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, dx)
-    _launchers()[1](
-        grid,
-        (dy, dx, partial if partial is not None else dx, keep if byte_mask else dx, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
-        {"HAS_BIAS": need_dbias, "BYTE_MASK": byte_mask, "INTERLEAVE": RNG_INTERLEAVE,
-         "RNE": _backend.emulate_rne(dx), "SEED_PTR": from_ptr, **meta},
+    launch(
+        (dy, dx, dx if partial is None else partial, keep if byte_mask else dx, *ints,
+         _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
     )  # fmt: skip
     return dx, (partial.sum(0) if partial is not None else None)
 
 
-def _grads(dy, x_dtype, bias, residual_dtype, needs, p, run_kernel):
-    """(dx, dbias, dresidual) for the inputs that need them; `run_kernel(need_dbias)` -> (dx, dbias f32)."""
+def _grads(dy, dtypes, needs, p, run_kernel, *run_args):
+    """(dx, dbias, dresidual) for the inputs that need them; dtypes: (x, bias or None, residual);
+    `run_kernel(*run_args, need_dbias)` -> (dx, dbias in float32)."""
+    x_dtype, b_dtype, r_dtype = dtypes
     need_dx, need_db, need_dr = needs
-    dres = (dy if dy.dtype == residual_dtype else dy.to(residual_dtype)) if need_dr else None
+    need_db = need_db and b_dtype is not None
+    dres = (dy if dy.dtype == r_dtype else dy.to(r_dtype)) if need_dr else None
     if p > 0 and (need_dx or need_db):
-        dx, dbias = run_kernel(need_db)
+        dx, dbias = run_kernel(*run_args, need_db)
     else:
         dx = dy.to(x_dtype)
         dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32) if need_db else None
-    return (dx if need_dx else None), (dbias.to(bias.dtype) if need_db else None), dres
+    return (dx if need_dx else None), (dbias.to(b_dtype) if need_db else None), dres
+
+
+def _kernel_backward(dy, keep, x_dtype, p, seed, need_dbias):
+    return _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed)
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
-    """Eager-mode autograd around the kernels."""
+    """Eager-mode autograd around the kernels: nothing but the three dtypes, p and the seed is kept for
+    backward (and the 1-byte mask in MASK_MODE "byte")."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, p):
         seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
         y, keep = _forward(x, bias, residual, p, seed)
-        ctx.save_for_backward(keep, bias)
-        ctx.args = (x.dtype, residual.dtype, p, seed)
+        if keep is not None:
+            ctx.save_for_backward(keep)
+        ctx.args = (
+            (x.dtype, None if bias is None else bias.dtype, residual.dtype),
+            p,
+            seed,
+            keep is not None,
+        )
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        keep, bias = ctx.saved_tensors
-        x_dtype, r_dtype, p, seed = ctx.args
-        needs = (
-            ctx.needs_input_grad[0],
-            bias is not None and ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2],
-        )
-        dx, dbias, dres = _grads(
-            dy,
-            x_dtype,
-            bias,
-            r_dtype,
-            needs,
-            p,
-            lambda need_db: _backward_kernel(dy, keep, x_dtype, need_db, p, seed),
-        )
+        dtypes, p, seed, byte_mask = ctx.args
+        keep = ctx.saved_tensors[0] if byte_mask else None
+        need = ctx.needs_input_grad
+        dx, dbias, dres = _grads(dy, dtypes, need[:3], p, _kernel_backward, dy, keep, dtypes[0], p, seed)
         return dx, dbias, dres, None
 
 
@@ -269,7 +292,7 @@ def _(x, bias, residual, p):
 
 @torch.library.custom_op("opadvisor::bias_dropout_add_bwd", mutates_args=())
 def bias_dropout_add_bwd_op(
-    dy: torch.Tensor, keep: torch.Tensor, seed: torch.Tensor, x_dtype: torch.dtype, need_dbias: bool, p: float
+    dy: torch.Tensor, keep: torch.Tensor, seed: torch.Tensor, x_dtype: torch.dtype, p: float, need_dbias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dbias in float32, or an empty tensor when not needed)."""
     k0, k1, stream = (int(v) for v in seed.tolist())
@@ -278,7 +301,7 @@ def bias_dropout_add_bwd_op(
 
 
 @bias_dropout_add_bwd_op.register_fake
-def _(dy, keep, seed, x_dtype, need_dbias, p):
+def _(dy, keep, seed, x_dtype, p, need_dbias):
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     return dx, dy.new_empty(dy.shape[-1] if need_dbias else 0, dtype=torch.float32)
 
@@ -286,23 +309,15 @@ def _(dy, keep, seed, x_dtype, need_dbias, p):
 def _setup_context(ctx, inputs, output):
     x, bias, residual, p = inputs
     _, keep, seed = output
-    ctx.save_for_backward(keep, seed, bias)
-    ctx.args = (x.dtype, residual.dtype, p)
+    ctx.save_for_backward(keep, seed)
+    ctx.args = ((x.dtype, None if bias is None else bias.dtype, residual.dtype), p)
 
 
 def _op_backward(ctx, dy, _dkeep, _dseed):
-    keep, seed, bias = ctx.saved_tensors
-    x_dtype, r_dtype, p = ctx.args
-    needs = (ctx.needs_input_grad[0], bias is not None and ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-    dx, dbias, dres = _grads(
-        dy,
-        x_dtype,
-        bias,
-        r_dtype,
-        needs,
-        p,
-        lambda need_db: bias_dropout_add_bwd_op(dy, keep, seed, x_dtype, need_db, p),
-    )
+    keep, seed = ctx.saved_tensors
+    dtypes, p = ctx.args
+    need = ctx.needs_input_grad
+    dx, dbias, dres = _grads(dy, dtypes, need[:3], p, bias_dropout_add_bwd_op, dy, keep, seed, dtypes[0], p)
     return dx, dbias, dres, None
 
 

@@ -164,7 +164,6 @@ def _plan_for(x: torch.Tensor, mask: torch.Tensor | None, dim: int):
     """The launch plan and the tensors to launch on (copies only for layouts with > 3 batch dims)."""
     plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
     if plan is None:
-        _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         x = x.contiguous()
         mask = None if mask is None else mask.expand(x.shape).contiguous()
         plan = _plan(x.shape, x.stride(), _mask_meta(mask), dim, MAX_BLOCK, LOOP_BLOCK)
@@ -178,24 +177,55 @@ def _launchers() -> tuple[Launcher, Launcher]:
     return Launcher(k.masked_softmax_fwd_kernel), Launcher(k.masked_softmax_bwd_kernel)
 
 
+@functools.lru_cache(maxsize=4096)
+def _launch_plan(backward, shape, strides, mask_meta, dim, dtypes, device, flags, max_block, loop_block):
+    """(Launch, integer args) of the forward (strides: x's) or backward (strides: dy's) kernel for one
+    layout, or None when it needs a copy first. dtypes: (x, x) or (dy, the saved probabilities); flags:
+    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE); mask_meta: (shape, strides, dtype) or None.
+    Cached: the per-call work is the lookup."""
+    plan = _plan(shape, strides, None if mask_meta is None else mask_meta[:2], dim, max_block, loop_block)
+    if plan is None:
+        return None
+    grid, ints, meta = plan
+    if backward:  # the kernel reads P (contiguous, like the output), dy, the mask, and writes dx
+        n_rows, n_cols, d1, d2, *st = ints
+        ints = (n_rows, n_cols, d1, d2, *st[8:12], *st[0:4], *st[4:8], *st[8:12])
+    launcher = _launchers()[1 if backward else 0]
+    _backend.check_launch(device)
+    mask_kind, zero_masked, dropout, seed_ptr, interleave = flags
+    full = {
+        "MASK": mask_kind, "ZERO_MASKED": zero_masked, "DROPOUT": dropout, "INTERLEAVE": interleave,
+        "RNE": launcher.interpreted and dtypes[1] == torch.bfloat16, "SEED_PTR": seed_ptr, **meta,
+    }  # fmt: skip
+    return launcher.prepare(grid, full), ints
+
+
+def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype):
+    """(Launch, integer args, t, mask): t is x (forward) or dy (backward), out_dtype the dtype of y / saved
+    and dx; t and mask copied to contiguous first when their layout needs it (warned once)."""
+    flags = (_mask_kind(mask), zero_masked and mask is not None, p > 0, isinstance(seed, torch.Tensor),
+             RNG_INTERLEAVE)  # fmt: skip
+    mask_meta = None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype)
+    key = (t.shape, t.stride(), mask_meta, dim, (t.dtype, out_dtype), t.device, flags, MAX_BLOCK, LOOP_BLOCK)
+    got = _launch_plan(backward, *key)
+    if got is None:
+        _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
+        t = t.contiguous()
+        mask = None if mask is None else mask.expand(t.shape).contiguous()
+        return _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype)
+    return (*got, t, mask)
+
+
 def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
-    """Launch the forward kernel: (y, saved) where saved holds p before dropout (empty without dropout)."""
+    """Launch the forward kernel: (y, saved) where saved holds p before dropout (None without dropout)."""
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    saved = torch.empty_like(y) if p > 0 else y.new_empty(0)
+    saved = torch.empty(x.shape, dtype=x.dtype, device=x.device) if p > 0 else None
     if x.numel() == 0:
         return y, saved
-    _backend.check_launch(x)
-    (grid, ints, meta), x, mask = _plan_for(x, mask, dim)
-    n_rows, n_cols, d1, d2, *strides = ints
-    s_x, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
-    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, y)
-    _launchers()[0](
-        grid,
-        (x, _mask_arg(mask, x), y, saved if p > 0 else y,
-         n_rows, n_cols, d1, d2, *s_x, *s_mask, *s_out,
-         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
-        {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(y), "SEED_PTR": from_ptr, **meta},
+    launch, ints, x, mask = _launch_for(False, x, mask, dim, zero_masked, p, seed, x.dtype)
+    launch(
+        (x, _mask_arg(mask, x), y, y if saved is None else saved, *ints,
+         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, y))
     )  # fmt: skip
     return y, saved
 
@@ -205,18 +235,10 @@ def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
     dx = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     if dx.numel() == 0:
         return dx
-    _backend.check_launch(dy)
-    (grid, ints, meta), dy, mask = _plan_for(dy, mask, dim)
-    n_rows, n_cols, d1, d2, *strides = ints
-    s_dy, s_mask, s_out = strides[0:4], strides[4:8], strides[8:12]
-    seed_ptr, k0, k1, stream, from_ptr = _rng.seed_launch_args(seed, dx)
-    _launchers()[1](
-        grid,
-        (saved, dy, _mask_arg(mask, dy), dx,
-         n_rows, n_cols, d1, d2, *s_out, *s_dy, *s_mask, *s_out,
-         scale, _rng.keep_scale(p), _rng.threshold(p), k0, k1, stream, seed_ptr),
-        {"MASK": _mask_kind(mask), "ZERO_MASKED": zero_masked and mask is not None, "DROPOUT": p > 0,
-         "INTERLEAVE": RNG_INTERLEAVE, "RNE": _backend.emulate_rne(dx), "SEED_PTR": from_ptr, **meta},
+    launch, ints, dy, mask = _launch_for(True, dy, mask, dim, zero_masked, p, seed, saved.dtype)
+    launch(
+        (saved, dy, _mask_arg(mask, dy), dx, *ints,
+         scale, _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
     )  # fmt: skip
     return dx
 
@@ -225,13 +247,17 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _grads(mask, need_dx, need_dmask, scale, run_kernel):
-    """(dx, dmask); `run_kernel(scale)` runs the backward kernel. dmask only for an additive mask that
-    requires grad: the kernel then runs unscaled (ds), dx = ds * scale, dmask = ds summed to the mask."""
+def _grads(mask, need_dx, need_dmask, scale, run_kernel, *run_args):
+    """(dx, dmask); `run_kernel(*run_args, scale)` runs the backward kernel. dmask only for an additive mask
+    that requires grad: the kernel then runs unscaled (ds), dx = ds * scale, dmask = ds summed to the mask."""
     if not need_dmask:
-        return run_kernel(scale), None
-    ds = run_kernel(1.0)
+        return run_kernel(*run_args, scale), None
+    ds = run_kernel(*run_args, 1.0)
     return (ds * scale if need_dx else None), ds.sum_to_size(mask.shape).to(mask.dtype)
+
+
+def _kernel_backward(dy, saved, mask, dim, zero_masked, p, seed, scale):
+    return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -246,18 +272,18 @@ class MaskedSoftmaxFunction(torch.autograd.Function):
     def forward(ctx, x, mask, dim, scale, fill_value, zero_masked, p):
         seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
         y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed)
-        ctx.save_for_backward(saved if p > 0 else y, mask)
+        ctx.save_for_backward(y if saved is None else saved, mask)
         ctx.args = (dim, scale, zero_masked, p, seed)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved, mask = ctx.saved_tensors
-        dim, _, zero_masked, p, seed = ctx.args
-        need_dmask = mask is not None and ctx.needs_input_grad[1]
+        dim, scale, zero_masked, p, seed = ctx.args
+        need = ctx.needs_input_grad
         dx, dmask = _grads(
-            mask, ctx.needs_input_grad[0], need_dmask, ctx.args[1],
-            lambda scale: _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed),
+            mask, need[0], mask is not None and need[1], scale,
+            _kernel_backward, dy, saved, mask, dim, zero_masked, p, seed,
         )  # fmt: skip
         return dx, dmask, None, None, None, None, None
 
@@ -275,7 +301,7 @@ def masked_softmax_fwd_op(
     """(y, saved p or empty, seed as a CPU int64 tensor [3])."""
     seed = _rng.draw_op_seed(x.device, "opadvisor::masked_softmax_fwd") if dropout_p > 0 else _NO_SEED
     y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, dropout_p, seed)
-    return y, saved, torch.tensor(seed, dtype=torch.int64)
+    return y, y.new_empty(0) if saved is None else saved, torch.tensor(seed, dtype=torch.int64)
 
 
 @masked_softmax_fwd_op.register_fake
@@ -315,12 +341,16 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, dy, _dsaved, _dseed):
     saved, mask, seed = ctx.saved_tensors
     dim, scale, zero_masked, p = ctx.args
-    need_dmask = mask is not None and ctx.needs_input_grad[1]
+    need = ctx.needs_input_grad
     dx, dmask = _grads(
-        mask, ctx.needs_input_grad[0], need_dmask, scale,
-        lambda s: masked_softmax_bwd_op(dy, saved, mask, seed, dim, s, zero_masked, p),
+        mask, need[0], mask is not None and need[1], scale,
+        _op_kernel_backward, dy, saved, mask, seed, dim, zero_masked, p,
     )  # fmt: skip
     return dx, dmask, None, None, None, None, None
+
+
+def _op_kernel_backward(dy, saved, mask, seed, dim, zero_masked, p, scale):
+    return masked_softmax_bwd_op(dy, saved, mask, seed, dim, scale, zero_masked, p)
 
 
 torch.library.register_autograd(masked_softmax_fwd_op, _op_backward, setup_context=_setup_context)

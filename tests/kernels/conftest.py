@@ -33,3 +33,11 @@ def kernels_everywhere(monkeypatch):
 
     monkeypatch.setattr(softmax, "SMALL_NUMEL", 0)
     monkeypatch.setattr(dropout_add, "SMALL_NUMEL", 0)
+
+
+@pytest.fixture(autouse=True)
+def check_launch_keys(monkeypatch):
+    """Every direct kernel launch (on a GPU) checks that its plan fixed everything Triton specialises on."""
+    from opadvisor.kernels import _launch
+
+    monkeypatch.setattr(_launch, "CHECK_KEYS", True)

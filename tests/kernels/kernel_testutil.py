@@ -21,3 +21,18 @@ def grad_of(fn, x: torch.Tensor, dy: torch.Tensor, *others: torch.Tensor):
     inputs = [x] + [o for o in others if o is not None and o.requires_grad]
     grads = torch.autograd.grad(y, inputs, dy)
     return y.detach(), grads
+
+
+def record_launches(monkeypatch, keep=lambda launch, args: launch.meta):
+    """Every kernel launch from here on appends `keep(launch, args)` to the returned list, then launches."""
+    from opadvisor.kernels import _launch
+
+    seen = []
+    launch_call = _launch.Launch.__call__
+
+    def recorded(self, args):
+        seen.append(keep(self, args))
+        launch_call(self, args)
+
+    monkeypatch.setattr(_launch.Launch, "__call__", recorded)
+    return seen

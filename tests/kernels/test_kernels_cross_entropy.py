@@ -8,8 +8,14 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testutil import rel_err
-from opadvisor.kernels import _backend, _layout, cross_entropy, cross_entropy_backend, reference_cross_entropy
+from kernel_testutil import record_launches, rel_err
+from opadvisor.kernels import (
+    _backend,
+    _layout,
+    cross_entropy,
+    cross_entropy_backend,
+    reference_cross_entropy,
+)
 
 # `opadvisor.kernels.cross_entropy` is the function (the package exports it); the module, for its
 # constants and launchers, comes from the import system.
@@ -201,17 +207,6 @@ def test_int32_and_strided_targets_match_int64(device):
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Recorder:
-    """Wraps a Launcher: records the logits tensor of each launch, then launches."""
-
-    def __init__(self, launcher, seen):
-        self.launcher, self.seen = launcher, seen
-
-    def __call__(self, grid, args, meta):
-        self.seen.append(args[0])
-        self.launcher(grid, args, meta)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_column_slice_of_padded_logits_is_read_in_place(dtype, device, monkeypatch):
     """The LM-head case: logits[:, :C] of a [N, C + 6] GEMM output. Both kernels get the slice itself
@@ -224,9 +219,7 @@ def test_column_slice_of_padded_logits_is_read_in_place(dtype, device, monkeypat
     t = _targets(n, c, device)
     dloss = torch.randn(n, device=device).to(dtype)
     ref, dref = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x.contiguous(), dloss)
-    seen: list[torch.Tensor] = []
-    fwd, bwd = ce._launchers()
-    monkeypatch.setattr(ce, "_launchers", lambda: (_Recorder(fwd, seen), _Recorder(bwd, seen)))
+    seen = record_launches(monkeypatch, keep=lambda launch, args: args[0])
     loss, dx = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
     assert len(seen) == 2
     for logits in seen:
@@ -246,19 +239,26 @@ def test_column_strided_logits_are_copied_first(device):
     torch.testing.assert_close(dx, dref)
 
 
+def _clear_plans():
+    ce._plan.cache_clear()
+    ce._launch_plan.cache_clear()
+
+
 def test_int32_and_int64_indexing_agree(device, monkeypatch):
     x = _logits(5, 300, torch.bfloat16, device, pad=3)
     t = _targets(5, 300, device)
     dloss = torch.randn(5, device=device).bfloat16()
-    ce._plan.cache_clear()
+    _clear_plans()
     narrow = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
     monkeypatch.setattr(_layout, "INT32_SAFE", 1)  # every launch takes the int64 path
-    ce._plan.cache_clear()
+    _clear_plans()
     try:
         assert ce._plan((5, 300), (303, 1), 1, ce.MAX_BLOCK)[2]["I64"]
+        metas = record_launches(monkeypatch)
         wide = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
+        assert len(metas) == 2 and all(meta["I64"] for meta in metas)
     finally:
-        ce._plan.cache_clear()
+        _clear_plans()
     for a, b in zip(narrow, wide, strict=True):
         assert torch.equal(a, b)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testutil import record_launches
 from opadvisor.kernels import _layout, _rng, bias_dropout_add, dropout_add, masked_softmax, softmax
 
 pytestmark = pytest.mark.usefixtures("kernels_everywhere")
@@ -20,6 +21,7 @@ def test_needs_int64_counts_elements_and_strided_reach():
 
 def _clear_plans():
     softmax._plan.cache_clear()
+    softmax._launch_plan.cache_clear()
     dropout_add._fwd_plan.cache_clear()
     dropout_add._bwd_plan.cache_clear()
 
@@ -45,7 +47,9 @@ def test_int32_and_int64_indexing_agree(device, monkeypatch):
     _clear_plans()
     try:
         assert softmax._plan((4, 8), (8, 1), None, 1, softmax.MAX_BLOCK, softmax.LOOP_BLOCK)[2]["I64"]
+        metas = record_launches(monkeypatch)
         wide = _both_ops(device)
+        assert len(metas) == 4 and all(meta["I64"] for meta in metas)
     finally:
         _clear_plans()
     for a, b in zip(narrow, wide, strict=True):

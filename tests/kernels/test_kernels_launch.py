@@ -1,5 +1,6 @@
-"""The direct launcher: the cache key follows what Triton specialises on, and on a GPU the direct launches
-compute what Triton's own launches compute (aligned and misaligned tensors, new shapes, new dtypes)."""
+"""The direct launcher: its specialisation follows what Triton specialises on (the GPU tests check every
+direct launch against it: conftest sets CHECK_KEYS), and on a GPU the direct launches compute what Triton's
+own launches compute (aligned and misaligned tensors, new shapes, new dtypes)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_testutil import rel_err
+from kernel_testutil import record_launches, rel_err
 from opadvisor.kernels import _launch, dropout_add, masked_softmax, reference_masked_softmax, softmax
 
 
@@ -28,7 +29,7 @@ def test_key_follows_triton_specialisation():
     meta = {"BLOCK": 32}
 
     def key(t, n, seed, scale=0.5, m=meta):
-        return launcher._key(0, (t, n, seed, scale), m)
+        return launcher.specialisation(0, (t, n, seed, scale), m)
 
     assert key(x, 64, 7) == key(x, 64, 99)  # a new seed (not specialised on): the same kernel
     assert key(x, 64, 7) != key(x, 65, 7)  # specialised integers: by value (covers ÷16 and == 1)
@@ -39,7 +40,7 @@ def test_key_follows_triton_specialisation():
     assert key(x, 64, 7) != key(x[1:], 64, 7)  # 16-byte alignment of the address
     assert key(x, 64, 7) != key(x, 64, 7, m={"BLOCK": 64})  # constexprs
     with pytest.raises(TypeError):
-        launcher._key(0, (x, 64), meta)
+        launcher.specialisation(0, (x, 64), meta)
 
 
 def test_launch_hooks_send_launches_through_triton():
@@ -67,8 +68,10 @@ def test_direct_launches_match_reference_on_gpu(monkeypatch):
     base = torch.randn(8 * 301 + 1, device="cuda")
     cases = [base[: 8 * 300].view(8, 300), base[1 : 1 + 8 * 300].view(8, 300), base[: 8 * 301].view(8, 301)]
     cases += [c.to(torch.bfloat16) for c in cases]
+    launches = record_launches(monkeypatch, keep=lambda launch, args: launch)
     for x in cases:
         for _ in range(3):  # the first call compiles through Triton, the next ones launch directly
             y = masked_softmax(x, scale=0.5)
             assert rel_err(y.float(), reference_masked_softmax(x.float(), scale=0.5)) < 1e-2
-    assert softmax._launchers()[0].compiled, "the direct path was never taken"
+    assert all(launch.compiled for launch in launches), "the direct path was never taken"
+    assert _launch.CHECK_KEYS  # every direct launch was checked against its compiled kernel's specialisation

@@ -7,9 +7,9 @@ reaches 2**31 elements (I64), int32 otherwise.
 Forward, per row i with target t = T[i]:
     lse_i  = log(sum_j exp(x_ij))                  (one pass: online max / sum-exp, see `_row_lse`)
     loss_i = lse_i - x_it,  0 when t == ignore_index, NaN when t is outside [0, C)
-    LSE[i] = lse_i (saved for the backward), LOSS[i] = loss_i (float32; the launcher reduces), and with
-    COUNT VALID[i] = 1.0 if t != ignore_index else 0.0 ("mean" divides by their sum: the launcher reduces
-    LOSS and VALID, two rows of one buffer, in one sum)
+    LSE[i] = lse_i (saved for the backward), LOSS[i] = loss_i (float32), and with COUNT VALID[i] = 1.0 if
+    t != ignore_index else 0.0; for "mean" and "sum" `cross_entropy_reduce_kernel` then sums them (LOSS and
+    VALID are two rows of one buffer) and writes the loss, divided by the count for "mean"
 Backward, with g_i = G[i * sg] (the upstream gradient; for "mean" (MEAN) divided here by COUNT[0]):
     dx_ij = (exp(x_ij - lse_i) - [j == t]) * g_i,  0 for ignored rows, NaN for out-of-range targets
     DX has X's row stride when X's rows do not overlap (a column slice of a padded tensor gives a
@@ -164,3 +164,26 @@ def cross_entropy_bwd_kernel(
             _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, False, True, RNE, I64)
         for c0 in range(n_full, n_cols, BLOCK):
             _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, True, True, RNE, I64)
+
+
+@triton.jit
+def cross_entropy_reduce_kernel(
+    ROWS, LOSS, COUNT, n_rows, BLOCK: tl.constexpr, MEAN: tl.constexpr, RNE: tl.constexpr
+):  # fmt: skip
+    """One program: LOSS[0] = sum of the per-row losses ROWS[0, :n_rows] ("sum"), or that sum over the
+    count of rows not ignored, ROWS[1, :n_rows] summed into COUNT[0] ("mean": 0 / 0 gives NaN, as
+    PyTorch), in LOSS's dtype, rounded once; float32 sums in a fixed order (deterministic)."""
+    total = tl.zeros((BLOCK,), tl.float32)
+    count = tl.zeros((BLOCK,), tl.float32)
+    for r0 in range(0, n_rows, BLOCK):
+        r = r0 + tl.arange(0, BLOCK)
+        ok = r < n_rows
+        total += tl.load(ROWS + r, mask=ok, other=0.0)
+        if MEAN:
+            count += tl.load(ROWS + n_rows + r, mask=ok, other=0.0)
+    loss = tl.sum(total, axis=0)
+    if MEAN:
+        n = tl.sum(count, axis=0)
+        tl.store(COUNT, n)
+        loss = loss / n
+    tl.store(LOSS, rne_bf16(loss, RNE).to(LOSS.dtype.element_ty))

@@ -2,6 +2,8 @@
 
 Forward:  y = residual + where(keep, (x + bias) / (1 - p), 0)
 Backward: dx = where(keep, dy / (1 - p), 0);  dbias = sum over rows of dx;  dresidual = dy (no kernel)
+          (each backward program sums dbias over its rows in float32; `bias_grad_kernel` adds those up and
+          writes dbias in the bias's dtype: two launches, no PyTorch op between them)
 The keep mask is recomputed from the seed (see `_rng`), or read back from a 1-byte mask when the
 launcher asks for one (BYTE_MASK; kept to compare the two on the GPU).
 """
@@ -127,3 +129,20 @@ def bias_dropout_add_bwd_kernel(
             acc += tl.sum(dx, axis=0)
     if HAS_BIAS:
         tl.store(DB + widen(pid_r, I64) * n_cols + cols, acc, mask=col_ok)
+
+
+@triton.jit
+def bias_grad_kernel(
+    PARTIAL, DB, n_parts, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RNE: tl.constexpr
+):  # fmt: skip
+    """DB[c] = sum over r of PARTIAL[r, c] (the backward kernel's per-program sums, float32 [n_parts,
+    n_cols]) in DB's dtype, rounded once: one program per BLOCK_C columns, tiles of BLOCK_R rows, a fixed
+    order (deterministic)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+    for r0 in range(0, n_parts, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = (rows < n_parts)[:, None] & col_ok[None, :]
+        acc += tl.load(PARTIAL + rows[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
+    tl.store(DB + cols, rne_bf16(tl.sum(acc, axis=0), RNE).to(DB.dtype.element_ty), mask=col_ok)

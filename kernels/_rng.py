@@ -41,7 +41,7 @@ Seed = tuple[int, int, int] | torch.Tensor
 def draw_seed(device: torch.device) -> Seed:
     """(k0, k1, stream) for one dropout call, each in [0, 2**31) so kernel arguments keep one type; an
     int32 device tensor holding the three words while the current CUDA stream is being captured."""
-    if device.type == "cuda" and cuda_graph_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.randint(0, _M31, (3,), dtype=torch.int32, device=device)
     return draw_host_seed(device)
 

@@ -180,10 +180,14 @@ def _plan(shape, x_strides, t_stride, max_block):
 
 
 @functools.cache
-def _launchers() -> tuple[Launcher, Launcher]:
+def _launchers() -> tuple[Launcher, Launcher, Launcher]:
     from . import _cross_entropy_triton as k
 
-    return Launcher(k.cross_entropy_fwd_kernel), Launcher(k.cross_entropy_bwd_kernel)
+    return (
+        Launcher(k.cross_entropy_fwd_kernel),
+        Launcher(k.cross_entropy_bwd_kernel),
+        Launcher(k.cross_entropy_reduce_kernel),
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -199,6 +203,14 @@ def _launch_plan(backward, shape, x_strides, t_stride, call, device, flag, max_b
         rne = launcher.interpreted and call[0] == torch.bfloat16
         return launcher.prepare(grid, {"RNE": rne, "MEAN": flag, **meta}), (n_cols, sx0, sdx0, st0)
     return launcher.prepare(grid, {"COUNT": flag, **meta}), (n_cols, sx0, st0)
+
+
+@functools.lru_cache(maxsize=256)
+def _reduce_launch(n_rows, mean, out_dtype, device):
+    """The Launch that reduces `_forward`'s rows to the loss ("mean" or "sum") for N = n_rows."""
+    launcher = _launchers()[2]
+    rne = launcher.interpreted and out_dtype == torch.bfloat16
+    return launcher.prepare((1,), {"BLOCK": 2048, "MEAN": mean, "RNE": rne, "num_warps": 8})
 
 
 def _forward(
@@ -220,29 +232,49 @@ def _forward(
 
 def _backward(
     x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, count: torch.Tensor | None,
-    ignore_index: int,
+    ignore_index: int, prepared: tuple | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """dx [N, C] in x's dtype (row stride `grad_row_stride`); g: the gradient per row, [N] (any stride)
-    or 0-d (shared by all rows), divided by `count` (0-d) for "mean"."""
-    dx = _empty_grad(x)
+    or 0-d (shared by all rows), divided by `count` (0-d) for "mean". `prepared`: `_prepare_backward`'s
+    launch, used when g is what it was prepared for."""
     mean = count is not None
     sg0 = g.stride(0) if g.dim() == 1 else 0
-    call = (x.dtype, target.dtype, ignore_index, g.dtype, sg0)
-    launch, ints = _launch_plan(True, x.shape, x.stride(), target.stride(0), call, x.device, mean, MAX_BLOCK)
+    if prepared is not None and prepared[0] == (g.dtype, sg0):
+        _, launch, ints, grad_strides = prepared
+    else:
+        call = (x.dtype, target.dtype, ignore_index, g.dtype, sg0)
+        launch, ints = _launch_plan(
+            True, x.shape, x.stride(), target.stride(0), call, x.device, mean, MAX_BLOCK
+        )
+        grad_strides = (grad_row_stride(tuple(x.shape), x.stride()), 1)
+    dx = torch.empty_strided(x.shape, grad_strides, dtype=x.dtype, device=x.device)
     launch((x, target, lse, g, count if mean else g, dx, *ints, sg0, ignore_index))
     return dx
 
 
+def _prepare_backward(x, target, ignore_index, reduction, out_dtype) -> tuple:
+    """((gradient dtype, its stride), Launch, integer args, dx strides) of the backward for the upstream
+    gradient autograd passes a loss of `out_dtype` (0-d; [N] contiguous for "none"): prepared while the
+    forward runs, so the backward (on the autograd engine's device thread) only checks and launches."""
+    sg0 = 1 if reduction == "none" and x.shape[0] > 1 else 0
+    call = (x.dtype, target.dtype, ignore_index, out_dtype, sg0)
+    mean = reduction == "mean"
+    launch, ints = _launch_plan(True, x.shape, x.stride(), target.stride(0), call, x.device, mean, MAX_BLOCK)
+    return (out_dtype, sg0), launch, ints, (grad_row_stride(tuple(x.shape), x.stride()), 1)
+
+
 def _reduce(rows: torch.Tensor, reduction: str, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss in out_dtype, the count of rows not ignored as float32 0-d for "mean", else an empty tensor)
-    from `_forward`'s rows ([2, N] for "mean"). Sums run in float32 and round once; no host sync (0 / 0
-    gives "mean"'s NaN for all-ignored)."""
+    from `_forward`'s rows ([2, N] for "mean"). Sums run in float32 and round once, in one launch; no host
+    sync (0 / 0 gives "mean"'s NaN for all-ignored)."""
     if reduction == "none":
         return rows.to(out_dtype), rows.new_empty(0)
-    if reduction == "sum":
-        return rows.sum().to(out_dtype), rows.new_empty(0)
-    total, count = rows.sum(1).unbind()
-    return (total / count).to(out_dtype), count
+    mean = reduction == "mean"
+    n_rows = rows.shape[-1]
+    loss = torch.empty((), dtype=out_dtype, device=rows.device)
+    count = torch.empty((), dtype=torch.float32, device=rows.device) if mean else rows.new_empty(0)
+    _reduce_launch(n_rows, mean, out_dtype, rows.device)((rows, loss, count if mean else loss, n_rows))
+    return loss, count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -251,21 +283,24 @@ def _reduce(rows: torch.Tensor, reduction: str, out_dtype: torch.dtype) -> tuple
 
 
 class CrossEntropyFunction(torch.autograd.Function):
-    """Eager-mode autograd around the kernels."""
+    """Eager-mode autograd around the kernels. The forward also prepares the backward's launch, so the
+    backward does little but launch."""
 
     @staticmethod
     def forward(ctx, x, target, ignore_index, reduction, out_dtype):
-        rows, lse = _forward(x, target, ignore_index, reduction == "mean")
+        mean = reduction == "mean"
+        rows, lse = _forward(x, target, ignore_index, mean)
         loss, count = _reduce(rows, reduction, out_dtype)
         ctx.save_for_backward(x, target, lse, count)
-        ctx.args = (ignore_index, reduction == "mean")
+        ctx.args = (ignore_index, mean, _prepare_backward(x, target, ignore_index, reduction, out_dtype))
         return loss
 
     @staticmethod
     def backward(ctx, dloss):
         x, target, lse, count = ctx.saved_tensors
-        ignore_index, mean = ctx.args
-        return _backward(x, target, lse, dloss, count if mean else None, ignore_index), None, None, None, None
+        ignore_index, mean, prepared = ctx.args
+        dx = _backward(x, target, lse, dloss, count if mean else None, ignore_index, prepared)
+        return dx, None, None, None, None
 
 
 @torch.library.custom_op("opadvisor::cross_entropy_fwd", mutates_args=())

@@ -131,10 +131,14 @@ def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
 
 
 @functools.cache
-def _launchers() -> tuple[Launcher, Launcher]:
+def _launchers() -> tuple[Launcher, Launcher, Launcher]:
     from . import _dropout_add_triton as k
 
-    return Launcher(k.bias_dropout_add_fwd_kernel), Launcher(k.bias_dropout_add_bwd_kernel)
+    return (
+        Launcher(k.bias_dropout_add_fwd_kernel),
+        Launcher(k.bias_dropout_add_bwd_kernel),
+        Launcher(k.bias_grad_kernel),
+    )
 
 
 def _promote(x_dtype, b_dtype, r_dtype):
@@ -174,10 +178,9 @@ def _programs_target(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
-    """(Launch, integer args, rows of partial dbias sums) for one layout of dy, or None (copy first).
-
-    dtypes: (dy, dx); flags: (HAS_BIAS, BYTE_MASK, SEED_PTR, INTERLEAVE). Each program sums dbias over a
-    run of rows of one column block."""
+    """(backward Launch, its integer args, bias-gradient Launch or None, partial sums' shape) for one
+    layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no dbias); flags: (BYTE_MASK,
+    SEED_PTR, INTERLEAVE). Each backward program sums dbias over a run of rows of one column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
         return None
@@ -187,65 +190,76 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
     row_progs = max(1, min(triton_cdiv(n_rows, rows), _programs_target(device) // col_blocks))
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     row_progs = triton_cdiv(n_rows, rows_per_prog)
-    launcher = _launchers()[1]
+    _, dx_dtype, b_dtype = dtypes
+    _, bwd, bias_grad = _launchers()
     _backend.check_launch(device)
-    has_bias, byte_mask, seed_ptr, interleave = flags
+    byte_mask, seed_ptr, interleave = flags
     meta = {
-        "HAS_BIAS": has_bias, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
-        "RNE": launcher.interpreted and dtypes[1] == torch.bfloat16, "SEED_PTR": seed_ptr,
+        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
         "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
     }  # fmt: skip
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
-    return launcher.prepare((row_progs, col_blocks), meta), ints, row_progs
+    launch = bwd.prepare((row_progs, col_blocks), meta)
+    if b_dtype is None:
+        return launch, ints, None, None
+    rne = bias_grad.interpreted and b_dtype == torch.bfloat16
+    sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
+    return launch, ints, bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta), (row_progs, n_cols)
 
 
-def _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed):
-    """(dx, dbias in float32 or None) for a dropout forward: per-program column sums, then one sum.
+def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed):
+    """(dx, dbias in b_dtype, or None when b_dtype is None) for a dropout forward.
 
     `keep`: the forward's 1-byte mask, or None / an empty tensor when the mask is recomputed from `seed`."""
     byte_mask = keep is not None and keep.numel() > 0
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
-        return dx, (dy.new_zeros(dy.shape[-1], dtype=torch.float32) if need_dbias else None)
-    flags = (need_dbias, byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
-    dtypes = (dy.dtype, x_dtype)
+        return dx, (dy.new_zeros(dy.shape[-1], dtype=b_dtype) if b_dtype is not None else None)
+    flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+    dtypes = (dy.dtype, x_dtype, b_dtype)
     plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
     if plan is None:
         dy = dy.contiguous()
         plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
-    launch, ints, row_progs = plan
-    partial = (
-        torch.empty((row_progs, dy.shape[-1]), dtype=torch.float32, device=dy.device) if need_dbias else None
-    )
+    launch, ints, sum_launch, partial_shape = plan
+    partial = dx if sum_launch is None else torch.empty(partial_shape, dtype=torch.float32, device=dy.device)
     launch(
-        (dy, dx, dx if partial is None else partial, keep if byte_mask else dx, *ints,
+        (dy, dx, partial, keep if byte_mask else dx, *ints,
          _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
     )  # fmt: skip
-    return dx, (partial.sum(0) if partial is not None else None)
+    if sum_launch is None:
+        return dx, None
+    dbias = torch.empty(partial_shape[1], dtype=b_dtype, device=dy.device)
+    sum_launch((partial, dbias, *partial_shape))
+    return dx, dbias
 
 
-def _grads(dy, dtypes, needs, p, run_kernel, *run_args):
-    """(dx, dbias, dresidual) for the inputs that need them; dtypes: (x, bias or None, residual);
-    `run_kernel(*run_args, need_dbias)` -> (dx, dbias in float32)."""
-    x_dtype, b_dtype, r_dtype = dtypes
-    need_dx, need_db, need_dr = needs
-    need_db = need_db and b_dtype is not None
+def _grads(dy, info, run_kernel, *run_args):
+    """(dx, dbias, dresidual), None for those not needed. info: (x dtype, bias dtype or None when no dbias
+    is needed, residual dtype, p, need dx, need dbias, need dresidual); `run_kernel(*run_args)` -> (dx,
+    dbias in the bias's dtype or None) runs the kernels (with dropout)."""
+    x_dtype, b_dtype, r_dtype, p, need_dx, need_db, need_dr = info
     dres = (dy if dy.dtype == r_dtype else dy.to(r_dtype)) if need_dr else None
     if p > 0 and (need_dx or need_db):
-        dx, dbias = run_kernel(*run_args, need_db)
+        dx, dbias = run_kernel(*run_args)
     else:
         dx = dy.to(x_dtype)
-        dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32) if need_db else None
-    return (dx if need_dx else None), (dbias.to(b_dtype) if need_db else None), dres
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(b_dtype) if need_db else None
+    return (dx if need_dx else None), dbias, dres
 
 
-def _kernel_backward(dy, keep, x_dtype, p, seed, need_dbias):
-    return _backward_kernel(dy, keep, x_dtype, need_dbias, p, seed)
+def _grad_info(ctx, x, bias, residual, p) -> tuple:
+    """What the backward needs to know besides the seed: dtypes, p, and which gradients are needed."""
+    need_dx, need_db, need_dr = ctx.needs_input_grad[:3]
+    b_dtype = None if bias is None or not need_db else bias.dtype
+    return x.dtype, b_dtype, residual.dtype, p, need_dx, b_dtype is not None, need_dr
 
 
 class BiasDropoutAddFunction(torch.autograd.Function):
-    """Eager-mode autograd around the kernels: nothing but the three dtypes, p and the seed is kept for
-    backward (and the 1-byte mask in MASK_MODE "byte")."""
+    """Eager-mode autograd around the kernels: nothing but the dtypes, p, the seed and which gradients are
+    needed is kept for backward (and the 1-byte mask in MASK_MODE "byte"), and the backward is the two
+    kernel launches."""
 
     @staticmethod
     def forward(ctx, x, bias, residual, p):
@@ -253,20 +267,14 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         y, keep = _forward(x, bias, residual, p, seed)
         if keep is not None:
             ctx.save_for_backward(keep)
-        ctx.args = (
-            (x.dtype, None if bias is None else bias.dtype, residual.dtype),
-            p,
-            seed,
-            keep is not None,
-        )
+        ctx.args = (_grad_info(ctx, x, bias, residual, p), seed, keep is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        dtypes, p, seed, byte_mask = ctx.args
+        info, seed, byte_mask = ctx.args
         keep = ctx.saved_tensors[0] if byte_mask else None
-        need = ctx.needs_input_grad
-        dx, dbias, dres = _grads(dy, dtypes, need[:3], p, _kernel_backward, dy, keep, dtypes[0], p, seed)
+        dx, dbias, dres = _grads(dy, info, _backward_kernel, dy, keep, info[0], info[1], info[3], seed)
         return dx, dbias, dres, None
 
 
@@ -292,33 +300,40 @@ def _(x, bias, residual, p):
 
 @torch.library.custom_op("opadvisor::bias_dropout_add_bwd", mutates_args=())
 def bias_dropout_add_bwd_op(
-    dy: torch.Tensor, keep: torch.Tensor, seed: torch.Tensor, x_dtype: torch.dtype, p: float, need_dbias: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx, dbias in float32, or an empty tensor when not needed)."""
+    dy: torch.Tensor, keep: torch.Tensor, seed: torch.Tensor, x_dtype: torch.dtype, b_dtype: torch.dtype | None,
+    p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dx, dbias in b_dtype, or an empty tensor when b_dtype is None)."""
     k0, k1, stream = (int(v) for v in seed.tolist())
-    dx, dbias = _backward_kernel(dy, keep, x_dtype, need_dbias, p, (k0, k1, stream))
-    return dx, dbias if dbias is not None else dy.new_empty(0, dtype=torch.float32)
+    dx, dbias = _backward_kernel(dy, keep, x_dtype, b_dtype, p, (k0, k1, stream))
+    return dx, dbias if dbias is not None else dy.new_empty(0)
 
 
 @bias_dropout_add_bwd_op.register_fake
-def _(dy, keep, seed, x_dtype, p, need_dbias):
+def _(dy, keep, seed, x_dtype, b_dtype, p):
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
-    return dx, dy.new_empty(dy.shape[-1] if need_dbias else 0, dtype=torch.float32)
+    if b_dtype is None:
+        return dx, dy.new_empty(0)
+    return dx, dy.new_empty(dy.shape[-1], dtype=b_dtype)
 
 
 def _setup_context(ctx, inputs, output):
     x, bias, residual, p = inputs
     _, keep, seed = output
     ctx.save_for_backward(keep, seed)
-    ctx.args = ((x.dtype, None if bias is None else bias.dtype, residual.dtype), p)
+    ctx.args = _grad_info(ctx, x, bias, residual, p)
 
 
 def _op_backward(ctx, dy, _dkeep, _dseed):
     keep, seed = ctx.saved_tensors
-    dtypes, p = ctx.args
-    need = ctx.needs_input_grad
-    dx, dbias, dres = _grads(dy, dtypes, need[:3], p, bias_dropout_add_bwd_op, dy, keep, seed, dtypes[0], p)
+    info = ctx.args
+    dx, dbias, dres = _grads(dy, info, _op_kernel_backward, dy, keep, seed, info)
     return dx, dbias, dres, None
+
+
+def _op_kernel_backward(dy, keep, seed, info):
+    dx, dbias = bias_dropout_add_bwd_op(dy, keep, seed, info[0], info[1], info[3])
+    return dx, dbias if info[1] is not None else None
 
 
 torch.library.register_autograd(bias_dropout_add_fwd_op, _op_backward, setup_context=_setup_context)

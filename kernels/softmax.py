@@ -230,17 +230,34 @@ def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     return y, saved
 
 
-def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed):
-    """Launch the backward kernel: dx (gradient w.r.t. x times `scale`)."""
+def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed, prepared=None):
+    """Launch the backward kernel: dx (gradient w.r.t. x times `scale`). `prepared`: `_prepare_backward`'s
+    launch for a dy laid out like the output, used when dy is (no plan lookup then)."""
     dx = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
     if dx.numel() == 0:
         return dx
-    launch, ints, dy, mask = _launch_for(True, dy, mask, dim, zero_masked, p, seed, saved.dtype)
+    if prepared is not None and dy.stride() == prepared[0]:
+        _, launch, ints, mask_arg = prepared
+    else:
+        launch, ints, dy, mask = _launch_for(True, dy, mask, dim, zero_masked, p, seed, saved.dtype)
+        mask_arg = _mask_arg(mask, dy)
     launch(
-        (saved, dy, _mask_arg(mask, dy), dx, *ints,
+        (saved, dy, mask_arg, dx, *ints,
          scale, _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
     )  # fmt: skip
     return dx
+
+
+def _prepare_backward(y, mask, dim, zero_masked, p, seed):
+    """(dy strides it is for, Launch, integer args, mask argument) of the backward kernel for a dy laid out
+    like the output `y` (as autograd usually passes it), or None: prepared while the forward runs, so the
+    backward (on the autograd engine's device thread) only checks dy's strides and launches."""
+    if y.numel() == 0:
+        return None
+    launch, ints, dy_like, mask = _launch_for(True, y, mask, dim, zero_masked, p, seed, y.dtype)
+    if dy_like is not y:  # a layout that is copied first: the backward looks its plan up
+        return None
+    return y.stride(), launch, ints, _mask_arg(mask, y)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -256,8 +273,8 @@ def _grads(mask, need_dx, need_dmask, scale, run_kernel, *run_args):
     return (ds * scale if need_dx else None), ds.sum_to_size(mask.shape).to(mask.dtype)
 
 
-def _kernel_backward(dy, saved, mask, dim, zero_masked, p, seed, scale):
-    return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed)
+def _kernel_backward(dy, saved, mask, dim, zero_masked, p, seed, prepared, scale):
+    return _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed, prepared)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,24 +283,26 @@ def _kernel_backward(dy, saved, mask, dim, zero_masked, p, seed, scale):
 
 
 class MaskedSoftmaxFunction(torch.autograd.Function):
-    """Eager-mode autograd around the kernels (lower call overhead than going through the custom op)."""
+    """Eager-mode autograd around the kernels (lower call overhead than going through the custom op). The
+    forward also prepares the backward's launch, so the backward does little but launch."""
 
     @staticmethod
     def forward(ctx, x, mask, dim, scale, fill_value, zero_masked, p):
         seed = _rng.draw_seed(x.device) if p > 0 else _NO_SEED
         y, saved = _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed)
         ctx.save_for_backward(y if saved is None else saved, mask)
-        ctx.args = (dim, scale, zero_masked, p, seed)
+        need_dx, need_dmask = ctx.needs_input_grad[:2]
+        prepared = _prepare_backward(y, mask, dim, zero_masked, p, seed)
+        ctx.args = (dim, scale, zero_masked, p, seed, prepared, need_dx, mask is not None and need_dmask)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         saved, mask = ctx.saved_tensors
-        dim, scale, zero_masked, p, seed = ctx.args
-        need = ctx.needs_input_grad
+        dim, scale, zero_masked, p, seed, prepared, need_dx, need_dmask = ctx.args
         dx, dmask = _grads(
-            mask, need[0], mask is not None and need[1], scale,
-            _kernel_backward, dy, saved, mask, dim, zero_masked, p, seed,
+            mask, need_dx, need_dmask, scale,
+            _kernel_backward, dy, saved, mask, dim, zero_masked, p, seed, prepared,
         )  # fmt: skip
         return dx, dmask, None, None, None, None, None
 

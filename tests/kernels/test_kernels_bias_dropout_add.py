@@ -148,3 +148,22 @@ def test_empty_and_errors(device):
         bias_dropout_add(torch.randn(2, 8), None, torch.randn(2, 4), 0.1)
     with pytest.raises(ValueError, match="bias"):
         bias_dropout_add(torch.randn(2, 8), torch.randn(4), torch.randn(2, 8), 0.1)
+
+
+def test_bias_gradient_over_many_partial_sums(device, monkeypatch):
+    """dbias is summed in two launches: per backward program over its rows, then `bias_grad_kernel` over
+    those partial sums (tiles of 32 of them, 64 columns a program) in the bias's dtype. Many programs and
+    columns that fill neither tile: the same dbias as the reference's float64 sum, rounded once."""
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    monkeypatch.setattr(dropout_add, "_programs_target", lambda device: 150)
+    monkeypatch.setattr(dropout_add, "TILE", 64)  # the plan cache keys on TILE: fresh plans
+    torch.manual_seed(5)
+    x = torch.randn(80, 100, device=device)  # 2 column blocks of 64 (TILE), 75 programs a column block
+    residual = torch.randn(80, 100, device=device)
+    bias = torch.randn(100, device=device).bfloat16()
+    dy = torch.randn(80, 100, device=device)
+    _, (_, dbias, _) = _run(lambda a, b, r: bias_dropout_add(a, b, r, 0.3), x, bias, residual, dy)
+    keep = dropout_add.philox_keep_like(x, FIXED_SEED, 0.3)
+    expected = torch.where(keep, dy.double() / 0.7, 0.0).sum(0)
+    assert dbias.dtype == torch.bfloat16
+    torch.testing.assert_close(dbias, expected.bfloat16(), rtol=8e-3, atol=8e-3)

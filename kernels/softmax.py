@@ -29,20 +29,60 @@ LOOP_BLOCK = 4096
 # True: one Philox call per 4 columns, its words interleaved in registers; False: one call per element,
 # same bits. True is what the softmax benchmark measured; bias_dropout_add measured False faster.
 RNG_INTERLEAVE = True
-# On CUDA, tensors with fewer elements run the eager chain instead: below ~4M elements the eager chain's
-# own GPU time (tens of microseconds) is smaller than the host time our call adds (Python autograd and
-# Triton launches, ~0.07 ms forward, ~0.2 ms forward+backward measured on an H200 host), so such work is
-# launch-bound and the kernel cannot pay for itself. See benchmarks/RESULTS.md.
-SMALL_NUMEL = 1 << 22
+# On CUDA, tensors with fewer elements run the plain chain (`eager_masked_softmax`) instead. From Python a
+# kernel call costs more host time than the chain's few ops (an autograd.Function whose backward runs Python
+# on the autograd engine's device thread: ~0.2 ms fwd+bwd against the chain's ~0.15-0.19 ms on an H200
+# host), which the kernel's GPU saving covers only from ~16M elements: fwd+bwd from Python at [B,12,128,128]
+# with an additive mask, scale and dropout, kernel / chain: 0.21 / 0.18 ms at 8.3M elements, 0.20 / 0.25 at
+# 16.7M, 0.15 / 0.47 at 33M (benchmarks/RESULTS.md, "Dispatch").
+SMALL_NUMEL = 1 << 24
 
 _NO_SEED = (0, 0, 0)
 OP = "masked_softmax"  # its name in the dispatch record and in warnings
 
 
+def _representable(fill_value: float, dtype: torch.dtype) -> float:
+    """`fill_value` clamped to `dtype`'s finite range (-1e9 in float16 would overflow; -inf stays): the
+    kernels apply it in float32, and exp() of either is 0 next to any unmasked score."""
+    if math.isinf(fill_value) or not dtype.is_floating_point:
+        return fill_value
+    info = torch.finfo(dtype)
+    return min(max(fill_value, info.min), info.max)
+
+
 def masked_softmax_backend(x: torch.Tensor) -> str:
     """Which implementation `masked_softmax(x, ...)` runs: "triton", "interpreter", "reference", or "eager"
-    (small CUDA tensors; the reference then runs: the chains it replaces differ in their NaN rows)."""
+    (CUDA tensors under SMALL_NUMEL elements: `eager_masked_softmax`, the plain chain)."""
     return _backend.for_tensor(x, SMALL_NUMEL)
+
+
+def eager_masked_softmax(
+    x: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    dim: int = -1,
+    scale: float | None = None,
+    fill_value: float = float("-inf"),
+    zero_masked: bool = False,
+    dropout_p: float = 0.0,
+    training: bool = True,
+) -> torch.Tensor:
+    """The chain a user writes, as PyTorch ops in x's dtype: scale, mask, softmax, zero masked, dropout.
+
+    What `masked_softmax` runs where a kernel would cost more than it saves (the size dispatch), with the
+    chain's own results: a row whose scores are all -inf gives NaN here, as it did in the code the rewrite
+    replaced (the kernels and the reference give zeros)."""
+    s = x if scale is None else x * scale
+    if mask is not None and mask.dtype == torch.bool:
+        s = s.masked_fill(mask, _representable(fill_value, s.dtype))
+    elif mask is not None:
+        s = s + mask
+    y = torch.softmax(s, dim)
+    if zero_masked and mask is not None:
+        y = y.masked_fill(mask, 0.0)
+    if training and dropout_p > 0:
+        y = F.dropout(y, dropout_p)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -428,7 +468,9 @@ def masked_softmax(
     backend = masked_softmax_backend(x)
     if backend == _backend.EAGER:
         _dispatch.record(OP, _dispatch.CHAIN)
-    elif backend == _backend.REFERENCE or _tensor_scale_with_grad(scale):
+        kw = dict(dim=dim, scale=scale, fill_value=fill_value, zero_masked=zero_masked, dropout_p=p)
+        return eager_masked_softmax(x, mask, **kw)
+    if backend == _backend.REFERENCE or _tensor_scale_with_grad(scale):
         reason = _backend.fallback_reason(x) if backend == _backend.REFERENCE else _GRAD_SCALE
         _dispatch.record_reference(OP, reason)
     else:

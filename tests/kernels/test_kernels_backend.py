@@ -91,3 +91,24 @@ def test_seed_draw_follows_manual_seed():
     torch.manual_seed(11)
     assert _rng.draw_seed(torch.device("cpu")) == a
     assert all(0 <= v < 2**31 for v in a)
+
+
+def test_small_softmax_runs_the_replaced_chain(monkeypatch):
+    """A small tensor on the GPU runs the chain a user writes, in its own dtype: scale, mask, softmax,
+    dropout, the same ops and random draws; a fill value float16 cannot hold is clamped to its range."""
+    monkeypatch.setattr(_backend, "backend", lambda device: "triton")  # as on a GPU
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    add = torch.where(torch.rand(2, 1, 1, 8) < 0.3, -1e4, 0.0).to(torch.bfloat16)
+    assert masked_softmax_backend(x) == "eager"
+    torch.manual_seed(5)
+    ours = softmax.masked_softmax(x, add, scale=0.5, dropout_p=0.2)
+    torch.manual_seed(5)
+    chain = torch.nn.functional.dropout(torch.softmax(x * 0.5 + add, -1), 0.2)
+    assert ours.dtype == torch.bfloat16 and torch.equal(ours, chain)
+    half = x.half()
+    bool_mask = torch.rand(2, 1, 1, 8) < 0.3
+    ours = softmax.masked_softmax(half, bool_mask, fill_value=-1e9, zero_masked=True)
+    expected = torch.softmax(half.masked_fill(bool_mask, torch.finfo(torch.half).min), -1).masked_fill(
+        bool_mask, 0
+    )
+    assert torch.equal(ours, expected)

@@ -8,8 +8,8 @@ test or a user can ask which code path a call will take before making it:
   interpreter on the CPU; Triton reads the variable when it is first imported, so set it before that)
 - everything else (CPU without the interpreter, no Triton, other devices) -> ``"reference"`` (plain
   PyTorch, also the test oracle)
-- CUDA tensors too small for a kernel to pay for its launch -> ``"eager"``: `bias_dropout_add` runs the
-  chain it replaces in the inputs' dtype, `masked_softmax` its reference. Not while a CUDA graph is being
+- CUDA tensors too small for a kernel to pay for its host cost -> ``"eager"``: the op runs the plain chain
+  it replaces in the inputs' dtype (`cross_entropy`: F.cross_entropy). Not while a CUDA graph is being
   captured: a replay costs no host time per kernel, so there the kernel's GPU saving is all that counts
 
 Per op, shapes and dtypes the kernels do not cover (float64, empty tensors) or where they measured slower

@@ -34,7 +34,9 @@ RNG_INTERLEAVE = False
 # call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
 # hops to the autograd thread): in a step bound by its host (BERT-base, [8192, 768] x 24 calls) the kernel
 # made the step slower (37.8 vs 30.0 ms), so only tensors from 2^25 elements, where the GPU saving covers
-# that host cost, take it. See benchmarks/RESULTS.md, "Dispatch".
+# that host cost, take it. Re-measured after the host cost was cut (sixth session, fwd+bwd from Python at
+# [T, 768], kernel / chain): 0.210 / 0.162 ms at 16.8M elements, 0.217 / 0.286 at 33.5M; on a slower host
+# 0.337 / 0.270 at [8192, 4096]. See benchmarks/RESULTS.md, "Sixth session" and "Dispatch".
 # While a CUDA graph is being captured every size takes the kernel (a replay has no per-kernel host cost).
 SMALL_NUMEL = 1 << 25
 # Under torch.compile: "chain" traces `residual + dropout(x + bias)` so that inductor fuses it with its

@@ -41,13 +41,13 @@ happen only during capture; dropout draws different (but equally distributed) ma
 the capture itself runs the forward and backward 4 extra times once per input signature (buffers such as
 BatchNorm statistics are restored afterwards). A capture that fails (a host synchronisation or a data-
 dependent shape in forward) warns once and leaves the module eager, with the device's random generator
-taken out of the capture mode the failed capture left it in (`_release_rng_capture`).
+taken out of the capture mode the failed capture left it in and the caller's stream restored (below).
 
-Captures do not depend on what ran before in the process: garbage is collected before a capture and the
-collector is off during it, so a dead object that holds CUDA memory or an earlier graph (an earlier graphed
-module in a reference cycle, say) is never freed in the middle of a capture, where freeing it is an
-operation the capture does not permit (it invalidates the capture: "operation not permitted when stream is
-capturing").
+A failed capture leaves nothing behind for later ones: `torch.cuda.graph` leaves the calling thread on its
+capture stream when the capture cannot end (its `__exit__` raises before it restores the stream), so every
+later operation of the thread, later captures included, would run there; `cuda_graphed` restores the
+caller's stream, and takes the device's random generator out of the capture mode the failed capture left it
+in (`_release_rng_capture`).
 
 Gradients are returned in fresh memory when a parameter's `.grad` is None (the usual `zero_grad()`), so a
 parameter's `.grad` never aliases the graph's memory and gradient accumulation adds what it should.
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -278,8 +277,10 @@ class GraphedForward:
         surface.training = module.training  # not .train(): that would recurse into the module
         # static inputs of their own: the caller's first batch must not become the graph's input buffer
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
+        device = tensors[0].device
+        stream = torch.cuda.current_stream(device)
         try:
-            with _autocast_without_cache(), _collector_off():
+            with _autocast_without_cache():
                 graphed = torch.cuda.make_graphed_callables(
                     surface, sample, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
                 )
@@ -287,7 +288,8 @@ class GraphedForward:
             self.disabled_reason = str(exc)
             return None
         except Exception as exc:  # the forward cannot be captured: stay eager
-            _release_rng_capture(tensors[0].device)
+            torch.cuda.set_stream(stream)  # torch.cuda.graph's __exit__ raised before restoring it
+            _release_rng_capture(device)
             self.disabled_reason = f"capture failed ({type(exc).__name__}: {exc})"
             return None
         finally:
@@ -296,20 +298,6 @@ class GraphedForward:
                     buf.copy_(saved)
         graph = self.graphs[key] = _Graph(graphed.forward, params, surface.output_spec)
         return graph
-
-
-@contextlib.contextmanager
-def _collector_off() -> Iterator[None]:
-    """Collect garbage now and keep the collector off until the capture ends (see the module docstring:
-    an object freed during a capture can invalidate it, and `torch.cuda.graph` no longer collects)."""
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _release_rng_capture(device: torch.device) -> None:

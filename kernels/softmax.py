@@ -4,8 +4,14 @@ Layers, from the inside out (Liger-Kernel's naming):
 `_softmax_triton.masked_softmax_fwd_kernel` / `..._bwd_kernel` (Triton) -> `_forward` / `_backward`
 (launchers) -> `MaskedSoftmaxFunction` (autograd, eager mode) and the custom ops
 `opadvisor::masked_softmax_fwd` / `opadvisor::masked_softmax_bwd` (what torch.compile traces, without a graph
-break) -> `masked_softmax` (the public function). `reference_masked_softmax` is the plain PyTorch version:
-it runs where the kernels do not (see `masked_softmax_backend`) and is the test oracle.
+break) -> `masked_softmax` (the public function). `reference_masked_softmax` is the PyTorch version in
+float32: it runs where the kernels do not (CPU, float64, no Triton; see `masked_softmax_backend`) and is the
+test oracle. `eager_masked_softmax` is the chain a user writes, in the input's dtype: it runs on CUDA under
+SMALL_NUMEL elements, where a kernel call costs more host time than it saves on the GPU.
+
+Host cost of a kernel call: the per-layout plan (grid, integers, the compiled kernel per alignment) is cached
+(`_launch`), the forward also prepares the backward's launch, and the backward (which autograd runs on its
+device thread, where Python is slow) checks dy's strides and launches.
 """
 
 from __future__ import annotations
@@ -453,7 +459,9 @@ def masked_softmax(
             stream following torch.manual_seed.
 
     Returns a tensor of x's shape and dtype. Rows whose scores are all -inf (where
-    `x.masked_fill(mask, -inf).softmax(dim)` gives NaN) give zeros, and so do their gradients.
+    `x.masked_fill(mask, -inf).softmax(dim)` gives NaN) give zeros, and so do their gradients; except on
+    CUDA under SMALL_NUMEL elements, where the plain chain runs (`eager_masked_softmax`: NaN there, as in
+    the code the rewrite replaced). `masked_softmax_backend(x)` says which runs.
     """
     if mask is not None:
         if mask.dtype != torch.bool and not mask.is_floating_point():

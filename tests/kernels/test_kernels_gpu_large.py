@@ -50,8 +50,13 @@ def test_bias_dropout_add_over_2_31_elements(kernels_everywhere, monkeypatch):
     torch.cuda.empty_cache()
 
 
-def test_small_tensors_take_the_eager_path():
-    from opadvisor.kernels import masked_softmax_backend
+def test_small_tensors_take_the_chain():
+    """Under SMALL_NUMEL elements masked_softmax runs the plain chain on the GPU (the same ops as a user's),
+    from SMALL_NUMEL on its kernel."""
+    from opadvisor.kernels import masked_softmax_backend, softmax
 
-    assert masked_softmax_backend(torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)) == "eager"
-    assert masked_softmax_backend(torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)) == "triton"
+    small = torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)
+    assert masked_softmax_backend(small) == "eager"
+    assert torch.equal(masked_softmax(small, scale=0.5), torch.softmax(small * 0.5, -1))
+    large = torch.empty(softmax.SMALL_NUMEL // 4096, 4096, device="cuda", dtype=torch.bfloat16)
+    assert masked_softmax_backend(large) == "triton"

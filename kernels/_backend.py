@@ -125,9 +125,19 @@ def cuda_graph_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def check_launch(device: torch.device) -> None:
-    """Before the first launch on `device` (a launch plan's): under the interpreter, check that Triton was
-    imported in interpret mode."""
+def emulate_rne(t: torch.Tensor) -> bool:
+    """Whether kernels writing `t` must round to bfloat16 themselves (the interpreter truncates)."""
+    return t.dtype == torch.bfloat16 and interpret_requested()
+
+
+def check_launch(t: torch.Tensor) -> None:
+    """Before a kernel launch on `t`: under the interpreter, check that Triton was imported in interpret
+    mode (a cheap test on the GPU path: one environment read)."""
+    check_launch_device(t.device)
+
+
+def check_launch_device(device: torch.device) -> None:
+    """`check_launch` for a launch plan's device (the ops with cached plans check once per plan)."""
     if device.type == "cpu" or interpret_requested():
         _check_interpreter_ready()
 

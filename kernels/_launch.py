@@ -58,7 +58,9 @@ def _hooks_installed() -> bool:
 
 
 class Launcher:
-    """One Triton kernel: what its signature says about its parameters, and `prepare` for a plan."""
+    """One Triton kernel: what its signature says about its parameters, `prepare` for a plan's `Launch`,
+    and `launcher(grid, args, meta)` for call sites without a plan (the compiled kernel looked up by the
+    launch's full specialisation, computed per call: a few microseconds more than a `Launch`)."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -70,6 +72,28 @@ class Launcher:
         self.constexpr_names = tuple(p.name for p in params if p.is_constexpr)
         # Per runtime argument: whether its value takes part in the specialisation (ints only).
         self.specialised = tuple(not p.do_not_specialize for p in params if not p.is_constexpr)
+        self.compiled: dict[tuple, Any] = {}  # per specialisation, for __call__
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
+        """`kernel[grid](*args, **meta)`, directly once this specialisation has been launched."""
+        first = args[0]
+        if not (self.direct and first.is_cuda and direct_launch_available()) or _hooks_installed():
+            self.kernel[grid](*args, **meta)
+            return
+        device = first.get_device()
+        key = self.specialisation(device, args, meta)
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **meta)
+            if self.takes_every_argument(compiled):
+                self.compiled[key] = compiled
+            return
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        constexprs = [meta[name] for name in self.constexpr_names]
+        compiled.run(
+            g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *constexprs,
+        )  # fmt: skip
 
     def prepare(self, grid: tuple[int, ...], meta: dict[str, Any]) -> Launch:
         """A `Launch` of this kernel on `grid` with `meta` (constexprs and launch options), for a plan whose

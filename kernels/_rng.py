@@ -70,6 +70,16 @@ def draw_host_seed(device: torch.device) -> tuple[int, int, int]:
     return seed & _M31, (seed >> 31) & _M31, 0
 
 
+def seed_launch_args(seed: Seed, placeholder: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:
+    """(SEED pointer, k0, k1, stream, SEED_PTR): the kernels' seed arguments for either kind of seed.
+
+    `placeholder` fills the pointer slot when the seed travels as integers (the kernel never reads it)."""
+    if isinstance(seed, torch.Tensor):
+        return seed, 0, 0, 0, True
+    k0, k1, stream = seed
+    return placeholder, k0, k1, stream, False
+
+
 def seed_args(seed: Seed, placeholder: torch.Tensor) -> tuple:
     """(k0, k1, stream, SEED pointer): the dropout kernels' seed arguments for either kind of seed (the
     kernels' SEED_PTR constexpr says which they read). `placeholder` fills the pointer slot when the seed

@@ -201,7 +201,7 @@ def _launch_plan(backward, shape, x_strides, t_stride, call, device, flag, max_b
     "mean". Cached: the per-call work is the lookup."""
     grid, (n_cols, sx0, sdx0, st0), meta = _plan(shape, x_strides, t_stride, max_block)
     launcher = _launchers()[1 if backward else 0]
-    _backend.check_launch(device)
+    _backend.check_launch_device(device)
     if backward:
         rne = launcher.interpreted and call[0] == torch.bfloat16
         return launcher.prepare(grid, {"RNE": rne, "MEAN": flag, **meta}), (n_cols, sx0, sdx0, st0)

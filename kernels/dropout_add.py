@@ -121,7 +121,7 @@ def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
     x_dtype, b_dtype, r_dtype = dtypes
     out_dtype = _promote(x_dtype, b_dtype, r_dtype)
     launcher = _launchers()[0]
-    _backend.check_launch(device)
+    _backend.check_launch_device(device)
     dropout, byte_mask, seed_ptr, interleave = flags
     meta = {
         "HAS_BIAS": b_dtype is not None, "DROPOUT": dropout, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
@@ -194,7 +194,7 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
     row_progs = triton_cdiv(n_rows, rows_per_prog)
     _, dx_dtype, b_dtype = dtypes
     _, bwd, bias_grad = _launchers()
-    _backend.check_launch(device)
+    _backend.check_launch_device(device)
     byte_mask, seed_ptr, interleave = flags
     meta = {
         "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,

@@ -237,7 +237,7 @@ def _launch_plan(backward, shape, strides, mask_meta, dim, dtypes, device, flags
         n_rows, n_cols, d1, d2, *st = ints
         ints = (n_rows, n_cols, d1, d2, *st[8:12], *st[0:4], *st[4:8], *st[8:12])
     launcher = _launchers()[1 if backward else 0]
-    _backend.check_launch(device)
+    _backend.check_launch_device(device)
     mask_kind, zero_masked, dropout, seed_ptr, interleave = flags
     full = {
         "MASK": mask_kind, "ZERO_MASKED": zero_masked, "DROPOUT": dropout, "INTERLEAVE": interleave,

@@ -24,6 +24,7 @@ def profile_ranks(
     out: Path | None,
     memory: bool = False,
     activations: bool = True,
+    calibrate: int = 3,
 ) -> None:
     """Launch, wait, report: exit 0 with a summary, or one `opadvisor: error:` line naming the rank and exit 2."""
     world = spec.nproc_per_node * spec.nnodes
@@ -39,6 +40,7 @@ def profile_ranks(
         out=out,
         memory=memory,
         activations=activations,
+        calibrate=calibrate,
     )
     if not outcome.ok:
         trace, message = describe_failure(outcome, target.shown)

@@ -45,6 +45,14 @@ def profile(
     warmup: Annotated[
         int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)
     ] = 3,
+    calibrate: Annotated[
+        int,
+        typer.Option(
+            help="Warm-up steps to time without the profiler (the last ones, never the first), so that "
+            "suggest can tell the profiler's own cost from the step's; 0 skips it.",
+            min=0,
+        ),
+    ] = 3,
     out: Annotated[
         Path | None,
         typer.Option(help="Write the run to this folder (new or empty) instead of .opadvisor/runs/<id>."),
@@ -89,8 +97,10 @@ def profile(
     """Run SCRIPT (or -m MODULE) under torch.profiler for a few steps, write the run, and stop the script.
 
     Steps are found by themselves: each optimizer.step() ends one (call opadvisor.step() in loops without
-    a torch optimizer). After --warmup steps, --steps steps are recorded with shapes, exact source lines
-    and (on CUDA) the kernels each op launched; then the run is written to .opadvisor/runs/<id>/
+    a torch optimizer). The last --calibrate warm-up steps are timed without the profiler (the plain step
+    time, which suggest shows beside the profiled one). After --warmup steps, --steps steps are recorded
+    with shapes, exact source lines and (on CUDA) the kernels each op launched; then the run is written
+    to .opadvisor/runs/<id>/
     (profile.json and trace.json.gz, which opens in Perfetto) and the script is stopped. A script inside
     a package that imports relatively runs as `python -m package.script` would.
 
@@ -116,6 +126,7 @@ def profile(
             out=out,
             memory=memory,
             activations=activations,
+            calibrate=calibrate,
         )
         return
     from opadvisor.profile.runner import run_script
@@ -125,6 +136,7 @@ def profile(
         warmup=warmup,
         steps=steps,
         run_to_end=run_to_end,
+        calibrate=calibrate,
         window_after_seconds=window_after,
         window_seconds=window,
         activations=activations,

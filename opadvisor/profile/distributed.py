@@ -164,6 +164,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--calibrate", type=int, default=3)
     parser.add_argument("--run-to-end", action="store_true")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--no-activations", action="store_true")
@@ -225,6 +226,7 @@ def _run_rank(
         warmup=ns.warmup,
         steps=ns.steps,
         run_to_end=ns.run_to_end,
+        calibrate=ns.calibrate,
         window_after_seconds=float("inf"),  # no time-window fallback across ranks (see the module doc)
         activations=not ns.no_activations,
         memory_requested=ns.memory,
@@ -408,6 +410,7 @@ def launch(
     out: Path | None = None,
     memory: bool = False,
     activations: bool = True,
+    calibrate: int = 3,
 ) -> DistOutcome:
     """Profile the target (checked by `opadvisor.profile.target`) with `args` on every rank through
     torchrun; how each rank ended, and their profiles."""
@@ -416,6 +419,7 @@ def launch(
     failures = run_dir / f".launch.node{spec.node_rank}.json"
     command = [sys.executable, "-m", "opadvisor.profile._dist_launch", str(failures), *spec.torchrun_args()]
     command += ["-m", _MODULE, str(run_dir), "--warmup", str(warmup), "--steps", str(steps)]
+    command += ["--calibrate", str(calibrate)]
     command += [*(["--run-to-end"] if run_to_end else []), *(["--memory"] if memory else [])]
     command += [] if activations else ["--no-activations"]
     if target.module is not None:

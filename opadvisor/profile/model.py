@@ -48,6 +48,16 @@ Profile
     modules           {module path: qualified class} of the modules the script called
                       ("bert.encoder.layer.0.attention.self": "transformers.models.bert.modeling_bert.
                       BertSelfAttention"); the first module called is "" (its submodules by their names)
+    calibration       Calibration | None: steps timed without the profiler just before the window (None
+                      when none were: fewer than 2 warm-up steps, `--calibrate 0`, a time window, or a
+                      profile.json written before this field existed)
+
+Calibration (the plain step: what the step costs when nothing is recorded)
+    step_ms           [float] each timed step in ms, in order: the last `--calibrate` warm-up steps (never
+                      the first warm-up step), each from the end of the step before it to its own end
+                      (opadvisor's module hooks, NVTX ranges, still run: a few us per module call)
+    method            "cuda_sync": torch.cuda.synchronize() at each step end before reading the clock (the
+                      way `verify` times steps); "wall": the wall clock alone (no CUDA in use)
 
 On disk, op and kernel fields equal to their default are left out, each kernel's `name` is an index
 into the top-level `kernel_names` list, and an op's `lib_file`, `lib_function` and `module_type` are
@@ -295,6 +305,21 @@ class ModuleCall:
 
 
 @dataclass
+class Calibration:
+    """Steps timed without the profiler, in the same process, just before the window (see the module doc)."""
+
+    step_ms: list[float] = field(default_factory=list)
+    method: str = "wall"  # "cuda_sync" | "wall"
+
+    def median_ms(self) -> float | None:
+        times = sorted(self.step_ms)
+        if not times:
+            return None
+        mid = len(times) // 2
+        return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+
+
+@dataclass
 class Profile:
     schema: int = SCHEMA_VERSION
     run_id: str = ""
@@ -324,6 +349,7 @@ class Profile:
     libraries: dict[str, dict[str, Any]] = field(default_factory=dict)
     library_sources: dict[str, str] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     # ---- queries the rules share -------------------------------------------------------------
     @property
@@ -346,6 +372,10 @@ class Profile:
         alloc = [s.peak_allocated_bytes for s in self.steps if s.peak_allocated_bytes is not None]
         reserved = [s.peak_reserved_bytes for s in self.steps if s.peak_reserved_bytes is not None]
         return (max(alloc) if alloc else None), (max(reserved) if reserved else None)
+
+    def plain_step_ms(self) -> float | None:
+        """Median step time measured without the profiler (None when the run did not calibrate)."""
+        return self.calibration.median_ms() if self.calibration is not None else None
 
     def op(self, op_id: int) -> Op:
         return self.ops[op_id]
@@ -482,6 +512,8 @@ def _build_profile(data: dict[str, Any]) -> Profile:
         _build(Construction, c, f"constructions[{i}]") for i, c in enumerate(prof.constructions)
     ]
     prof.module_calls = [_build(ModuleCall, m, f"module_calls[{i}]") for i, m in enumerate(prof.module_calls)]
+    if prof.calibration is not None:
+        prof.calibration = _build(Calibration, prof.calibration, "calibration")
     return prof
 
 

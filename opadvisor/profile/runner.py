@@ -164,6 +164,7 @@ def build_profile(
             lib.rel: h for lib in extracted.library_files.values() if (h := _sha256(lib.path)) is not None
         },
         modules=dict(session.modules),
+        calibration=session.calibration(),
     )
 
 

@@ -20,6 +20,12 @@ and the session raises `WindowComplete` from the step boundary so a script meant
 A training framework's callback (opadvisor/integrations, through `recorder.WindowRecorder`) drives a
 session with `step_source="callback"`: no optimizer hook and no time window; each of the framework's own
 step events calls `callback_step()`, and the framework, not an exception, decides whether training stops.
+
+Calibration: the last `calibrate` warm-up steps (never the first, which pays for initialisation) are timed
+without the profiler: at each of their step ends the session synchronises CUDA (when the script uses it)
+and reads the clock, as `opadvisor verify` times steps. The profiler's own per-op cost (the Python tracer,
+shapes, stacks) stretches the host's share of a step; these plain times are what the step costs without it
+(`Profile.calibration`; `suggest` scales the GPU idle time it reports to them).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
-from opadvisor.profile.model import Construction
+from opadvisor.profile.model import Calibration, Construction
 from opadvisor.profile.modules import ModuleCalls
 from opadvisor.profile.quiet import without_usdt_lines
 from opadvisor.profile.userframes import (
@@ -69,6 +75,11 @@ class SessionConfig:
     # "script": steps found by the optimizer hook / opadvisor.step() / a time window (`opadvisor profile`);
     # "callback": only `Session.callback_step()` ends a step (a Trainer's own step events, integrations/)
     step_source: str = "script"
+    calibrate: int = 3  # warm-up steps timed without the profiler (at most warmup - 1)
+    # What the profiler records besides the ops (benchmarks/profiler_cost.py measures what each costs;
+    # the rules need both: shapes for the chains, stacks for the source lines).
+    record_shapes: bool = True
+    with_stack: bool = True
 
 
 @dataclass
@@ -132,6 +143,10 @@ class Session:
         # names of the functions it saw without owning their code objects, and when runpy drops the script's
         # module they go with it; read afterwards they were garbage (seen with torch 2.13).
         self.keep_alive: list[Any] = []
+        self._calibration_ns: list[
+            int
+        ] = []  # clock at the ends of the calibration steps (and the one before)
+        self._calibration_synced = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -217,6 +232,8 @@ class Session:
         """One step ended: open the window after the warm-up, close a recorded step, stop when done."""
         now = time.perf_counter_ns()
         self.steps_seen += 1
+        if self._profiler is None and self.recording is None:
+            self._mark_calibration()
         if self._profiler is not None and self._step_start_ns is not None:
             self._end_step_range(now)
             recorded = len(self.recording.steps) if self.recording else 0
@@ -233,6 +250,33 @@ class Session:
         elif self.on_progress and self.recording is None:
             self.on_progress(0, self.config.steps)
 
+    # ---- calibration ---------------------------------------------------------------------------------
+    def calibration_steps(self) -> int:
+        """How many warm-up steps are timed: `calibrate`, but never the first warm-up step."""
+        return max(0, min(self.config.calibrate, self.config.warmup - 1))
+
+    def _mark_calibration(self) -> None:
+        """At a warm-up step end: take the clock when it starts or ends a calibration step."""
+        first_mark = self.config.warmup - self.calibration_steps()
+        if not self.calibration_steps() or self.steps_seen < first_mark:
+            return
+        import torch
+
+        if self.config.cuda and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            self._calibration_synced = True
+        self._calibration_ns.append(time.perf_counter_ns())
+
+    def calibration(self) -> Calibration | None:
+        """The calibration steps' times, None when no step was timed."""
+        marks = self._calibration_ns
+        if len(marks) < 2:
+            return None
+        return Calibration(
+            step_ms=[round((b - a) / 1e6, 4) for a, b in zip(marks, marks[1:], strict=False)],
+            method="cuda_sync" if self._calibration_synced else "wall",
+        )
+
     def _start_window(self) -> None:
         import torch
         from torch.profiler import ProfilerActivity, profile
@@ -245,7 +289,12 @@ class Session:
 
             kwargs["experimental_config"] = _ExperimentalConfig(enable_cuda_sync_events=True)
         self.keep_alive.append(sys.modules.get("__main__"))
-        self._profiler = profile(activities=activities, record_shapes=True, with_stack=True, **kwargs)
+        self._profiler = profile(
+            activities=activities,
+            record_shapes=self.config.record_shapes,
+            with_stack=self.config.with_stack,
+            **kwargs,
+        )
         if self.config.cuda:
             torch.cuda.synchronize()
         with without_usdt_lines():

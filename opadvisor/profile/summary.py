@@ -24,6 +24,7 @@ class Summary:
     steps: int
     detection: str
     median_step_ms: float | None
+    plain_step_ms: float | None  # the same step timed without the profiler (calibration)
     gpu_busy_share: float | None
     top_ops: list[OpTotal]
     time_basis: str  # "GPU" or "CPU"
@@ -41,6 +42,8 @@ class Summary:
             head.append(f" (steps: {self.detection.replace('_', ' ')})")
         if self.median_step_ms is not None:
             head.append(f", median step {self.median_step_ms:.1f} ms")
+            if self.plain_step_ms is not None:
+                head.append(f" ({self.plain_step_ms:.1f} ms without the profiler)")
         if self.gpu_busy_share is not None:
             head.append(f", GPU busy {self.gpu_busy_share:.0%}")
         table = Table(title=f"Top ops by {self.time_basis} time", title_justify="left", box=None)
@@ -105,6 +108,7 @@ def summarize(profile: Profile, top: int = 8) -> Summary:
         steps=len(profile.steps),
         detection=profile.step_detection,
         median_step_ms=profile.median_step_ms(),
+        plain_step_ms=profile.plain_step_ms(),
         gpu_busy_share=busy,
         top_ops=[OpTotal(n, calls[n] / steps, t / steps / 1000.0) for n, t in ranked],
         time_basis="GPU" if gpu else "CPU",

@@ -34,3 +34,19 @@ def load_fixture_profile(name: str):
             if item.get("file"):
                 item["file"] = here(item["file"])
     return profile_from_dict(data)
+
+
+def with_plain_step(profile, plain_ms: float | list[float], method: str = "cuda_sync"):
+    """`profile` as if `opadvisor profile` had timed its warm-up steps at `plain_ms` without the profiler
+    (one time, or one per timed step): sets `Profile.calibration` and drops the cached rule index."""
+    from opadvisor.profile.model import Calibration
+
+    times = [plain_ms] * 3 if isinstance(plain_ms, (int, float)) else list(plain_ms)
+    profile.calibration = Calibration(step_ms=times, method=method)
+    profile.__dict__.pop("_opadvisor_index", None)
+    return profile
+
+
+def gpu_busy_ms(profile) -> float:
+    """Mean GPU busy time per step of a GPU profile."""
+    return sum(s.gpu_busy_ms or 0.0 for s in profile.steps) / len(profile.steps)

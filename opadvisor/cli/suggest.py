@@ -124,6 +124,7 @@ def finding_entry(f) -> dict[str, Any]:
         "est_saving_ms_per_step": _round(f.est_saving_ms_per_step),
         "fix": f.fix,
         "time_basis": f.evidence.time_basis,
+        "profiled_time_ms_per_step": _round(f.evidence.profiled_time_ms_per_step),
         "share_of_step": _round(f.evidence.share_of_step, 4),
         "function": f.function,
         "module": f.module,
@@ -168,7 +169,7 @@ def _round(v: float | None, digits: int = 3) -> float | None:
 def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
     """The `suggest --format json` object (schema: opadvisor/rules/suggest_schema.py)."""
     from opadvisor.rules._breakdown import breakdown
-    from opadvisor.rules._index import median_step_ms
+    from opadvisor.rules._index import index_of, median_step_ms
 
     first = profiles[0]
     env = first.environment
@@ -188,6 +189,7 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "rules_run": report.rules_run,
         "memory": memory_entry(first),
         "recording": recording_entry(profiles),
+        "calibration": index_of(first).calibration.to_json(),
         **extra,
     }
 
@@ -328,6 +330,8 @@ def sarif_document(report, profiles) -> dict[str, Any]:
             "fix": f.fix,
             "source_status": f.source_status,
         }
+        if f.evidence.profiled_time_ms_per_step is not None:
+            props["profiled_time_ms_per_step"] = _round(f.evidence.profiled_time_ms_per_step)
         if f.ranks is not None:
             props["ranks"] = f.ranks
         text = f.message + (f". Fix: {f.advice}" if f.advice else "")
@@ -365,6 +369,9 @@ def sarif_document(report, profiles) -> dict[str, Any]:
         notifications.insert(0, {"level": "warning", "message": {"text": incomplete}})
     if notifications:
         run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notifications}]
+    from opadvisor.rules._index import index_of
+
+    run["properties"] = {"calibration": index_of(profiles[0]).calibration.to_json()}
     return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
 
 
@@ -390,12 +397,14 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     bd = breakdown(first)
     console.print(
         f"[bold]{display_path(str(run_dir))}[/bold]  {display_path(first.script)}  on {device}{ranks}: "
-        f"{len(first.steps)} steps, median {fmt_ms(bd['step_ms'])}/step"
+        f"{len(first.steps)} steps, {step_words(first)}"
     )
     incomplete = incomplete_words(profiles)
     if incomplete:
         console.print(f"[bold yellow]{incomplete[0].upper()}{incomplete[1:]}[/bold yellow]")
     basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
+    if bd["calibrated"]:
+        basis += ", idle scaled to the plain step"
     parts = "  ".join(
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
     )
@@ -459,6 +468,28 @@ def note_lines(notes) -> list[str]:
             f" a CUDA profile to judge this run: {', '.join(gpu_only)} (`opadvisor explain RULE` says why)",
         )
     return lines
+
+
+def step_words(profile) -> str:
+    """ "step 50 ms plain, 88 ms under the profiler" (or why there is no plain time)."""
+    from opadvisor.rules._findings import fmt_ms
+    from opadvisor.rules._index import index_of
+
+    cal = index_of(profile).calibration
+    profiled = fmt_ms(cal.profiled_ms)
+    if cal.plain_slower:
+        return (
+            f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler (the plain steps were slower: "
+            "the warm-up may not have been over; profile with a larger --warmup)"
+        )
+    if cal.plain_ms is not None:
+        return f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler"
+    why = (
+        "profile with --warmup 2 or more to time it"
+        if profile.warmup_steps < 2
+        else "this run did not time one (--calibrate 0, a time window, or an older opadvisor)"
+    )
+    return f"median step {profiled} under the profiler (no plain step time: {why})"
 
 
 # ---- rules / explain -------------------------------------------------------------------------

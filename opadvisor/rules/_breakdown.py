@@ -12,6 +12,11 @@ LAUNCH_GAP_US between kernels, and the idle below the profile's gap threshold) a
 gaps: host work, synchronisations). On a CPU profile the parts are CPU times: matrix products, other ops,
 data loading, and the rest of the step (Python and framework overhead). Shares are of the median step
 (CPU) or of the parts' sum (GPU: the mean GPU span of a step).
+
+On a calibrated GPU profile (`_calibration`: the run timed steps without the profiler) the idle parts are
+scaled to the plain step, so the parts add up to it; each part keeps its profiled time in `profiled_ms`
+(None when nothing was scaled). CPU parts are CPU times under the profiler (not scaled: where the
+profiler's own cost went among them is not known); `calibrated` says which.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from opadvisor.rules._chains import GEMM_OPS
 from opadvisor.rules._index import index_of
 
 LAUNCH_GAP_US = 100.0
+_BUSY_PARTS = ("matrix products", "memory-bound elementwise")
 _MATRIX_KERNEL_WORDS = ("gemm", "cutlass", "xmma", "cublas", "flash", "fmha", "attention", "wgmma")
 
 
@@ -39,6 +45,7 @@ def breakdown(profile: Profile) -> dict[str, Any]:
     n = ix.steps_recorded
     step_ms = ix.step_ms
     parts: list[tuple[str, float]] = []
+    profiled: dict[str, float] = {}
     loaders = sorted(
         (a.start_us, a.start_us + a.duration_us)
         for a in profile.annotations
@@ -81,6 +88,9 @@ def breakdown(profile: Profile) -> dict[str, Any]:
             ("data loading", data),
         ]
         parts = [(name, us / 1000.0 / n) for name, us in parts]
+        # idle parts as the plain step has them (scale 1 without a calibration): busy parts are GPU time
+        profiled = dict(parts)
+        parts = [(name, ms if name in _BUSY_PARTS else ms * ix.calibration.idle_scale) for name, ms in parts]
     else:
         gemm_roots = [op for op in ix.forward_root_ops if op.name in GEMM_OPS]
         matrix = ix.per_step_ms(ix.site_cost_us(gemm_roots))
@@ -89,13 +99,20 @@ def breakdown(profile: Profile) -> dict[str, Any]:
         parts = [("matrix products", matrix), ("other ops", others), ("data loading", loader_ms)]
         if step_ms:
             parts.append(("Python and framework", max(0.0, step_ms - matrix - others - loader_ms)))
-    # shares of the parts' sum: on a GPU that is the mean GPU span of a step, which they add up to
+    # shares of the parts' sum: on a GPU that is the mean GPU span of a step (the plain step's, once
+    # calibrated), which they add up to
     total = sum(ms for _, ms in parts) if ix.gpu else step_ms
     return {
         "basis": ix.basis,
         "step_ms": step_ms,
+        "calibrated": ix.calibration.calibrated,
         "parts": [
-            {"name": name, "ms": round(ms, 4), "share": round(ms / total, 4) if total else None}
+            {
+                "name": name,
+                "ms": round(ms, 4),
+                "share": round(ms / total, 4) if total else None,
+                "profiled_ms": round(profiled[name], 4) if ix.calibration.calibrated else None,
+            }
             for name, ms in parts
         ],
     }

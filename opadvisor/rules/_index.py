@@ -14,6 +14,8 @@ built once per profile in O(number of ops) and cached on the profile object:
     ix.kernel_count(op)                  # kernels launched by op and everything under it (0 on a CPU profile)
     ix.step_ms                           # median step time (None when the profile recorded no step):
                                          # per step the longer of CPU wall time and GPU span
+    ix.calibration                       # the plain step (timed without the profiler), the scale for
+                                         # idle-based times, the step that shares are of (_calibration)
 
 Vocabulary used across the helpers:
 
@@ -37,6 +39,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
+from opadvisor.rules._calibration import StepCalibration, step_calibration
 
 __all__ = ["Frame", "ProfileIndex", "index_of", "median_step_ms", "module_related", "owner_module"]
 
@@ -127,6 +130,8 @@ class ProfileIndex:
 
         self.steps_recorded: int = profile.step_count
         self.step_ms: float | None = median_step_ms(profile)
+        # the plain step (timed without the profiler) and the scale for idle-based times
+        self.calibration: StepCalibration = step_calibration(profile, self.step_ms)
         in_window = (lambda o: o.step is not None) if profile.steps else (lambda o: True)
         self._in_window = in_window
 
@@ -214,10 +219,12 @@ class ProfileIndex:
         return total_us / 1000.0 / self.steps_recorded
 
     def share_of_step(self, ms_per_step: float | None) -> float | None:
-        """ms per step as a fraction of the median step (None when unknown)."""
-        if ms_per_step is None or not self.step_ms:
+        """ms per step as a fraction of the median step: the plain one on a calibrated GPU profile
+        (see `_calibration`), else the profiled one (None when unknown)."""
+        base = self.calibration.share_base_ms
+        if ms_per_step is None or not base:
             return None
-        return ms_per_step / self.step_ms
+        return ms_per_step / base
 
     # ---- navigation ----------------------------------------------------------------------------
     def descendants(self, op: Op) -> list[Op]:

@@ -7,7 +7,8 @@ What it finds
     and as a share of the step. It is reported at the line that built the DataLoader (recorded while the
     script ran), with its settings (`num_workers`, `pin_memory`, `persistent_workers`) and the lines of the
     batch's `.to(device)` copies. Without a recorded construction it points at the copies (or the loop).
-    Reported when the GPU idles at least 2% of the step this way.
+    Reported when the GPU idles at least 2% of the step this way (the idle time scaled to the plain
+    step when the run timed one: see opadvisor/rules/_calibration.py).
 
 Why it is slow
     With `num_workers=0` the main process loads and collates every batch between two steps, and the GPU
@@ -35,8 +36,9 @@ Fix and its safety
 from __future__ import annotations
 
 from opadvisor.profile.model import Annotation, Construction, Memcpy, Op, Profile
+from opadvisor.rules._calibration import calibration_words
 from opadvisor.rules._chains import scalar
-from opadvisor.rules._findings import fmt_ms, fmt_share
+from opadvisor.rules._findings import fmt_ms, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import gpu_idle_overlap_us
@@ -162,10 +164,11 @@ def detect(profile: Profile) -> list[Finding]:
     copy_iv = [(m.start_us, m.start_us + m.duration_us) for m in pageable] + _sync_intervals(
         profile, pageable_ops
     )
-    idle_loader_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv))
-    idle_copy_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, copy_iv))
-    idle_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv + copy_iv))
-    share = ix.share_of_step(idle_ms)
+    cal = ix.calibration
+    idle_loader_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv)))
+    idle_copy_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, copy_iv)))
+    profiled_idle_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv + copy_iv))
+    idle_ms, share, cost = idle_cost(ix, profiled_idle_ms)
     if idle_ms < MIN_MS or share is None or share < MIN_SHARE:
         return []
 
@@ -240,12 +243,7 @@ def detect(profile: Profile) -> list[Finding]:
     if construction is not None and attrs.get("dataset"):
         notes.append(f"dataset {attrs['dataset']} (workers must be able to pickle it under spawn)")
 
-    message = (
-        "GPU idle "
-        + fmt_ms(idle_ms)
-        + f"/step ({fmt_share(share)} of the step) while the step "
-        + " and ".join(causes)
-    )
+    message = f"GPU idle {cost} while the step " + " and ".join(causes)
     details = {
         "num_workers": workers,
         "pin_memory": pinned,
@@ -258,6 +256,7 @@ def detect(profile: Profile) -> list[Finding]:
         ),
         "copies": copies,
         "gpu_idle_ms_per_step": idle_ms,
+        "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
         "gpu_idle_in_loader_ms_per_step": idle_loader_ms,
         "gpu_idle_in_pageable_copies_ms_per_step": idle_copy_ms,
         "loader_wait_ms_per_step": wait_ms,
@@ -280,7 +279,8 @@ def detect(profile: Profile) -> list[Finding]:
                 share_of_step=share,
                 time_basis="gpu",
                 occurrences=max(1, round(len(annotations) / ix.steps_recorded)),
-                notes=notes,
+                profiled_time_ms_per_step=profiled_idle_ms if cal.calibrated else None,
+                notes=[*notes, calibration_words(cal)],
             ),
             time_ms_per_step=idle_ms,
             est_saving_ms_per_step=idle_ms,

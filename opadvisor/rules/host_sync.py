@@ -14,7 +14,8 @@ Why it is slow
     synchronisation makes the host wait until the GPU has drained its queue; when the host resumes, the
     GPU has nothing queued and idles until the host has launched the next kernel (Python, the autograd
     engine and launch latency: tens of microseconds to milliseconds, every time). The cost is that idle
-    time, measured here from the profile's GPU idle gaps.
+    time, measured here from the profile's GPU idle gaps (scaled to the plain step when the run timed one:
+    see opadvisor/rules/_calibration.py).
 
 Example
     for batch in loader:
@@ -38,7 +39,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from opadvisor.profile.model import Op, Profile, SyncEvent
-from opadvisor.rules._findings import fmt_ms, fmt_share
+from opadvisor.rules._calibration import calibration_words
+from opadvisor.rules._findings import fmt_ms, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import annotation_intervals
@@ -206,9 +208,9 @@ def detect(profile: Profile) -> list[Finding]:
         roots = [ix.root(op) for _, op in items]
         words, advice = _kind([r.name for r in roots] + [op.name for _, op in items])
         per_step = len(items) / ix.steps_recorded
-        idle_ms = ix.per_step_ms(idle[(path, line)])
+        profiled_idle_ms = ix.per_step_ms(idle[(path, line)])
+        idle_ms, share, cost = idle_cost(ix, profiled_idle_ms)
         wait_ms = ix.per_step_ms(sum(s.duration_us for s, _ in items))
-        share = ix.share_of_step(idle_ms)
         src = load_profiled_source(profile, path)
         first, last = src.statement_span(line) if src is not None else (line, line)
         count = (
@@ -216,10 +218,7 @@ def detect(profile: Profile) -> list[Finding]:
             if per_step >= 1 and abs(per_step - round(per_step)) < 0.05
             else f"{per_step:.2g}x"
         )
-        message = (
-            f"{words} waits for the GPU {count} per step; the GPU then idles "
-            f"{fmt_ms(idle_ms)}/step ({fmt_share(share)} of the step)"
-        )
+        message = f"{words} waits for the GPU {count} per step; the GPU then idles {cost}"
         root = roots[0]
         findings.append(
             Finding(
@@ -238,8 +237,10 @@ def detect(profile: Profile) -> list[Finding]:
                     share_of_step=share,
                     time_basis="gpu",
                     occurrences=max(1, round(per_step)),
+                    profiled_time_ms_per_step=profiled_idle_ms if ix.calibration.calibrated else None,
                     notes=[
                         f"the host waited {fmt_ms(wait_ms)}/step in {sorted({s.name for s, _ in items})[0]}",
+                        calibration_words(ix.calibration),
                     ],
                 ),
                 time_ms_per_step=idle_ms,
@@ -248,6 +249,7 @@ def detect(profile: Profile) -> list[Finding]:
                 details={
                     "syncs_per_step": per_step,
                     "gpu_idle_ms_per_step": idle_ms,
+                    "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
                     "host_wait_ms_per_step": wait_ms,
                     "sync_calls": sorted({s.name for s, _ in items}),
                     "ops": sorted({r.name for r in roots}),

@@ -7,7 +7,10 @@ What it finds
     CPU time spent launching them are counted per function. The finding names, per function, the idle time
     it causes, its tiny kernels, the idle share of every step, and the remedies that fit: a fused
     optimizer for an optimizer step, fusing the elementwise chain, or CUDA graphs / torch.compile on that
-    function. On a CPU profile there are no kernels to judge: the rule says it needs a GPU profile.
+    function. The idle time is scaled to the plain step when the run timed one (`opadvisor profile`
+    times warm-up steps without the profiler, whose own per-op cost lengthens the gaps; see
+    opadvisor/rules/_calibration.py), so no finding claims more than the plain step's idle time. On a
+    CPU profile there are no kernels to judge: the rule says it needs a GPU profile.
 
 Why it is slow
     Launching a kernel costs the CPU about 5-10 us (Python, dispatcher, driver). When kernels are shorter
@@ -35,7 +38,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
-from opadvisor.rules._findings import cost_words, fmt_ms, fmt_share
+from opadvisor.rules._calibration import calibration_words
+from opadvisor.rules._findings import fmt_ms, fmt_share, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
@@ -99,6 +103,7 @@ def detect(profile: Profile) -> list[Finding]:
 
     sites: dict[tuple, _Site] = {}
     step_rows = []
+    unexplained_ms: list[float] = []
     for step in profile.steps:
         explained = unexplained = 0.0
         for gap in step.idle_gaps:
@@ -115,6 +120,7 @@ def detect(profile: Profile) -> list[Finding]:
                 site.idle_us += gap.duration_us
                 site.lines[ix.root(kernels[i][2]).line or 0] += gap.duration_us
         span_ms = step.gpu_span_ms or step.wall_ms
+        unexplained_ms.append(unexplained / 1000.0)
         step_rows.append(
             {
                 "step": step.index,
@@ -141,16 +147,16 @@ def detect(profile: Profile) -> list[Finding]:
             if _overlaps(opt_s, opt_e, root.start_us, root.start_us):
                 site.in_optimizer += 1
 
-    shares = sorted(r["idle_share"] for r in step_rows if r["idle_share"] is not None)
-    if not shares or shares[len(shares) // 2] < IDLE_SHARE_MIN:
+    median_share = _median_idle_share(ix, step_rows, unexplained_ms)
+    if median_share is None or median_share < IDLE_SHARE_MIN:
         return []
-    median_share = shares[len(shares) // 2]
-    step_ms = ix.step_ms or 0.0
+    cal = ix.calibration
+    step_ms = cal.share_base_ms or 0.0
     findings: list[Finding] = []
     ranked = sorted(sites.values(), key=lambda s: -s.idle_us)
     for site in ranked[:MAX_FINDINGS]:
-        ms = ix.per_step_ms(site.idle_us)
-        share = ix.share_of_step(ms)
+        profiled_ms = ix.per_step_ms(site.idle_us)
+        ms, share, cost = idle_cost(ix, profiled_ms)
         if share is None or share < FUNCTION_SHARE_MIN:
             continue
         line, end = _lines(profile, site)
@@ -161,7 +167,7 @@ def detect(profile: Profile) -> list[Finding]:
         where = site.function or "this code"
         message = (
             f"GPU idle while {where} launches kernels: {tiny_per_step} of its {kernels_per_step} kernels/step are "
-            f"shorter than their launch; {cost_words(ix, ms, share)} of idle GPU "
+            f"shorter than their launch; {cost} of idle GPU "
             f"(steps idle {fmt_share(median_share)} overall)"
         )
         findings.append(
@@ -181,12 +187,12 @@ def detect(profile: Profile) -> list[Finding]:
                     share_of_step=share,
                     time_basis="gpu",
                     occurrences=1,
+                    profiled_time_ms_per_step=profiled_ms if cal.calibrated else None,
                     notes=[
-                        f"median step {fmt_ms(step_ms)}, GPU idle {fmt_share(median_share)} of it "
-                        "(gaps explained by data loading or host syncs excluded)",
+                        f"median step {fmt_ms(step_ms)}{' plain' if cal.calibrated else ''}, GPU idle "
+                        f"{fmt_share(median_share)} of it (gaps explained by data loading or host syncs excluded)",
                         f"{tiny_total // ix.steps_recorded} kernels/step in the whole run are shorter than their launch",
-                        "CPU times include the profiler's own overhead (shapes, stacks): without it the gaps "
-                        "are shorter, so read the time as an upper bound",
+                        calibration_words(cal),
                     ],
                 ),
                 time_ms_per_step=ms,
@@ -197,11 +203,24 @@ def detect(profile: Profile) -> list[Finding]:
                     "tiny_kernels_per_step": tiny_per_step,
                     "kernels_per_step": kernels_per_step,
                     "remedies": remedies,
-                    "upper_bound": True,
+                    "upper_bound": not cal.calibrated,
+                    "profiled_idle_ms_per_step": profiled_ms,
                 },
             )
         )
     return findings
+
+
+def _median_idle_share(ix: ProfileIndex, step_rows: list[dict], unexplained_ms: list[float]) -> float | None:
+    """The unexplained GPU idle share of the median step: of the plain step once calibrated, else each
+    step's idle over its own GPU span under the profiler."""
+    if ix.calibration.calibrated:
+        if not unexplained_ms:
+            return None
+        idle = sorted(unexplained_ms)[len(unexplained_ms) // 2]
+        return ix.share_of_step(ix.calibration.idle_ms(idle))
+    shares = sorted(r["idle_share"] for r in step_rows if r["idle_share"] is not None)
+    return shares[len(shares) // 2] if shares else None
 
 
 def _site_of(sites: dict[tuple, _Site], ix: ProfileIndex, op: Op) -> _Site | None:

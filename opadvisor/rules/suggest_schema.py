@@ -86,6 +86,7 @@ FINDING_SCHEMA: dict[str, Any] = {
         "est_saving_ms_per_step",
         "fix",
         "time_basis",
+        "profiled_time_ms_per_step",
         "share_of_step",
         "function",
         "module",
@@ -109,7 +110,10 @@ FINDING_SCHEMA: dict[str, Any] = {
         "fix": {"enum": ["safe", "unsafe", "none"]},
         # ---- additions
         "time_basis": {"enum": ["gpu", "cpu", "none"]},  # what time_ms_per_step measures
-        "share_of_step": _NUM_OR_NULL,  # 0..1 of the median step
+        # GPU idle as measured under the profiler when time_ms_per_step was scaled to the plain step
+        # (see "calibration"); null for every other finding
+        "profiled_time_ms_per_step": _NUM_OR_NULL,
+        "share_of_step": _NUM_OR_NULL,  # 0..1 of the median step (the plain one once calibrated)
         "function": {"type": ["string", "null"]},
         "module": {"type": ["string", "null"]},
         "source_status": {"enum": ["ok", "changed", "missing"]},  # the file now vs. at profile time
@@ -177,6 +181,35 @@ MEMORY_SCHEMA: dict[str, Any] = {
     },
 }
 
+# The plain step (timed without the profiler) and how idle-based times were scaled to it; see
+# opadvisor/rules/_calibration.py. Times are ms per step; null where the run cannot give them.
+CALIBRATION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "plain_step_ms",
+        "profiled_step_ms",
+        "plain_steps_timed",
+        "method",
+        "gpu_busy_ms",
+        "profiled_idle_ms",
+        "plain_idle_ms",
+        "idle_scale",
+        "calibrated",
+    ],
+    "additionalProperties": False,
+    "properties": {
+        "plain_step_ms": _NUM_OR_NULL,  # median of the steps timed without the profiler
+        "profiled_step_ms": _NUM_OR_NULL,  # median step under the profiler (= step_ms)
+        "plain_steps_timed": {"type": "integer", "minimum": 0},
+        "method": {"enum": ["cuda_sync", "wall", None]},
+        "gpu_busy_ms": _NUM_OR_NULL,
+        "profiled_idle_ms": _NUM_OR_NULL,
+        "plain_idle_ms": _NUM_OR_NULL,
+        "idle_scale": {"type": "number", "minimum": 0, "maximum": 1},
+        "calibrated": {"type": "boolean"},  # GPU idle times were scaled to the plain step
+    },
+}
+
 SUGGEST_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "opadvisor suggest --format json",
@@ -192,6 +225,7 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "rules_run",
         "memory",
         "recording",
+        "calibration",
     ],
     "additionalProperties": False,
     "properties": {
@@ -199,7 +233,7 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "schema": {"const": 1},
         "run": {"type": "string"},
         "device": {"type": "string"},  # the GPU's name, or "cpu"
-        "step_ms": _NUM_OR_NULL,  # median step wall time
+        "step_ms": _NUM_OR_NULL,  # median step wall time, under the profiler
         "findings": {"type": "array", "items": FINDING_SCHEMA},
         # ---- additions
         "cross_rank": {  # multi-rank runs only: opadvisor/rules/cross_rank.py's to_json
@@ -220,23 +254,26 @@ SUGGEST_SCHEMA: dict[str, Any] = {
                 },
             },
         },
+        "calibration": CALIBRATION_SCHEMA,
         "breakdown": {
             "type": "object",
-            "required": ["basis", "step_ms", "parts"],
+            "required": ["basis", "step_ms", "calibrated", "parts"],
             "additionalProperties": False,
             "properties": {
                 "basis": {"enum": ["gpu", "cpu"]},
                 "step_ms": _NUM_OR_NULL,
+                "calibrated": {"type": "boolean"},  # idle parts scaled to the plain step
                 "parts": {
                     "type": "array",
                     "items": {
                         "type": "object",
-                        "required": ["name", "ms", "share"],
+                        "required": ["name", "ms", "share", "profiled_ms"],
                         "additionalProperties": False,
                         "properties": {
                             "name": {"type": "string"},
                             "ms": {"type": "number"},
                             "share": _NUM_OR_NULL,
+                            "profiled_ms": _NUM_OR_NULL,  # before scaling; null when not scaled
                         },
                     },
                 },

@@ -19,12 +19,15 @@ or none.
 Writing: each file is replaced atomically (a temporary file beside it, then rename; its permission bits
 kept), after a byte-exact backup of what it was:
 - profile mode: `<run>/backup/<path relative to the project>`, recorded in `<run>/applied.json`
-  (`{"schema": 1, "applied": [{"rule", "path", "backup", "sha256_before", "sha256_after",
-  "changes": [{"line", "message"}]}]}`, one entry per file per apply, appended). The first backup of a
-  file is kept: a later apply to the same file (another rule) records it again as that file's original,
-  so `backup` always holds the file as profiled. When a rule's codemod has a PARITY_BASELINE twin (rewrites
-  that swap one random stream for another), the original with the twin's rewrites goes to
-  `<run>/parity/<path>` and the entries name it ("parity_original"): verify's parity phase runs that.
+  (`{"schema": 1, "applied": [{"rule", "path", "backup", "sha256_before", "sha256_after", "after",
+  "changes": [{"line", "message"}]}]}`, one entry per file per rule per apply, appended). The first
+  backup of a file is kept: a later apply to the same file (another rule) records it again as that file's
+  original, so `backup` always holds the file as profiled. `after` (added later; older entries lack it)
+  is `snapshots/<entry index>/<path>`, the file as that entry's rule left it: `verify` rebuilds the
+  program with only the first rules applied from these, to time each rule. When a rule's codemod has a
+  PARITY_BASELINE twin (rewrites that swap one random stream for another), the original with the twin's
+  rewrites goes to `<run>/parity/<path>` and the entries name it ("parity_original"): verify's parity phase
+  runs that.
 - static mode: the same layout under `.opadvisor/static/` (`applied.json` + `backup/`).
 
 `undo` restores every file recorded in a run's (or the static) applied.json to its backup, byte for byte,
@@ -55,6 +58,7 @@ APPLIED_FILE = "applied.json"
 APPLIED_SCHEMA = 1
 BACKUP_DIR = "backup"
 PARITY_DIR = "parity"  # the original as verify's parity run sees it, when a rule asks (PARITY_BASELINE)
+SNAPSHOT_DIR = "snapshots"  # the file after each entry (applied.json's "after"), for verify's per-rule times
 STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
 
 # `--rule all` applies in this order; sdpa_attention first: where it and fused_softmax cover the same
@@ -712,9 +716,16 @@ def _backup_rel(path: Path) -> Path:
         return Path(BACKUP_DIR) / "_abs" / path.relative_to(path.anchor)
 
 
+def _snapshot_rel(index: int, backup_rel: Path) -> Path:
+    """Where the file as one entry left it is kept: snapshots/<entry index>/<the backup's path>."""
+    parts = backup_rel.parts[1:] if backup_rel.parts[:1] == (BACKUP_DIR,) else backup_rel.parts
+    return Path(SNAPSHOT_DIR, str(index), *parts)
+
+
 def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
     changed = result.changed
     new_entries = []
+    snapshots: list[tuple[Path, bytes, Path]] = []  # (where, content, the file whose mode it takes)
     for f in changed:
         entries = _entries_for(applied, f.path)
         keep_first = bool(entries) and (state / entries[0]["backup"]).is_file()
@@ -734,6 +745,9 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
         ) in f.rules:  # one entry per rule that changed the file, chained: one's after is the next's before
             if r.before == r.after:
                 continue
+            # the file as this rule left it: verify times the program one rule at a time from these
+            snapshot = _snapshot_rel(len(applied["applied"]) + len(new_entries), rel)
+            snapshots.append((state / snapshot, r.after, f.path))
             new_entries.append(
                 {
                     "rule": r.rule,
@@ -741,12 +755,16 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
                     "backup": rel.as_posix(),
                     "sha256_before": sha256(r.before),
                     "sha256_after": sha256(r.after),
+                    "after": snapshot.as_posix(),
                     "changes": [{"line": n.line, "message": n.message} for n in r.changes],
                     **parity,
                 }
             )
     done: list[FileResult] = []
     try:
+        for where, content, mode_from in snapshots:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(where, content, mode_from=mode_from)
         for f in changed:
             atomic_write(f.path, f.after)
             done.append(f)
@@ -759,6 +777,8 @@ def _write(result: ApplyResult, state: Path, applied: dict[str, Any]) -> None:
                 atomic_write(f.path, f.before)
             except OSError:
                 pass
+        for where, _, _ in snapshots:
+            where.unlink(missing_ok=True)
         raise UserError(f"writing failed ({exc}); every file was restored, nothing changed") from None
 
 
@@ -827,7 +847,10 @@ def undo(state: Path, files: Sequence[str | Path] | None = None, *, force: bool 
         state / APPLIED_FILE,
         (json.dumps({"schema": APPLIED_SCHEMA, "applied": remaining}, indent=1) + "\n").encode(),
     )
-    for _, backup, _ in plans:
+    for _, backup, entries in plans:
         if not any(e.get("backup") == backup.relative_to(state).as_posix() for e in remaining):
             backup.unlink(missing_ok=True)
+        for e in entries:
+            if isinstance(e.get("after"), str):
+                (state / e["after"]).unlink(missing_ok=True)
     return restored

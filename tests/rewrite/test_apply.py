@@ -169,6 +169,12 @@ def test_rule_all_applies_each_rule_once(project):
     rules = [e["rule"] for e in applied(project["run"])["applied"]]
     assert rules == ["fused_softmax", "fused_dropout_add", "gemm_align"]
     assert "30528" in result.stderr  # the display-only note about the literal size
+    # each entry keeps the file as its rule left it (verify rebuilds the program one rule at a time)
+    entries = applied(project["run"])["applied"]
+    for i, entry in enumerate(entries):
+        assert entry["after"] == f"snapshots/{i}/model.py"
+        assert sha((project["run"] / entry["after"]).read_bytes()) == entry["sha256_after"]
+    assert (project["run"] / entries[-1]["after"]).read_bytes() == model.read_bytes()
 
 
 def test_rule_all_names_held_back_unsafe_rules_only_when_they_found_something(project):
@@ -210,6 +216,7 @@ def test_undo_restores_byte_exact(project):
     assert "restored model.py (undid fused_softmax, fused_dropout_add, gemm_align)" in result.stderr
     assert applied(project["run"])["applied"] == []
     assert not (project["run"] / "backup" / "model.py").exists()
+    assert not [p for p in (project["run"] / "snapshots").rglob("*") if p.is_file()]
     assert_refused(cli("--undo"), contains="nothing to undo")
 
 

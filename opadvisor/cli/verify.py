@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from opadvisor.cli.common import EXIT_FINDINGS, EXIT_OK, user_errors
+from opadvisor.verify.compare import FASTER, SLOWER
 
 if TYPE_CHECKING:
-    from opadvisor.verify.core import VerifyReport
+    from opadvisor.verify.compare import Difference
+    from opadvisor.verify.core import Timing, VerifyReport
 
 
 class Format(str, Enum):
@@ -40,10 +42,13 @@ def _peak_words(before, after) -> str:
 
 
 def render(report: VerifyReport) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    # a terminal gets its own width; a pipe or a CI log gets 120 columns, so rule names are not folded
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     p = report.parity
     table = Table(title=f"loss parity ({p.precision}, |diff| <= {p.atol:g} + {p.rtol:g}*|before|)")
     table.add_column("step", justify="right")
@@ -66,24 +71,13 @@ def render(report: VerifyReport) -> None:
         console.print(report.rewrite_error.rstrip(), markup=False, highlight=False)
 
     if report.timing is not None:
-        t = report.timing
-        timing = Table(
-            title=f"step time ({t.device}, {t.warmup} warm-up steps excluded, {t.repeats} run(s) each)"
-        )
-        for col in ("", "median ms", "p25 ms", "p75 ms", "steps"):
-            timing.add_column(col, justify="right")
-        for name, st in (("before", t.before), ("after", t.after)):
-            timing.add_row(name, f"{st.median_ms:.2f}", f"{st.p25_ms:.2f}", f"{st.p75_ms:.2f}", str(st.n))
-        console.print(timing)
-        if t.memory_before is not None and t.memory_after is not None:
-            console.print(_peak_words(t.memory_before, t.memory_after))
-        console.print(
-            f"speedup: [bold]{t.speedup.factor:.2f}x[/] (spread {t.speedup.low:.2f}x .. "
-            f"{t.speedup.high:.2f}x)"
-        )
+        _render_timing(console, report.timing)
 
     if report.rules:
-        rules = Table(title="time per step at each applied rule's sites (forward + backward)")
+        rules = Table(
+            title="GPU time at each applied rule's sites, under the profiler (kernel time at those lines, "
+            "not step time: --reprofile)"
+        )
         for col in ("rule", "before ms", "after ms", "saved ms", "before %", "after %", "basis"):
             rules.add_column(col, justify="left" if col in ("rule", "basis") else "right")
         for r in report.rules:
@@ -104,6 +98,61 @@ def render(report: VerifyReport) -> None:
         console.print(f"[green]parity passed[/]: {p.message}")
     else:
         console.print(f"[red]parity FAILED[/]: {p.message}")
+    if report.slower and report.fail_slower:
+        console.print("[red]FAILED[/]: the rewrite is slower than the original (--fail-slower)")
+
+
+def verdict_words(d: Difference, what: str = "the rewrite") -> str:
+    """One line: faster / SLOWER / no measurable difference, with the medians and the 95% interval."""
+    s = d.speedup
+    interval = f"95% interval {s.low:.2f}x .. {s.high:.2f}x"
+    times = f"{d.before_ms:.2f} -> {d.after_ms:.2f} ms/step"
+    if d.verdict == FASTER:
+        return f"{what} is faster: {s.factor:.2f}x ({interval}), {times}"
+    if d.verdict == SLOWER:
+        return f"{what} is SLOWER: {s.factor:.2f}x ({interval}), {times}"
+    return f"no measurable difference: {s.factor:.2f}x ({interval} includes 1x), {times}"
+
+
+def _render_timing(console, t: Timing) -> None:
+    from rich.table import Table
+
+    timing = Table(title=f"step time ({t.device}; {t.warmup} warm-up steps dropped; {t.repeats} run(s) each)")
+    for col in ("", "median ms", "p25 ms", "p75 ms", "steps"):
+        timing.add_column(col, justify="right")
+    for name, st in (("before", t.before), ("after", t.after)):
+        timing.add_row(name, f"{st.median_ms:.2f}", f"{st.p25_ms:.2f}", f"{st.p75_ms:.2f}", str(st.n))
+    console.print(timing)
+    if t.memory_before is not None and t.memory_after is not None:
+        console.print(_peak_words(t.memory_before, t.memory_after))
+    if t.difference is not None:
+        style = {FASTER: "bold green", SLOWER: "bold red"}.get(t.difference.verdict, "bold")
+        console.print(f"[{style}]{verdict_words(t.difference)}[/]")
+    if t.rules and len(t.rules) > 1:
+        rules = Table(
+            title="step time as each rule is added (the same measurement: the savings add up to the "
+            "whole step's)"
+        )
+        for col in ("rule", "before ms", "after ms", "saved ms", "95% interval ms", "verdict"):
+            rules.add_column(col, justify="left" if col in ("rule", "verdict") else "right")
+        for r in t.rules:
+            d = r.difference
+            rules.add_row(
+                r.rule,
+                f"{d.before_ms:.3f}",
+                f"{d.after_ms:.3f}",
+                f"{d.saved_ms:.3f}",
+                f"{d.saved_low_ms:.3f} .. {d.saved_high_ms:.3f}",
+                d.verdict,
+            )
+        total = t.difference
+        if total is not None:
+            rules.add_row(
+                "all", f"{total.before_ms:.3f}", f"{total.after_ms:.3f}", f"{total.saved_ms:.3f}", "", ""
+            )
+        console.print(rules)
+    elif t.rules_note:
+        console.print(f"per-rule times: none ({t.rules_note})", markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -137,15 +186,35 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time both programs.")] = True,
+        per_rule: Annotated[
+            bool,
+            typer.Option(
+                "--per-rule/--no-per-rule",
+                help="With several rules applied, also time the original with the first 1, 2, ... rules "
+                "applied: what each rule saved, measured like the whole step.",
+            ),
+        ] = True,
+        fail_slower: Annotated[
+            bool,
+            typer.Option(
+                "--fail-slower", help="Exit 1 when the rewrite is measurably slower than the original (CI)."
+            ),
+        ] = False,
         reprofile: Annotated[
             bool,
             typer.Option(
-                "--reprofile/--no-reprofile", help="Profile the rewrite again for the time per rule."
+                "--reprofile/--no-reprofile",
+                help="Also profile the rewrite again: GPU time at each rule's sites under the profiler.",
             ),
-        ] = True,
+        ] = False,
         repeats: Annotated[
-            int, typer.Option(help="Timing runs of each program, alternating original and rewrite.", min=1)
-        ] = 1,
+            int,
+            typer.Option(
+                help="Timing runs of each program, in alternating rounds; their spread decides whether "
+                "a difference is real.",
+                min=1,
+            ),
+        ] = 3,
         timeout: Annotated[
             float | None, typer.Option(help="Seconds each child process may run (default: no limit).")
         ] = None,
@@ -153,8 +222,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run the original and the rewritten script with the same seeds: same losses? how much faster?
 
-        The original is rebuilt from the backups `opadvisor apply` kept. Exit 0 when the losses match,
-        1 when they do not (the first diverging step is named), 2 on a user error.
+        The original is rebuilt from the backups `opadvisor apply` kept. Step times come from --repeats
+        runs of each program; a 95% interval says whether the difference is real ("no measurable
+        difference" otherwise), and with several rules applied each rule's saving is measured the same
+        way. Exit 0 when the losses match, 1 when they do not (the first diverging step is named) or, with
+        --fail-slower, when the rewrite is measurably slower; 2 on a user error.
         """
         from rich.console import Console
 
@@ -172,6 +244,8 @@ def register(app: typer.Typer) -> None:
             timing=timing,
             reprofile=reprofile,
             repeats=repeats,
+            per_rule=per_rule,
+            fail_slower=fail_slower,
             timeout=timeout,
         )
         if format is Format.json:

@@ -4,19 +4,23 @@
 
     {"schema": 1, "applied": [{"rule": str, "path": absolute path of the rewritten file,
       "backup": path of the byte-exact pre-rewrite copy, relative to the run folder (under backup/),
-      "sha256_before": str, "sha256_after": str, "changes": [{"line": int, "message": str}]}]}
+      "sha256_before": str, "sha256_after": str, "after": the file as this entry left it (snapshots/,
+      absent in runs applied by an older opadvisor), "changes": [{"line": int, "message": str}]}]}
 
-with one entry per file per apply, in the order they were made. The original program is the current tree
-with each rewritten file replaced by its earliest backup (the copy taken before the first rewrite).
-An entry may add "parity_original" (relative to the run folder): the original with the rewrites that swap
-one random stream for another (hand-written dropout -> opadvisor.kernels.dropout), which verify's parity
-phase runs instead of the backup, since it can neutralise only the dropout it knows.
+with one entry per file per rule per apply, in the order they were made. The original program is the
+current tree with each rewritten file replaced by its earliest backup (the copy taken before the first
+rewrite). An entry may add "parity_original" (relative to the run folder): the original with the rewrites
+that swap one random stream for another (hand-written dropout -> opadvisor.kernels.dropout), which
+verify's parity phase runs instead of the backup, since it can neutralise only the dropout it knows. The
+program with only the first k applied rules (`Applied.program`) replaces each file by the snapshot of its
+last entry among those rules: verify times these to say what each rule saved.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,14 @@ class Change:
 
 
 @dataclass
+class Step:
+    """One entry of a file: a rule's rewrite, and the file as it left it (None: no usable snapshot)."""
+
+    rule: str
+    after: Path | None
+
+
+@dataclass
 class AppliedFile:
     """One rewritten file: where its original is and what was done to it."""
 
@@ -45,6 +57,7 @@ class AppliedFile:
     changes: list[Change] = field(default_factory=list)
     edited_since: bool = False  # the file on disk is not what the last apply wrote
     parity_original: Path | None = None  # the original for the parity phase, when apply wrote one
+    steps: list[Step] = field(default_factory=list)  # its entries, in order
 
 
 @dataclass
@@ -68,9 +81,67 @@ class Applied:
         """`sources()` for the parity phase: a file's parity original where apply wrote one."""
         return {str(f.path): str(f.parity_original or f.original) for f in self.files}
 
+    def program(self, rules: Collection[str]) -> dict[str, str]:
+        """The harness `sources` of the program with only `rules` applied: each file as its last entry
+        whose rule is in `rules` (and every entry before it too) left it; its backup when none; the file on
+        disk when all of its entries are in. Raises ValueError, saying why, when a snapshot is missing."""
+        chosen = set(rules)
+        out: dict[str, str] = {}
+        for f in self.files:
+            done = 0
+            while done < len(f.steps) and f.steps[done].rule in chosen:
+                done += 1
+            if done == len(f.steps):
+                continue  # every rewrite of this file is in: the file as it is now
+            if done == 0:
+                out[str(f.path)] = str(f.original)
+                continue
+            snapshot = f.steps[done - 1].after
+            if snapshot is None:
+                raise ValueError(
+                    f"{f.path.name} has no snapshot of its {f.steps[done - 1].rule} rewrite (applied by an "
+                    "older opadvisor, or the snapshot changed): undo and apply again to time each rule"
+                )
+            out[str(f.path)] = str(snapshot)
+        return out
+
+    def rule_order(self) -> tuple[list[str], str | None]:
+        """An order to add the rules one at a time so that each step's program exists: every file's
+        entries in their own order (ties: the order first applied). ([], why) when there is none."""
+        after: dict[str, set[str]] = {r: set() for r in self.rules}  # rule -> rules that must come first
+        for f in self.files:
+            runs = [s.rule for i, s in enumerate(f.steps) if i == 0 or f.steps[i - 1].rule != s.rule]
+            if len(runs) != len(set(runs)):  # a rule applied to the file again after another one
+                return [], f"{f.path.name} had {', '.join(runs)} applied in that order"
+            for a, b in zip(runs, runs[1:], strict=False):
+                after[b].add(a)
+        order: list[str] = []
+        while len(order) < len(self.rules):
+            ready = [r for r in self.rules if r not in order and after[r] <= set(order)]
+            if not ready:
+                return [], "the rules were applied to the files in different orders"
+            order.append(ready[0])
+        for k in range(1, len(order)):
+            try:
+                self.program(order[:k])
+            except ValueError as exc:
+                return [], str(exc)
+        return order, None
+
 
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _snapshot(run_dir: Path, entry: dict[str, Any]) -> Path | None:
+    """The entry's `after` snapshot when it is there and still what apply wrote, else None."""
+    rel = entry.get("after")
+    if not isinstance(rel, str):
+        return None
+    path = (run_dir / rel).resolve()
+    if not path.is_file() or sha256_file(path) != entry["sha256_after"]:
+        return None
+    return path
 
 
 def _entry(raw: Any, index: int) -> dict[str, Any]:
@@ -112,6 +183,7 @@ def load_applied(run_dir: Path) -> Applied:
         parity = e.get("parity_original")
         if isinstance(parity, str) and (run_dir / parity).is_file():
             f.parity_original = (run_dir / parity).resolve()
+        f.steps.append(Step(e["rule"], _snapshot(run_dir, e)))
         for c in e.get("changes") or []:
             if isinstance(c, dict) and isinstance(c.get("line"), int):
                 f.changes.append(Change(e["rule"], c["line"], str(c.get("message", ""))))

@@ -16,13 +16,19 @@ all parameters accumulates more rounding than a mean loss. `--rtol` / `--atol` o
 a loss that the original already made NaN.
 
 Timing. Step k's duration is end(k) - end(k-1); the first `warmup` steps are dropped. The steps of a program
-(pooled over its repeated runs) are summarised by their median and quartiles (p25, p75); the speedup is median(before) / median(after), with the range
-[p25(before) / p75(after), p75(before) / p25(after)] as its spread.
+(pooled over its repeated runs) are summarised by their median and quartiles (p25, p75). Two programs are
+compared by the difference and the ratio (the speedup) of their medians, each with a 95% interval from a
+bootstrap that resamples the timing runs and, within each, the steps (2000 resamples, a fixed seed, so the
+same numbers always give the same answer). The verdict: "faster" when the whole interval of the saving is
+above zero, "slower" when it is below, else "no measurable difference". With one run per program the
+interval reflects step-to-step variation only; repeated runs add the run-to-run variation.
 """
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +178,7 @@ class StepTimes:
     p75_ms: float
     n: int
     times_ms: list[float] = field(default_factory=list)
+    run_medians_ms: list[float] = field(default_factory=list)  # one per timing run
 
 
 def quantile(sorted_values: list[float], q: float) -> float:
@@ -182,6 +189,10 @@ def quantile(sorted_values: list[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return quantile(sorted(values), 0.5)
 
 
 def step_durations_ms(result: dict[str, Any], warmup: int) -> list[float]:
@@ -209,8 +220,8 @@ def peak_memory(results: list[dict[str, Any]], warmup: int) -> PeakMemory | None
     return PeakMemory(max(allocated), max(reserved), len(allocated))
 
 
-def summarise(durations: list[float]) -> StepTimes | None:
-    """Median and quartiles of step durations; None when there are none."""
+def summarise(durations: list[float], runs: Sequence[Sequence[float]] = ()) -> StepTimes | None:
+    """Median and quartiles of step durations (and the median of each run, when given); None when none."""
     if not durations:
         return None
     ordered = sorted(durations)
@@ -220,7 +231,13 @@ def summarise(durations: list[float]) -> StepTimes | None:
         p75_ms=quantile(ordered, 0.75),
         n=len(durations),
         times_ms=list(durations),
+        run_medians_ms=[median(r) for r in runs if r],
     )
+
+
+def summarise_runs(runs: Sequence[Sequence[float]]) -> StepTimes | None:
+    """The steps of every timing run of one program, pooled."""
+    return summarise([t for r in runs for t in r], runs)
 
 
 def step_times(result: dict[str, Any], warmup: int) -> StepTimes | None:
@@ -230,14 +247,79 @@ def step_times(result: dict[str, Any], warmup: int) -> StepTimes | None:
 
 @dataclass
 class Speedup:
-    factor: float
-    low: float
+    factor: float  # median(before) / median(after)
+    low: float  # its 95% interval (see the module doc)
     high: float
 
 
-def speedup(before: StepTimes, after: StepTimes) -> Speedup:
-    return Speedup(
-        factor=before.median_ms / after.median_ms,
-        low=before.p25_ms / after.p75_ms,
-        high=before.p75_ms / after.p25_ms,
+CONFIDENCE = 0.95
+RESAMPLES = 2000
+FASTER, SLOWER, SAME = "faster", "slower", "no measurable difference"
+
+
+@dataclass
+class Difference:
+    """Program `after` against program `before`: medians, the saving and the speedup with 95% intervals."""
+
+    before_ms: float
+    after_ms: float
+    saved_ms: float  # median(before) - median(after); negative when after is slower
+    saved_low_ms: float
+    saved_high_ms: float
+    speedup: Speedup
+    verdict: str  # FASTER | SLOWER | SAME
+
+    @property
+    def measurable(self) -> bool:
+        return self.verdict != SAME
+
+
+def _resampled_median(runs: Sequence[Sequence[float]], rng: random.Random) -> float:
+    """The median of one bootstrap sample: runs drawn with replacement, then steps within each."""
+    pooled = []
+    for _ in runs:
+        run = runs[rng.randrange(len(runs))]
+        pooled.extend(run[rng.randrange(len(run))] for _ in run)
+    return median(pooled)
+
+
+def compare_times(
+    before: Sequence[Sequence[float]], after: Sequence[Sequence[float]], *, seed: int = 0
+) -> Difference:
+    """Step durations per timing run of two programs -> their Difference (see the module doc)."""
+    before = [r for r in before if r]
+    after = [r for r in after if r]
+    if not before or not after:
+        raise ValueError("no timed steps to compare")
+    mb = median([t for r in before for t in r])
+    ma = median([t for r in after for t in r])
+    rng = random.Random(seed)
+    diffs, ratios = [], []
+    for _ in range(RESAMPLES):
+        b, a = _resampled_median(before, rng), _resampled_median(after, rng)
+        diffs.append(b - a)
+        ratios.append(b / a if a > 0 else math.inf)
+    tail = (1 - CONFIDENCE) / 2
+    diffs.sort()
+    ratios.sort()
+    low, high = quantile(diffs, tail), quantile(diffs, 1 - tail)
+    factor = mb / ma if ma > 0 else math.inf
+    verdict = FASTER if low > 0 else SLOWER if high < 0 else SAME
+    return Difference(
+        before_ms=mb,
+        after_ms=ma,
+        saved_ms=mb - ma,
+        saved_low_ms=min(low, mb - ma),
+        saved_high_ms=max(high, mb - ma),
+        speedup=Speedup(
+            factor=factor,
+            low=min(quantile(ratios, tail), factor),
+            high=max(quantile(ratios, 1 - tail), factor),
+        ),
+        verdict=verdict,
     )
+
+
+def speedup(before: StepTimes, after: StepTimes) -> Speedup:
+    """The speedup of two summaries with its 95% interval (one run each: the steps' variation only)."""
+    return compare_times([before.times_ms], [after.times_ms]).speedup

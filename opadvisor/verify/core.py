@@ -5,12 +5,18 @@
 2. Parity phase: the original and the rewrite each run `steps` steps in a fresh process under the harness
    with the same seed, dropout neutralised and deterministic algorithms on (`harness.py`); their per-step
    losses and step-1 gradient norms are compared within a dtype-aware tolerance (`compare.py`).
-3. Timing phase (skipped when parity fails, or with timing=False): each runs `warmup + steps` steps with
-   normal settings, `repeats` times, original and rewrite alternating; the median step time after the
-   warm-up, with its quartiles, and the speedup; on CUDA also each program's peak memory (the largest
-   per-step peak of allocated and reserved bytes over the timed steps).
-4. Per applied rule (skipped when parity fails, or with reprofile=False): the rewritten script is
-   profiled again and the time of each rule's sites compared before/after (`byrule.py`).
+3. Timing phase (skipped when parity fails, or with timing=False): every program runs `warmup + steps`
+   steps with normal settings, `repeats` times, in rounds (forwards, then backwards: a slow spell of the
+   machine hits every program alike). The programs: the original, then (with per_rule and two or more
+   rules applied) the original with the first 1, 2, ... applied rules (`Applied.program`, from apply's
+   snapshots), then the rewrite. The whole step is original vs rewrite; each rule's time is the step
+   before it was added vs after, the same measurement, so the rules' savings add up to the whole step's.
+   Each comparison has a 95% interval and a verdict (faster / slower / no measurable difference: see
+   `compare.py`); a slower rewrite is said so (and `fail_slower` makes it a failure). On CUDA also the
+   original's and the rewrite's peak memory (the largest per-step peak of allocated and reserved bytes
+   over the timed steps).
+4. Optionally (reprofile=True): the rewritten script is profiled again and the GPU time at each rule's
+   sites compared before/after (`byrule.py`): kernel time under the profiler, not step time.
 
 The original failing under the harness is a user error (nothing to compare with); the rewrite failing, or
 its losses leaving the tolerance, is a parity failure, named by its first diverging step.
@@ -27,18 +33,21 @@ from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Profile
-from opadvisor.verify.applied import load_applied
+from opadvisor.verify.applied import Applied, load_applied
 from opadvisor.verify.byrule import RuleTime, rule_times
 from opadvisor.verify.compare import (
+    CONFIDENCE,
+    SLOWER,
+    Difference,
     Parity,
     PeakMemory,
     Speedup,
     StepTimes,
     compare_parity,
+    compare_times,
     peak_memory,
-    speedup,
     step_durations_ms,
-    summarise,
+    summarise_runs,
 )
 from opadvisor.verify.runner import ChildSpec, run_child
 
@@ -57,9 +66,32 @@ class VerifyOptions:
     rtol: float | None = None
     atol: float | None = None
     timing: bool = True
-    reprofile: bool = True
-    repeats: int = 1  # timing runs of each program, alternated
+    reprofile: bool = False
+    repeats: int = 3  # timing runs of each program, in alternating rounds
+    per_rule: bool = True  # time the program one applied rule at a time
+    fail_slower: bool = False  # a rewrite measurably slower than the original fails verify
     timeout: float | None = None  # per child process, seconds
+
+
+@dataclass
+class Program:
+    """One program of the timing phase: the original with `rules` applied, and its timing runs."""
+
+    label: str  # "original", "+fused_softmax", "rewrite"
+    rules: list[str]
+    sources: dict[str, str]  # the harness's file -> source to run instead ({} is the rewrite)
+    runs: list[list[float]] = field(default_factory=list)  # step durations (ms) of each timing run
+    results: list[dict[str, Any]] = field(default_factory=list)  # the harness's result of each run
+
+
+@dataclass
+class RuleStepTime:
+    """One applied rule: the step before it was added (the rules before it applied) and after."""
+
+    rule: str
+    before: StepTimes
+    after: StepTimes
+    difference: Difference
 
 
 @dataclass
@@ -72,6 +104,13 @@ class Timing:
     speedup: Speedup
     memory_before: PeakMemory | None = None  # CUDA only: the largest per-step peaks of the timed steps
     memory_after: PeakMemory | None = None
+    difference: Difference | None = None  # original vs rewrite, with its interval and verdict
+    rules: list[RuleStepTime] | None = None  # per applied rule, in the order added
+    rules_note: str | None = None  # why there are no per-rule times
+
+    @property
+    def slower(self) -> bool:
+        return self.difference is not None and self.difference.verdict == SLOWER
 
 
 @dataclass
@@ -85,9 +124,16 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     rewrite_error: str | None = None  # the rewritten script's error, when it failed
 
+    fail_slower: bool = False  # the option: a measurably slower rewrite fails
+
     @property
     def ok(self) -> bool:
-        return self.parity.ok
+        """Parity passed (and, with fail_slower, the rewrite is not measurably slower)."""
+        return self.parity.ok and not (self.fail_slower and self.slower)
+
+    @property
+    def slower(self) -> bool:
+        return self.timing is not None and self.timing.slower
 
     def to_dict(self) -> dict[str, Any]:
         p = self.parity
@@ -96,6 +142,7 @@ class VerifyReport:
             "run": self.run,
             "script": self.script,
             "ok": self.ok,
+            "slower": self.slower,
             "applied_rules": self.applied_rules,
             "parity": {
                 "ok": p.ok,
@@ -119,18 +166,7 @@ class VerifyReport:
             "notes": self.notes,
         }
         if self.timing is not None:
-            t = self.timing
-            data["timing"] = {
-                "device": t.device,
-                "warmup": t.warmup,
-                "repeats": t.repeats,
-                "before": _times(t.before),
-                "after": _times(t.after),
-                "speedup": t.speedup.factor,
-                "speedup_low": t.speedup.low,
-                "speedup_high": t.speedup.high,
-                "peak_memory": _peaks(t.memory_before, t.memory_after),
-            }
+            data["timing"] = _timing_dict(self.timing)
         if self.rules is not None:
             data["rules"] = [
                 {
@@ -163,7 +199,57 @@ def _peaks(before: PeakMemory | None, after: PeakMemory | None) -> dict[str, Any
 
 
 def _times(t: StepTimes) -> dict[str, Any]:
-    return {"median_ms": t.median_ms, "p25_ms": t.p25_ms, "p75_ms": t.p75_ms, "steps": t.n}
+    return {
+        "median_ms": t.median_ms,
+        "p25_ms": t.p25_ms,
+        "p75_ms": t.p75_ms,
+        "steps": t.n,
+        "run_medians_ms": t.run_medians_ms,
+    }
+
+
+def _difference(d: Difference) -> dict[str, Any]:
+    return {
+        "saved_ms": d.saved_ms,
+        "saved_low_ms": d.saved_low_ms,
+        "saved_high_ms": d.saved_high_ms,
+        "speedup": d.speedup.factor,
+        "speedup_low": d.speedup.low,
+        "speedup_high": d.speedup.high,
+        "verdict": d.verdict,
+    }
+
+
+def _timing_dict(t: Timing) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "device": t.device,
+        "warmup": t.warmup,
+        "repeats": t.repeats,
+        "confidence": CONFIDENCE,
+        "before": _times(t.before),
+        "after": _times(t.after),
+        "speedup": t.speedup.factor,
+        "speedup_low": t.speedup.low,
+        "speedup_high": t.speedup.high,
+        "peak_memory": _peaks(t.memory_before, t.memory_after),
+    }
+    if t.difference is not None:
+        data.update(_difference(t.difference))
+    data["rules"] = (
+        None
+        if t.rules is None
+        else [
+            {
+                "rule": r.rule,
+                "before": _times(r.before),
+                "after": _times(r.after),
+                **_difference(r.difference),
+            }
+            for r in t.rules
+        ]
+    )
+    data["rules_note"] = t.rules_note
+    return data
 
 
 def _finite(value: Any) -> Any:
@@ -205,9 +291,8 @@ def verify(
         raise UserError("--steps and --repeats must be at least 1, --warmup at least 0")
     argv = profile.argv or [script]
     cwd = profile.cwd or str(Path(script).parent)
-    sources = applied.sources()
 
-    def spec(mode: str, original: bool) -> ChildSpec:
+    def spec(mode: str, sources: dict[str, str]) -> ChildSpec:
         return ChildSpec(
             script=script,
             argv=argv,
@@ -216,7 +301,7 @@ def verify(
             mode=mode,
             warmup=opts.warmup if mode == "timing" else 0,
             seed=opts.seed,
-            sources=(applied.parity_sources() if mode == "parity" else sources) if original else {},
+            sources=sources,
             module=profile.module,
             import_root=profile.import_root,
         )
@@ -237,11 +322,11 @@ def verify(
         notes.append("a multi-rank run: verify runs the script as a single process")
 
     progress(f"parity: original, {opts.steps} steps")
-    before = run_child(spec("parity", original=True), timeout=opts.timeout)
+    before = run_child(spec("parity", applied.parity_sources()), timeout=opts.timeout)
     if before.error is not None:
         raise UserError(f"the original script failed under verify: {_last_line(before.error)}")
     progress(f"parity: rewrite, {opts.steps} steps")
-    after = run_child(spec("parity", original=False), timeout=opts.timeout)
+    after = run_child(spec("parity", {}), timeout=opts.timeout)
     parity = compare_parity(
         before.result or {}, after.result or {}, steps=opts.steps, rtol=opts.rtol, atol=opts.atol
     )
@@ -251,15 +336,10 @@ def verify(
         applied_rules=applied.rules,
         parity=parity,
         notes=notes,
+        fail_slower=opts.fail_slower,
     )
     if after.error is not None:
-        report.rewrite_error = after.error
-        parity.ok = False
-        if parity.first_bad_step is None:
-            parity.first_bad_step = len(parity.steps) + 1
-        parity.message = (
-            f"the rewritten script failed at step {parity.first_bad_step}: {_last_line(after.error)}"
-        )
+        _rewrite_failed(report, after.error)
         return report
     served = set((before.result or {}).get("served", []))
     notes += [
@@ -274,9 +354,9 @@ def verify(
         return report
 
     if opts.timing:
-        report.timing = _timing(spec, opts, progress, device=(before.result or {}).get("device", "cpu"))
-        if report.timing is None:
-            notes.append("timing skipped: fewer than one step after the warm-up; lower --warmup")
+        device = (before.result or {}).get("device", "cpu")
+        report.timing = _timing(spec, applied, opts, progress, device)
+        notes.extend(_timing_notes(report.timing, profile, opts))
     if opts.reprofile:
         progress("re-profiling the rewritten script")
         report.rules, rule_notes = rule_times(profile, applied, timeout=opts.timeout)
@@ -284,32 +364,101 @@ def verify(
     return report
 
 
+def _rewrite_failed(report: VerifyReport, error: str) -> None:
+    parity = report.parity
+    report.rewrite_error = error
+    parity.ok = False
+    if parity.first_bad_step is None:
+        parity.first_bad_step = len(parity.steps) + 1
+    parity.message = f"the rewritten script failed at step {parity.first_bad_step}: {_last_line(error)}"
+
+
+def _timing_notes(timing: Timing | None, profile: Profile, opts: VerifyOptions) -> list[str]:
+    if timing is None:
+        return ["timing skipped: fewer than one step after the warm-up; lower --warmup"]
+    notes = []
+    if opts.repeats == 1:
+        notes.append(
+            "one timing run per program: the 95% intervals cover step-to-step variation only; "
+            "--repeats 3 also measures run-to-run variation"
+        )
+    plain = profile.plain_step_ms()
+    if plain is not None and not 0.8 <= timing.before.median_ms / plain <= 1.25:
+        notes.append(
+            f"profile timed the original's plain step at {plain:.3g} ms, verify at "
+            f"{timing.before.median_ms:.3g} ms: the machine (or the script's settings) changed in between"
+        )
+    return notes
+
+
+def timing_programs(applied: Applied, per_rule: bool) -> tuple[list[Program], str | None]:
+    """The programs to time: original, the original with the first 1..n-1 rules, rewrite; and, when the
+    rules cannot be timed one at a time, why not."""
+    programs = [Program("original", [], applied.sources())]
+    order, why = applied.rule_order() if per_rule and len(applied.rules) > 1 else (applied.rules, None)
+    if not per_rule and len(applied.rules) > 1:
+        why = "per-rule times not asked for (--no-per-rule)"
+    if why is None:
+        programs += [
+            Program(f"+{order[k - 1]}", order[:k], applied.program(order[:k])) for k in range(1, len(order))
+        ]
+    programs.append(Program("rewrite", list(order or applied.rules), {}))
+    return programs, why
+
+
 def _timing(
-    spec: Callable[[str, bool], ChildSpec], opts: VerifyOptions, progress: Callable[[str], None], device: str
+    spec: Callable[[str, dict[str, str]], ChildSpec],
+    applied: Applied,
+    opts: VerifyOptions,
+    progress: Callable[[str], None],
+    device: str,
 ) -> Timing | None:
-    """Original and rewrite alternately, `repeats` times each (so a slow spell of the machine hits both)."""
-    durations: dict[bool, list[float]] = {True: [], False: []}
-    results: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    """Every program `repeats` times, in rounds that go forwards and backwards through the list (a slow
+    spell of the machine hits them alike); then whole-step and per-rule comparisons."""
+    programs, rules_note = timing_programs(applied, opts.per_rule)
     for r in range(opts.repeats):
-        for original in (True, False):
-            which = "original" if original else "rewrite"
+        for program in programs if r % 2 == 0 else programs[::-1]:
+            if program.label not in ("original", "rewrite") and rules_note is not None:
+                continue  # an intermediate program failed earlier
             round_ = f", run {r + 1}/{opts.repeats}" if opts.repeats > 1 else ""
-            progress(f"timing: {which}, {opts.warmup} warm-up + {opts.steps} steps{round_}")
-            res = run_child(spec("timing", original), timeout=opts.timeout)
+            progress(f"timing: {program.label}, {opts.warmup} warm-up + {opts.steps} steps{round_}")
+            res = run_child(spec("timing", program.sources), timeout=opts.timeout)
+            if res.error is not None and program.label in ("original", "rewrite"):
+                raise UserError(f"the {program.label} failed in the timing phase: {_last_line(res.error)}")
             if res.error is not None:
-                raise UserError(f"the {which} failed in the timing phase: {_last_line(res.error)}")
-            durations[original] += step_durations_ms(res.result or {}, opts.warmup)
-            results[original].append(res.result or {})
-    before, after = summarise(durations[True]), summarise(durations[False])
+                rules_note = f"the program with only {', '.join(program.rules)} applied failed: {_last_line(res.error)}"
+                continue
+            program.runs.append(step_durations_ms(res.result or {}, opts.warmup))
+            program.results.append(res.result or {})
+    original, rewrite = programs[0], programs[-1]
+    before, after = summarise_runs(original.runs), summarise_runs(rewrite.runs)
     if before is None or after is None:
         return None
-    return Timing(
+    difference = compare_times(original.runs, rewrite.runs)
+    timing = Timing(
         device=device,
         warmup=opts.warmup,
         repeats=opts.repeats,
         before=before,
         after=after,
-        speedup=speedup(before, after),
-        memory_before=peak_memory(results[True], opts.warmup),
-        memory_after=peak_memory(results[False], opts.warmup),
+        speedup=difference.speedup,
+        difference=difference,
+        rules_note=rules_note,
+        memory_before=peak_memory(original.results, opts.warmup),
+        memory_after=peak_memory(rewrite.results, opts.warmup),
     )
+    if rules_note is None:
+        timing.rules = _rule_steps(programs)
+    return timing
+
+
+def _rule_steps(programs: list[Program]) -> list[RuleStepTime] | None:
+    """Each rule: the program before it was added vs after (consecutive programs)."""
+    rows = []
+    for prev, cur in zip(programs, programs[1:], strict=False):
+        before, after = summarise_runs(prev.runs), summarise_runs(cur.runs)
+        if before is None or after is None:
+            return None
+        added = [r for r in cur.rules if r not in prev.rules]
+        rows.append(RuleStepTime(", ".join(added), before, after, compare_times(prev.runs, cur.runs)))
+    return rows

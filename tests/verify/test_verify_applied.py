@@ -68,3 +68,78 @@ def test_malformed_applied_json(tmp_path: Path) -> None:
     (run_dir / "applied.json").write_text(json.dumps({"schema": 1, "applied": [{"rule": "x"}]}))
     with pytest.raises(UserError, match="malformed"):
         load_applied(run_dir)
+
+
+def _text(sources: dict[str, str], project: Path, name: str) -> str:
+    """What the program runs for `name`: its replacement, or the file on disk when not replaced."""
+    return Path(sources.get(str((project / name).resolve()), project / name)).read_text()
+
+
+def test_program_with_the_first_rules_applied(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
+    applied = load_applied(run_dir)
+    order, why = applied.rule_order()
+    assert (order, why) == (["fused_softmax", "gemm_align"], None)
+    none = applied.program([])
+    assert (
+        _text(none, project, "train.py") == "a = 1\nb = 2\n" and _text(none, project, "model.py") == "c = 3\n"
+    )
+    first = applied.program(["fused_softmax"])
+    assert _text(first, project, "train.py") == "a = 10\nb = 2\n"  # the snapshot after fused_softmax
+    assert _text(first, project, "model.py") == "c = 3\n"
+    assert applied.program(order) == {}  # every file as it is now: the rewrite
+
+
+def test_rules_applied_in_different_orders_cannot_be_timed_one_by_one(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
+    fake_apply(run_dir, project / "model.py", "c = 30", "c = 31", rule="fused_softmax")
+    order, why = load_applied(run_dir).rule_order()
+    assert order == [] and "different orders" in why
+
+
+def test_a_file_with_a_rule_applied_twice_around_another_is_named(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    fake_apply(run_dir, project / "train.py", "a = 10", "a = 11", rule="fused_softmax")
+    order, why = load_applied(run_dir).rule_order()
+    assert order == [] and "train.py had fused_softmax, gemm_align, fused_softmax applied" in why
+
+
+def test_a_missing_snapshot_is_said(tmp_path: Path) -> None:
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    data = json.loads((run_dir / "applied.json").read_text())
+    del data["applied"][0]["after"]  # applied by an opadvisor that kept no snapshots
+    (run_dir / "applied.json").write_text(json.dumps(data))
+    applied = load_applied(run_dir)
+    order, why = applied.rule_order()
+    assert order == [] and "no snapshot of its fused_softmax rewrite" in why
+    assert applied.program([]) and applied.program(["fused_softmax", "gemm_align"]) == {}
+
+
+def test_the_programs_verify_times(tmp_path: Path) -> None:
+    from opadvisor.verify.core import timing_programs
+
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    programs, why = timing_programs(load_applied(run_dir), per_rule=True)
+    assert [p.label for p in programs] == ["original", "rewrite"] and why is None  # one rule: the whole step
+    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
+    applied = load_applied(run_dir)
+    programs, why = timing_programs(applied, per_rule=True)
+    assert [(p.label, p.rules) for p in programs] == [
+        ("original", []),
+        ("+fused_softmax", ["fused_softmax"]),
+        ("rewrite", ["fused_softmax", "gemm_align"]),
+    ]
+    assert why is None and programs[0].sources == applied.sources() and programs[-1].sources == {}
+    programs, why = timing_programs(applied, per_rule=False)
+    assert [p.label for p in programs] == ["original", "rewrite"] and "--no-per-rule" in why

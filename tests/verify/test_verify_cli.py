@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 from verify_helpers import EXAMPLES, TINY, fake_apply, make_project
 
@@ -208,14 +209,33 @@ def test_original_that_fails_is_exit_2(tmp_path: Path) -> None:
     assert code == 2 and "the original script failed" in out
 
 
-def test_timing_reports_a_speedup(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_a_slower_rewrite_is_said_per_rule_and_fails_with_fail_slower(tmp_path: Path) -> None:
     project, run_dir = small(tmp_path)
-    fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(x)")
-    code, out = verify(project, "--timing", "--warmup", "1", "--repeats", "2", "--format", "json")
-    assert code == 0, out
-    timing = json.loads(out)["timing"]
+    # two rules: a neutral edit, then one that sleeps 30 ms in every forward (the step takes ~1 ms)
+    fake_apply(run_dir, project / "model.py", "import torch\n", "import time\n\nimport torch\n")
+    fake_apply(
+        run_dir,
+        project / "model.py",
+        "return self.lin(self.drop(x))",
+        "time.sleep(0.03)\n        return self.lin(self.drop(x))",
+        rule="gemm_align",
+    )
+    args = ("--timing", "--warmup", "1", "--repeats", "2", "--fail-slower", "--format", "json")
+    code, out = verify(project, *args)
+    data = json.loads(out)
+    assert code == 1 and data["slower"] is True and data["ok"] is False and data["parity"]["ok"] is True
+    timing = data["timing"]
     assert timing["repeats"] == 2 and timing["before"]["steps"] == 6 and timing["after"]["steps"] == 6
-    assert timing["speedup"] > 0 and timing["speedup_low"] <= timing["speedup"] <= timing["speedup_high"]
+    assert len(timing["before"]["run_medians_ms"]) == 2 and timing["confidence"] == 0.95
+    assert timing["verdict"] == "slower" and timing["saved_high_ms"] < 0 < 1 - timing["speedup_high"]
+    assert timing["speedup_low"] <= timing["speedup"] <= timing["speedup_high"]
+    first, second = timing["rules"]  # the program with fused_softmax only, then with both
+    assert (first["rule"], second["rule"]) == ("fused_softmax", "gemm_align")
+    assert second["verdict"] == "slower" and second["saved_ms"] < -20
+    assert first["after"]["median_ms"] == second["before"]["median_ms"]  # one measurement, shared
+    assert first["saved_ms"] + second["saved_ms"] == pytest.approx(timing["saved_ms"])
+    assert timing["rules_note"] is None
 
 
 def test_bad_options_are_exit_2(tmp_path: Path) -> None:

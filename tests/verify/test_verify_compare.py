@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from opadvisor.verify.compare import compare_parity, quantile, speedup, step_times
+from opadvisor.verify.compare import (
+    FASTER,
+    SAME,
+    SLOWER,
+    compare_parity,
+    compare_times,
+    quantile,
+    speedup,
+    step_times,
+)
 
 
 def result(*losses: float | list[float], precision: str = "fp32", grad_norm: float | None = 1.0) -> dict:
@@ -86,3 +95,46 @@ def test_quantile_and_speedup() -> None:
     res_a = {"steps": [{"end_s": i * 0.1} for i in range(6)]}
     s = speedup(step_times(res_b, 1), step_times(res_a, 1))
     assert s.factor == pytest.approx(2.0) and s.low == pytest.approx(2.0) and s.high == pytest.approx(2.0)
+
+
+def _runs(medians: list[float], jitter: float, steps: int = 10, seed: int = 1) -> list[list[float]]:
+    """Step times of timing runs around the given medians, with uniform noise of +-jitter."""
+    import random
+
+    rng = random.Random(seed)
+    return [[m + rng.uniform(-jitter, jitter) for _ in range(steps)] for m in medians]
+
+
+def test_a_clear_speedup_is_faster_with_an_interval_around_it() -> None:
+    d = compare_times(_runs([10.0, 10.2, 9.9], 0.3), _runs([7.0, 7.1, 6.9], 0.3, seed=2))
+    assert d.verdict == FASTER and d.measurable
+    assert d.saved_low_ms > 0 and d.saved_low_ms <= d.saved_ms <= d.saved_high_ms
+    assert d.speedup.low <= d.speedup.factor <= d.speedup.high and d.speedup.low > 1
+    assert d.saved_ms == pytest.approx(d.before_ms - d.after_ms)
+
+
+def test_a_slowdown_is_slower() -> None:
+    d = compare_times(_runs([4.65, 4.6, 4.7], 0.1), _runs([5.33, 5.3, 5.4], 0.1, seed=2))
+    assert d.verdict == SLOWER and d.saved_high_ms < 0 and d.speedup.high < 1
+
+
+def test_a_difference_within_the_spread_is_no_measurable_difference() -> None:
+    # the medians differ by 1% while steps vary by +-20% and runs by 5%
+    d = compare_times(_runs([10.0, 10.5, 9.5], 2.0), _runs([9.9, 10.4, 9.6], 2.0, seed=2))
+    assert d.verdict == SAME and not d.measurable
+    assert d.saved_low_ms < 0 < d.saved_high_ms and d.speedup.low < 1 < d.speedup.high
+
+
+def test_run_to_run_variation_widens_the_interval() -> None:
+    steady = compare_times(_runs([10.0, 10.0, 10.0], 0.1), _runs([9.5, 9.5, 9.5], 0.1, seed=2))
+    drifting = compare_times(_runs([10.0, 11.0, 9.0], 0.1), _runs([9.5, 10.5, 8.5], 0.1, seed=2))
+    assert steady.verdict == FASTER  # 5% apart, every run alike
+    assert drifting.verdict == SAME  # the same 5%, but whole runs differ by 10%
+    assert drifting.saved_high_ms - drifting.saved_low_ms > steady.saved_high_ms - steady.saved_low_ms
+
+
+def test_comparisons_are_deterministic_and_add_up() -> None:
+    a, b, c = _runs([10.0], 0.5), _runs([8.0], 0.5, seed=2), _runs([7.0], 0.5, seed=3)
+    assert compare_times(a, b) == compare_times(a, b)
+    whole = compare_times(a, c)
+    assert compare_times(a, b).saved_ms + compare_times(b, c).saved_ms == pytest.approx(whole.saved_ms)

@@ -55,7 +55,7 @@ def test_reprofile_measures_each_applied_rule(tmp_path: Path) -> None:
         "dropout_p=self.attn_dropout.p if self.training else 0.0)\n"
     )
     fake_apply(run_dir, project / "train.py", text[start:end], sdpa, rule="sdpa_attention")
-    proc = opadvisor(project, "verify", "--steps", "2", "--no-timing", "--format", "json")
+    proc = opadvisor(project, "verify", "--steps", "2", "--no-timing", "--reprofile", "--format", "json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rules = json.loads(proc.stdout)["rules"]
     assert [r["rule"] for r in rules] == ["sdpa_attention"]

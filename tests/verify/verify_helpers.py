@@ -2,7 +2,8 @@
 
 `make_project` copies scripts into a project folder and writes a run whose profile.json names the script, its
 argv and working directory (what verify reads). `fake_apply` rewrites a file the way `opadvisor apply` does:
-a byte-exact backup under the run's backup/ and an entry in applied.json (see opadvisor/verify/applied.py).
+a byte-exact backup under the run's backup/, the file as it left it under snapshots/, and an entry in
+applied.json (see opadvisor/verify/applied.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def fake_apply(
     backup = Path("backup") / f"{len(data['applied'])}" / path.name
     (run_dir / backup).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / backup).write_bytes(before)
+    snapshot = Path("snapshots") / f"{len(data['applied'])}" / path.name  # the file as this entry left it
+    (run_dir / snapshot).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / snapshot).write_bytes(after)
     line = text[: text.index(old)].count("\n") + 1
     data["applied"].append(
         {
@@ -70,6 +74,7 @@ def fake_apply(
             "backup": str(backup),
             "sha256_before": _sha(before),
             "sha256_after": _sha(after),
+            "after": str(snapshot),
             "changes": [{"line": line, "message": f"rewrote for {rule}"}],
         }
     )

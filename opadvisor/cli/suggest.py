@@ -386,6 +386,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
 
     from opadvisor.profile.summary import memory_text
     from opadvisor.rules._breakdown import breakdown
+    from opadvisor.rules._calibration import step_words
     from opadvisor.rules._findings import fmt_ms, fmt_share
 
     # a terminal gets its own width; a pipe or a CI log gets 120 columns, so commands are not folded
@@ -468,28 +469,6 @@ def note_lines(notes) -> list[str]:
             f" a CUDA profile to judge this run: {', '.join(gpu_only)} (`opadvisor explain RULE` says why)",
         )
     return lines
-
-
-def step_words(profile) -> str:
-    """ "step 50 ms plain, 88 ms under the profiler" (or why there is no plain time)."""
-    from opadvisor.rules._findings import fmt_ms
-    from opadvisor.rules._index import index_of
-
-    cal = index_of(profile).calibration
-    profiled = fmt_ms(cal.profiled_ms)
-    if cal.plain_slower:
-        return (
-            f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler (the plain steps were slower: "
-            "the warm-up may not have been over; profile with a larger --warmup)"
-        )
-    if cal.plain_ms is not None:
-        return f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler"
-    why = (
-        "profile with --warmup 2 or more to time it"
-        if profile.warmup_steps < 2
-        else "this run did not time one (--calibrate 0, a time window, or an older opadvisor)"
-    )
-    return f"median step {profiled} under the profiler (no plain step time: {why})"
 
 
 # ---- rules / explain -------------------------------------------------------------------------

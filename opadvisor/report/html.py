@@ -88,7 +88,7 @@ def _device(p: Profile) -> str:
 
 
 def _header(run_dir: Path, profiles: Sequence[Profile], display: Callable[[str], str]) -> str:
-    from opadvisor.rules._index import median_step_ms
+    from opadvisor.rules._calibration import step_words
 
     p = profiles[0]
     ranks = f" · {len(profiles)} ranks" if len(profiles) > 1 else ""
@@ -100,7 +100,7 @@ def _header(run_dir: Path, profiles: Sequence[Profile], display: Callable[[str],
             "steps",
             f"{len(p.steps)} recorded after {p.warmup_steps} warm-up ({p.step_detection.replace('_', ' ')})",
         ),
-        ("median step", fmt_ms(median_step_ms(p))),
+        ("step time", step_words(p)),
         ("profiled", f"{p.created} · torch {p.environment.torch} · Python {p.environment.python}"),
     ]
     rows = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in facts)
@@ -113,13 +113,20 @@ def _header(run_dir: Path, profiles: Sequence[Profile], display: Callable[[str],
     return f'<header><h1>opadvisor report</h1><table class="facts">{rows}</table>{warn}</header>'
 
 
+def _sentence(words: str) -> str:
+    return words[:1].upper() + words[1:]
+
+
 def _breakdown_section(p: Profile) -> str:
     from opadvisor.rules._breakdown import breakdown
+    from opadvisor.rules._calibration import step_words
 
     bd = breakdown(p)
     parts = [q for q in bd["parts"] if q["ms"]]
     total = sum(q["ms"] for q in parts) or 1.0
     basis = "the GPU's time" if bd["basis"] == "gpu" else "CPU time (a CPU profile has no GPU times)"
+    if bd["calibrated"]:
+        basis += ", its idle parts scaled to the plain step (timed without the profiler)"
     segs, legend = [], []
     for q in parts:
         colour = PART_COLOURS.get(q["name"], "#999")
@@ -134,7 +141,7 @@ def _breakdown_section(p: Profile) -> str:
         )
     return (
         '<section id="breakdown"><h2>Where the step goes</h2>'
-        f"<p>Median step {escape(fmt_ms(bd['step_ms']))}, split by {escape(basis)}.</p>"
+        f"<p>{escape(_sentence(step_words(p)))}, split by {escape(basis)}.</p>"
         f'<div class="bar" role="img" aria-label="step breakdown">{"".join(segs)}</div>'
         f'<ul class="legend">{"".join(legend)}</ul></section>'
     )

@@ -75,7 +75,9 @@ def test_calibrate_0_and_a_single_warmup_step_time_nothing(tmp_path: Path) -> No
 
 def test_calibration_round_trips_and_old_profiles_load(tmp_path: Path) -> None:
     path = tmp_path / "profile.json"
-    save_profile(Profile(calibration=Calibration(step_ms=[5.0, 7.0, 6.0], method="cuda_sync")), path)
+    save_profile(
+        Profile(script="train.py", calibration=Calibration(step_ms=[5.0, 7.0, 6.0], method="cuda_sync")), path
+    )
     back = load_profile(path)
     assert back.calibration == Calibration(step_ms=[5.0, 7.0, 6.0], method="cuda_sync")
     assert back.plain_step_ms() == 6.0
@@ -88,7 +90,7 @@ def test_calibration_round_trips_and_old_profiles_load(tmp_path: Path) -> None:
 @pytest.mark.parametrize("bad", [{"step_ms": "fast"}, {"step_ms": [1.0, "x"]}, "yes"])
 def test_a_malformed_calibration_is_a_format_error(tmp_path: Path, bad) -> None:
     path = tmp_path / "profile.json"
-    save_profile(Profile(), path)
+    save_profile(Profile(script="train.py"), path)
     data = json.loads(path.read_text())
     data["calibration"] = bad
     path.write_text(json.dumps(data))

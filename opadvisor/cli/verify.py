@@ -14,6 +14,7 @@ from opadvisor.verify.compare import FASTER, SLOWER
 if TYPE_CHECKING:
     from opadvisor.verify.compare import Difference
     from opadvisor.verify.core import Timing, VerifyReport
+    from opadvisor.verify.implementations import FusedCalls
 
 
 class Format(str, Enum):
@@ -45,6 +46,7 @@ def render(report: VerifyReport) -> None:
     import sys
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     # a terminal gets its own width; a pipe or a CI log gets 120 columns, so rule names are not folded
@@ -66,12 +68,24 @@ def render(report: VerifyReport) -> None:
             f"gradient norm at step 1: {_fmt(p.grad_norm_before, '.6g')} before, "
             f"{_fmt(p.grad_norm_after, '.6g')} after {state}"
         )
+    if p.gradients is not None:
+        g = p.gradients
+        state = "[green]ok[/]" if g.ok else f"[red]DIFFER[/] ({len(g.failing)} over the tolerance)"
+        console.print(f"{escape(g.words())} {state}")
+        for note in g.notes:
+            console.print(f"note: {note}", markup=False, highlight=False)
+    if p.tolerances is not None:
+        console.print(p.tolerances.words(), markup=False, highlight=False)
     if report.rewrite_error:
         console.print("[red]the rewritten script failed:[/]")
         console.print(report.rewrite_error.rstrip(), markup=False, highlight=False)
 
     if report.timing is not None:
         _render_timing(console, report.timing)
+    if report.fused_calls:
+        _render_fused_calls(console, report.fused_calls)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
     if report.rules:
         rules = Table(
@@ -102,6 +116,18 @@ def render(report: VerifyReport) -> None:
         console.print("[red]FAILED[/]: the rewrite is slower than the original (--fail-slower)")
 
 
+def _render_fused_calls(console, calls: list[FusedCalls]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"which implementation the rewrite's fused calls ran ({calls[0].run} run)")
+    for col in ("op", "for rule", "kernel", "chain", "reference"):
+        table.add_column(col, justify="left" if col in ("op", "for rule") else "right")
+    for c in calls:
+        counts = [str(c.counts.get(path, 0)) for path in ("kernel", "chain", "reference")]
+        table.add_row(c.op, ", ".join(c.rules) or "-", *counts)
+    console.print(table)
+
+
 def verdict_words(d: Difference, what: str = "the rewrite") -> str:
     """One line: faster / SLOWER / no measurable difference, with the medians and the 95% interval."""
     s = d.speedup
@@ -117,12 +143,19 @@ def verdict_words(d: Difference, what: str = "the rewrite") -> str:
 def _render_timing(console, t: Timing) -> None:
     from rich.table import Table
 
-    timing = Table(title=f"step time ({t.device}; {t.warmup} warm-up steps dropped; {t.repeats} run(s) each)")
+    timing = Table(title=f"step time ({t.device})")
     for col in ("", "median ms", "p25 ms", "p75 ms", "steps"):
         timing.add_column(col, justify="right")
     for name, st in (("before", t.before), ("after", t.after)):
         timing.add_row(name, f"{st.median_ms:.2f}", f"{st.p25_ms:.2f}", f"{st.p75_ms:.2f}", str(st.n))
     console.print(timing)
+    console.print(
+        f"{t.repeats} timing run(s) of each program in alternating rounds, {t.warmup} warm-up step(s) of each "
+        "dropped; every step CUDA-synchronised at its end"
+        if t.device == "cuda"
+        else f"{t.repeats} timing run(s) of each program in alternating rounds, {t.warmup} warm-up step(s) of "
+        "each dropped"
+    )
     if t.memory_before is not None and t.memory_after is not None:
         console.print(_peak_words(t.memory_before, t.memory_after))
     if t.difference is not None:

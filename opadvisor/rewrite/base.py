@@ -40,6 +40,9 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     # keyword): a target whose lines an earlier rule changed is still passed on (mapped onto the new text)
     # instead of being refused as "already rewritten".
     COMPOSES: ClassVar[bool] = False
+    # the `opadvisor.kernels` op the rewrite calls, by its name in `dispatch_counts()` (verify checks that
+    # the rewritten program ran its kernel); None when the fix calls none
+    KERNEL_OP: ClassVar[str | None] = None
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
 
     def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:

@@ -46,6 +46,7 @@ def _is_bias(node: cst.BaseExpression) -> bool:
 
 class FusedDropoutAddCodemod(BlockRewriter):
     RULE = "fused_dropout_add"
+    KERNEL_OP = "bias_dropout_add"
     SAFETY = "safe"
 
     def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:

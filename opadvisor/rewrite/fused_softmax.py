@@ -62,6 +62,7 @@ def describe(chain: Chain) -> str:
 
 class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     RULE = "fused_softmax"
+    KERNEL_OP = "masked_softmax"
     SAFETY = "safe"
 
     def _edit_for(

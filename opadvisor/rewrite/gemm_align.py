@@ -42,6 +42,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 class GemmAlignCodemod(RuleCodemod):
     RULE = "gemm_align"
+    KERNEL_OP = "padded_linear"
     SAFETY = "safe"
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 

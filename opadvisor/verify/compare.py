@@ -1,19 +1,11 @@
 """Comparing two harness results: per-step loss parity within a dtype-aware tolerance, and step-time statistics.
 
-Tolerance. Step k passes when every loss of that step satisfies |after - before| <= atol + rtol * |before|.
-The defaults depend on the lowest precision either run computed in (the harness reports it):
-
-    precision  rtol   atol   why
-    fp32       1e-4   1e-5   a fused kernel sums in another order: ~1e-7 relative per op, grown by a few
-                             optimizer steps; a real error (wrong mask, wrong scale) is orders larger
-    tf32       1e-3   1e-4   fp32 matmuls on TF32 tensor cores keep a 10-bit mantissa
-    bf16       2e-2   1e-3   autocast: 8-bit mantissa (~4e-3 per rounding), a fused kernel rounds fewer times
-    fp16       2e-2   1e-3   as bf16 (10-bit mantissa, but loss scaling and overflow paths differ)
-
-The gradient norm at step 1 is compared with rtol 1e-3 (fp32), 1e-2 (tf32) or 5e-2 (bf16/fp16): a norm over
-all parameters accumulates more rounding than a mean loss. `--rtol` / `--atol` override the loss tolerance
-(the gradient norm tolerance scales with the same factor). NaN equals NaN: a rewrite must reproduce, not fix,
-a loss that the original already made NaN.
+Tolerance. Step k passes when every loss of that step satisfies |after - before| <= atol + rtol * |before|;
+the gradient norm at step 1 is compared with its own rtol. Both come from `tolerance.derive`: the
+precision either run computed in, the longest reduction and the depth of the step (the harness reports
+them), never tighter than the per-precision defaults (fp32 rtol 1e-4, tf32 1e-3, bf16/fp16 2e-2 for the
+loss). NaN equals NaN: a rewrite must reproduce, not fix, a loss that the original already made NaN.
+Each gradient tensor is compared in `grads.py` against the same Tolerances.
 
 Timing. Step k's duration is end(k) - end(k-1); the first `warmup` steps are dropped. The steps of a program
 (pooled over its repeated runs) are summarised by their median and quartiles (p25, p75). Two programs are
@@ -32,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-LOSS_TOLERANCE = {"fp32": (1e-4, 1e-5), "tf32": (1e-3, 1e-4), "bf16": (2e-2, 1e-3), "fp16": (2e-2, 1e-3)}
-GRAD_NORM_RTOL = {"fp32": 1e-3, "tf32": 1e-2, "bf16": 5e-2, "fp16": 5e-2}
+from opadvisor.verify.tolerance import Tolerances, derive
+
 _RANK = {"fp32": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 
 
@@ -78,6 +70,8 @@ class Parity:
     grad_norm_rtol: float | None = None
     grad_norm_ok: bool | None = None
     message: str = ""
+    tolerances: Tolerances | None = None
+    gradients: Any = None  # grads.GradientCheck: every parameter's gradient at step 1 (None: not compared)
 
 
 def compare_parity(
@@ -90,10 +84,16 @@ def compare_parity(
 ) -> Parity:
     """Compare the parity-phase results of the original (before) and the rewrite (after)."""
     precision = lower_precision(before.get("precision", "fp32"), after.get("precision", "fp32"))
-    default_rtol, default_atol = LOSS_TOLERANCE.get(precision, LOSS_TOLERANCE["fp32"])
-    rtol_ = default_rtol if rtol is None else rtol
-    atol_ = default_atol if atol is None else atol
-    result = Parity(ok=True, precision=precision, rtol=rtol_, atol=atol_)
+    work = [r.get("work") or {} for r in (before, after)]
+    tol = derive(
+        precision,
+        reduction=max(w.get("reduction", 1) for w in work),
+        depth=max(w.get("depth", 1) for w in work),
+        rtol=rtol,
+        atol=atol,
+    )
+    rtol_, atol_ = tol.loss_rtol, tol.loss_atol
+    result = Parity(ok=True, precision=precision, rtol=rtol_, atol=atol_, tolerances=tol)
 
     b_steps, a_steps = before.get("steps", []), after.get("steps", [])
     for k in range(min(steps, max(len(b_steps), len(a_steps)))):
@@ -134,8 +134,7 @@ def compare_parity(
     gb, ga = before.get("grad_norm"), after.get("grad_norm")
     result.grad_norm_before, result.grad_norm_after = gb, ga
     if gb is not None and ga is not None:
-        scale = rtol_ / default_rtol
-        result.grad_norm_rtol = GRAD_NORM_RTOL.get(precision, GRAD_NORM_RTOL["fp32"]) * scale
+        result.grad_norm_rtol = tol.grad_norm_rtol
         result.grad_norm_ok = _close(gb, ga, result.grad_norm_rtol, atol_)[0]
 
     if result.first_bad_step is not None:
@@ -162,6 +161,21 @@ def compare_parity(
             f"losses match for {len(result.steps)} steps ({precision}, rtol {rtol_:g}, atol {atol_:g})"
         )
     return result
+
+
+def add_gradients(parity: Parity, check: Any) -> None:
+    """Fold the per-tensor gradient check (`grads.GradientCheck`) into the parity verdict: losses that
+    match but a gradient that does not fail at step 1, naming the worst tensor (in place of the gradient
+    norm's message, which names none)."""
+    parity.gradients = check
+    if check.ok or parity.first_bad_step is not None:
+        return  # all match, or the losses already diverged (that message says more)
+    worst = check.failing[0]
+    more = f" (and {len(check.failing) - 1} more)" if len(check.failing) > 1 else ""
+    why = worst.note or f"relative error {worst.rel_error:.3g} > {check.tolerance:.3g}"
+    parity.ok = False
+    parity.first_bad_step = 1
+    parity.message = f"gradients differ at step 1: {worst.name} {list(worst.shape)}: {why}{more}"
 
 
 def _fmt(x: float | None) -> str:

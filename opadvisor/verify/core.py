@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,13 +44,16 @@ from opadvisor.verify.compare import (
     PeakMemory,
     Speedup,
     StepTimes,
+    add_gradients,
     compare_parity,
     compare_times,
     peak_memory,
     step_durations_ms,
     summarise_runs,
 )
-from opadvisor.verify.runner import ChildSpec, run_child
+from opadvisor.verify.grads import compare_gradients
+from opadvisor.verify.implementations import FusedCalls, fused_calls
+from opadvisor.verify.runner import ChildResult, ChildSpec, run_child
 
 REPORT_SCHEMA = 1
 DROPOUT_NOTE = (
@@ -82,6 +86,7 @@ class Program:
     sources: dict[str, str]  # the harness's file -> source to run instead ({} is the rewrite)
     runs: list[list[float]] = field(default_factory=list)  # step durations (ms) of each timing run
     results: list[dict[str, Any]] = field(default_factory=list)  # the harness's result of each run
+    dispatch: dict[str, Any] | None = None  # the harness's dispatch record of its first run
 
 
 @dataclass
@@ -125,6 +130,8 @@ class VerifyReport:
     rewrite_error: str | None = None  # the rewritten script's error, when it failed
 
     fail_slower: bool = False  # the option: a measurably slower rewrite fails
+    fused_calls: list[FusedCalls] = field(default_factory=list)  # which implementation each fused call ran
+    warnings: list[str] = field(default_factory=list)  # e.g. a rewrite whose kernel never ran
 
     @property
     def ok(self) -> bool:
@@ -160,7 +167,11 @@ class VerifyReport:
                 },
                 "steps": [asdict(s) for s in p.steps],
                 "rewrite_error": self.rewrite_error,
+                "tolerances": p.tolerances.to_json() if p.tolerances is not None else None,
+                "gradients": p.gradients.to_json() if p.gradients is not None else None,
             },
+            "fused_calls": [c.to_json() for c in self.fused_calls],
+            "warnings": self.warnings,
             "timing": None,
             "rules": None,
             "notes": self.notes,
@@ -292,7 +303,7 @@ def verify(
     argv = profile.argv or [script]
     cwd = profile.cwd or str(Path(script).parent)
 
-    def spec(mode: str, sources: dict[str, str]) -> ChildSpec:
+    def spec(mode: str, sources: dict[str, str], grads_dir: Path | None = None) -> ChildSpec:
         return ChildSpec(
             script=script,
             argv=argv,
@@ -304,6 +315,7 @@ def verify(
             sources=sources,
             module=profile.module,
             import_root=profile.import_root,
+            grads_dir=str(grads_dir) if grads_dir is not None else None,
         )
 
     notes = [DROPOUT_NOTE]
@@ -321,15 +333,7 @@ def verify(
     if profile.world_size > 1:
         notes.append("a multi-rank run: verify runs the script as a single process")
 
-    progress(f"parity: original, {opts.steps} steps")
-    before = run_child(spec("parity", applied.parity_sources()), timeout=opts.timeout)
-    if before.error is not None:
-        raise UserError(f"the original script failed under verify: {_last_line(before.error)}")
-    progress(f"parity: rewrite, {opts.steps} steps")
-    after = run_child(spec("parity", {}), timeout=opts.timeout)
-    parity = compare_parity(
-        before.result or {}, after.result or {}, steps=opts.steps, rtol=opts.rtol, atol=opts.atol
-    )
+    before, after, parity = _parity_phase(spec, applied, opts, progress)
     report = VerifyReport(
         run=display_path(run_dir),
         script=display_path(script),
@@ -350,18 +354,44 @@ def verify(
     recorded = len((before.result or {}).get("steps", []))
     if recorded < opts.steps:
         notes.append(f"the script ended after {recorded} steps (asked for {opts.steps})")
-    if not parity.ok:
-        return report
-
-    if opts.timing:
+    dispatch, run = (after.result or {}).get("dispatch"), "parity"
+    if parity.ok and opts.timing:
         device = (before.result or {}).get("device", "cpu")
-        report.timing = _timing(spec, applied, opts, progress, device)
+        report.timing, timed_dispatch = _timing(spec, applied, opts, progress, device)
         notes.extend(_timing_notes(report.timing, profile, opts))
-    if opts.reprofile:
+        if timed_dispatch is not None:
+            dispatch, run = timed_dispatch, "timing"
+    report.fused_calls, warnings = fused_calls(applied.rules, dispatch, run)
+    report.warnings.extend(warnings)
+    if parity.ok and opts.reprofile:
         progress("re-profiling the rewritten script")
         report.rules, rule_notes = rule_times(profile, applied, timeout=opts.timeout)
         notes.extend(rule_notes)
     return report
+
+
+def _parity_phase(
+    spec: Callable[..., ChildSpec], applied: Applied, opts: VerifyOptions, progress: Callable[[str], None]
+) -> tuple[ChildResult, ChildResult, Parity]:
+    """Both programs in parity mode; their losses, gradient norms and every gradient at step 1 compared."""
+    with tempfile.TemporaryDirectory(prefix="opadvisor-grads-") as tmp:
+        grads = {"before": Path(tmp) / "before", "after": Path(tmp) / "after"}
+        progress(f"parity: original, {opts.steps} steps")
+        before = run_child(spec("parity", applied.parity_sources(), grads["before"]), timeout=opts.timeout)
+        if before.error is not None:
+            raise UserError(f"the original script failed under verify: {_last_line(before.error)}")
+        progress(f"parity: rewrite, {opts.steps} steps")
+        after = run_child(spec("parity", {}, grads["after"]), timeout=opts.timeout)
+        parity = compare_parity(
+            before.result or {}, after.result or {}, steps=opts.steps, rtol=opts.rtol, atol=opts.atol
+        )
+        saved = all((r.result or {}).get("gradients") for r in (before, after))
+        if saved and after.error is None and parity.tolerances is not None:
+            progress("parity: comparing every gradient at step 1")
+            add_gradients(
+                parity, compare_gradients(grads["before"], grads["after"], parity.tolerances.grad_rtol)
+            )
+    return before, after, parity
 
 
 def _rewrite_failed(report: VerifyReport, error: str) -> None:
@@ -412,9 +442,10 @@ def _timing(
     opts: VerifyOptions,
     progress: Callable[[str], None],
     device: str,
-) -> Timing | None:
+) -> tuple[Timing | None, dict[str, Any] | None]:
     """Every program `repeats` times, in rounds that go forwards and backwards through the list (a slow
-    spell of the machine hits them alike); then whole-step and per-rule comparisons."""
+    spell of the machine hits them alike); then whole-step and per-rule comparisons. Also returns the
+    rewrite's dispatch record from its first timing run."""
     programs, rules_note = timing_programs(applied, opts.per_rule)
     for r in range(opts.repeats):
         for program in programs if r % 2 == 0 else programs[::-1]:
@@ -430,10 +461,12 @@ def _timing(
                 continue
             program.runs.append(step_durations_ms(res.result or {}, opts.warmup))
             program.results.append(res.result or {})
+            if program.dispatch is None:
+                program.dispatch = (res.result or {}).get("dispatch")
     original, rewrite = programs[0], programs[-1]
     before, after = summarise_runs(original.runs), summarise_runs(rewrite.runs)
     if before is None or after is None:
-        return None
+        return None, rewrite.dispatch
     difference = compare_times(original.runs, rewrite.runs)
     timing = Timing(
         device=device,
@@ -449,7 +482,7 @@ def _timing(
     )
     if rules_note is None:
         timing.rules = _rule_steps(programs)
-    return timing
+    return timing, rewrite.dispatch
 
 
 def _rule_steps(programs: list[Program]) -> list[RuleStepTime] | None:

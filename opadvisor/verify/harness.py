@@ -6,7 +6,8 @@ JSON file (written by `opadvisor.verify.runner`):
     {"script": absolute path, "argv": [argv0, ...], "cwd": str, "steps": int, "warmup": int,
      "mode": "parity" | "timing", "seed": int, "result": path of the JSON this process writes,
      "sources": {absolute path: path of the source to run instead},
-     "module": dotted name or null (run as `python -m` runs it), "import_root": its sys.path[0] or null}
+     "module": dotted name or null (run as `python -m` runs it), "import_root": its sys.path[0] or null,
+     "grads_dir": folder for the step-1 gradients (parity mode; optional)}
 
 The user's script is not edited. The harness, inside this process, before the script runs:
 
@@ -32,7 +33,10 @@ Parity mode (losses must match between original and rewrite):
 - Deterministic algorithms where torch has them (`use_deterministic_algorithms(True, warn_only=True)`,
   cuDNN deterministic, no cuDNN benchmark; the parent sets `CUBLAS_WORKSPACE_CONFIG`).
 - The global gradient norm of the lead optimizer's parameters is recorded at step 1 (an optimizer step
-  pre hook, so after GradScaler's unscale).
+  pre hook, so after GradScaler's unscale), and every parameter's gradient is written to `grads_dir`
+  (`grads.save_gradients`; names from the modules the first step ran).
+- The work of the first step, for the tolerances (`tolerance.py`): the longest reduction (the largest
+  input feature count or row count of a module with parameters) and the depth (modules with parameters).
 - The precision in use is recorded (autocast dtype, low-precision parameters, TF32 matmuls), seen from a
   module forward pre hook during the first step; the parent picks its tolerance from it.
 
@@ -45,7 +49,10 @@ The result JSON: {"schema": 1, "mode", "steps": [{"index": 1-based, "losses": [f
 "peak_allocated_bytes": int, "peak_reserved_bytes": int (timing mode on CUDA only)}],
 "grad_norm": float | null, "precision": "fp32" | "tf32" | "bf16" | "fp16", "device": "cpu" | "cuda",
 "stopped": bool (reached the step count), "exit": "stopped" | "finished" | "error", "error": str | null,
-"served": [realpath of each file of `sources` that was run from its replacement]}.
+"served": [realpath of each file of `sources` that was run from its replacement],
+"work": {"reduction": int, "depth": int} (parity mode), "gradients": grads_dir or null,
+"dispatch": {"imported": bool, "record": bool, "counts": {op: {path: calls}}}: which implementation each
+fused call of `opadvisor.kernels` ran (`dispatch_counts()`; "record" is False for kernels without it)}.
 The process exits 0 unless the script raised (3) or the harness itself failed (4).
 """
 
@@ -144,9 +151,15 @@ class BackupFinder(importlib.abc.MetaPathFinder):
 class Recorder:
     """Counts steps, records losses, step end times, the step-1 gradient norm and the precision in use."""
 
-    def __init__(self, steps: int, mode: str) -> None:
+    def __init__(self, steps: int, mode: str, grads_dir: str | None = None) -> None:
         self.limit = steps
         self.mode = mode
+        self.grads_dir = grads_dir
+        self.grads_saved = False
+        self.names: dict[int, str] = {}  # id(parameter) -> its name in the outermost module called
+        self._named_modules: set[int] = set()
+        self._param_modules: set[int] = set()  # modules with parameters the first step ran
+        self.reduction = 1
         self.steps: list[dict[str, Any]] = []
         self.pending: list[float] = []  # losses of the step in progress
         self.grad_norm: float | None = None
@@ -187,6 +200,24 @@ class Recorder:
             if _PRECISION_RANK[p] > _PRECISION_RANK[self.precision]:
                 self.precision = p
 
+    # -- names and the work of the first step
+    def note_module(self, module: Any, args: Any) -> None:
+        import torch
+
+        if id(module) not in self._named_modules:  # the outermost module called: name every parameter
+            self._named_modules.update(id(sub) for sub in module.modules())
+            for name, p in module.named_parameters():
+                self.names.setdefault(id(p), name)
+        if next(module.parameters(recurse=False), None) is None:
+            return
+        self._param_modules.add(id(module))
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is not None and x.dim() >= 1 and x.shape[-1] > 0:
+            self.reduction = max(self.reduction, int(x.shape[-1]), int(x.numel() // x.shape[-1]))
+
+    def work(self) -> dict[str, int]:
+        return {"reduction": self.reduction, "depth": len(self._param_modules)}
+
     # -- steps
     def _is_lead(self, optimizer: Any) -> bool:
         if self.lead is None or self.lead() is None:
@@ -203,6 +234,11 @@ class Recorder:
                 if p.grad is not None:
                     total += float(p.grad.detach().float().pow(2).sum().item())
         self.grad_norm = math.sqrt(total)
+        if self.grads_dir is not None:
+            from opadvisor.verify.grads import save_gradients
+
+            save_gradients(optimizer, self.names, Path(self.grads_dir))
+            self.grads_saved = True
 
     def after_optimizer_step(self, optimizer: Any) -> None:
         self.saw_optimizer = True
@@ -389,8 +425,20 @@ def install_hooks(rec: Recorder) -> None:
         def precision_hook(module: Any, args: Any) -> None:
             if not rec.steps:
                 rec.note_precision(module)
+                rec.note_module(module, args)
 
         torch.nn.modules.module.register_module_forward_pre_hook(precision_hook)
+
+
+def dispatch_record() -> dict[str, Any]:
+    """Which implementation each fused call ran, from `opadvisor.kernels.dispatch_counts()`."""
+    kernels = sys.modules.get("opadvisor.kernels")
+    counts = getattr(kernels, "dispatch_counts", None)
+    return {
+        "imported": kernels is not None,
+        "record": counts is not None,
+        "counts": counts() if counts is not None else {},
+    }
 
 
 # ---- running the script ---------------------------------------------------------------------------------
@@ -451,7 +499,7 @@ def main() -> int:
 
     mode = cfg["mode"]
     total = cfg["steps"] + (cfg.get("warmup", 0) if mode == "timing" else 0)
-    rec = Recorder(total, mode)
+    rec = Recorder(total, mode, cfg.get("grads_dir") if mode == "parity" else None)
     result: dict[str, Any] = {"schema": RESULT_SCHEMA, "mode": mode, "error": None, "dropout_patched": []}
     exit_code = 0
     seed_everything(int(cfg.get("seed", 0)))
@@ -482,6 +530,9 @@ def main() -> int:
         device=rec.device,
         stopped=len(rec.steps) >= total,
         served=finder.served,
+        work=rec.work() if mode == "parity" else None,
+        gradients=rec.grads_dir if rec.grads_saved else None,
+        dispatch=dispatch_record(),
     )
     tmp = Path(cfg["result"] + ".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")

@@ -35,6 +35,7 @@ class ChildSpec:
     sources: dict[str, str] = field(default_factory=dict)  # file -> the source to run instead (a backup)
     module: str | None = None  # run as this module, as `python -m` does (the profile's `module`)
     import_root: str | None = None  # sys.path[0] for a module
+    grads_dir: str | None = None  # parity mode: where the harness writes the step-1 gradients
 
 
 @dataclass
@@ -76,6 +77,7 @@ def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
             "sources": spec.sources,
             "module": spec.module,
             "import_root": spec.import_root,
+            "grads_dir": spec.grads_dir,
             "result": str(tmpdir / "result.json"),
         }
         (tmpdir / "config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -152,6 +152,37 @@ def test_gpt_sdpa_rewrite_passes_and_json(tmp_path: Path) -> None:
     assert data["parity"]["grad_norm"]["ok"] is True
 
 
+def test_every_gradient_is_compared_and_the_tolerances_are_said(tmp_path: Path) -> None:
+    project, run_dir = small(tmp_path)
+    fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(self.drop(x))  # same")
+    code, out = verify(project, "--format", "json")
+    assert code == 0, out
+    parity = json.loads(out)["parity"]
+    grads = parity["gradients"]
+    assert grads["ok"] and grads["compared"] == 2 and grads["worst"]["name"] in ("lin.weight", "lin.bias")
+    tol = parity["tolerances"]
+    assert tol["precision"] == "fp32" and tol["depth"] == 1 and tol["longest_reduction"] == 16  # 16 rows
+    assert grads["tolerance"] == tol["grad_rtol"] and parity["rtol"] == tol["loss_rtol"]
+    code, out = verify(project)
+    assert "gradients at step 1: 2 tensors compared, worst lin." in " ".join(out.split())
+    assert "tolerances derived: fp32 (unit roundoff 6e-08), longest reduction 16" in " ".join(out.split())
+
+
+def test_a_parameter_that_stops_getting_a_gradient_fails_by_name(tmp_path: Path) -> None:
+    # a learnable scale made a constant: the first loss is the same, its gradient is gone
+    model = MODEL.replace(
+        "        self.drop = nn.Dropout(0.5)\n",
+        "        self.drop = nn.Dropout(0.5)\n        self.scale = nn.Parameter(torch.ones(1))\n",
+    ).replace("return self.lin(self.drop(x))", "return self.lin(self.drop(x)) * self.scale")
+    project, run_dir = make_project(tmp_path, {"train.py": TRAIN, "model.py": model}, "train.py", [])
+    fake_apply(run_dir, project / "model.py", "* self.scale", "* self.scale.detach()")
+    code, out = verify(project, "--steps", "1", "--format", "json")
+    parity = json.loads(out)["parity"]
+    assert code == 1 and parity["steps"][0]["diff"] == 0.0  # the loss alone would pass
+    assert parity["message"] == "gradients differ at step 1: scale [1]: no gradient in the rewrite"
+    assert parity["first_diverging_step"] == 1 and parity["gradients"]["failing_count"] == 1
+
+
 def test_wrong_rewrite_of_an_imported_module_is_caught(tmp_path: Path) -> None:
     # The original comes from the backup through the import hook; were it not, both runs would agree.
     project, run_dir = small(tmp_path)

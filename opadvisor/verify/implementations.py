@@ -86,8 +86,8 @@ def fused_calls(
             )
         elif not paths.get("kernel"):
             ran = "; ".join(f"{n} call(s) ran {PATH_WORDS.get(p, p)}" for p, n in sorted(paths.items()))
+            tail = "; the step times measure that, not the kernel" if run == "timing" else ""
             warnings.append(
-                f"opadvisor.kernels.{op} ({fix}) never ran its kernel in the {run} run: {ran}; "
-                "the times above measure that, not the kernel"
+                f"opadvisor.kernels.{op} ({fix}) never ran its kernel in the {run} run: {ran}{tail}"
             )
     return calls, warnings

@@ -124,8 +124,37 @@ def test_bert_kernel_rewrite_passes_with_kernel_dropout_neutralised(tmp_path: Pa
         "import math\n",
         "import math\n\nfrom opadvisor.kernels import masked_softmax\n",
     )
-    code, out = verify(project)
+    code, out = verify(project, "--format", "json")
     assert code == 0, out
+    report = json.loads(out)
+    # on the CPU without Triton's interpreter the kernel cannot run: the record and a warning say so
+    assert report["fused_calls"] == [
+        {"op": "masked_softmax", "rules": ["fused_softmax"], "counts": {"reference": 3}, "run": "parity"}
+    ]
+    (warning,) = report["warnings"]
+    assert warning.startswith("opadvisor.kernels.masked_softmax (fused_softmax's fix) never ran its kernel")
+
+
+@pytest.mark.slow
+def test_the_kernel_run_under_the_interpreter_is_recorded(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the children run the Triton kernel on the CPU
+    fused = (
+        "        probs = masked_softmax(scores, ~mask, fill_value=torch.finfo(scores.dtype).min, "
+        "zero_masked=True)\n"
+    )
+    project, run_dir = example(tmp_path, "bert_train.py")
+    fake_apply(run_dir, project / "train.py", "".join(BERT_ATTENTION.splitlines(keepends=True)[1:4]), fused)
+    fake_apply(
+        run_dir,
+        project / "train.py",
+        "import math\n",
+        "import math\n\nfrom opadvisor.kernels import masked_softmax\n",
+    )
+    code, out = verify(project, "--steps", "2", "--format", "json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["fused_calls"][0]["counts"] == {"kernel": 2} and report["warnings"] == []
+    assert report["parity"]["gradients"]["ok"]
 
 
 def test_bert_flipped_mask_fails_at_step_1(tmp_path: Path) -> None:

@@ -16,6 +16,15 @@ def _project(tmp_path: Path) -> tuple[Path, Path]:
     return make_project(tmp_path, {"train.py": "a = 1\nb = 2\n", "model.py": "c = 3\n"}, "train.py", [])
 
 
+def _two_rules_three_edits(tmp_path: Path):
+    """fused_softmax then gemm_align on train.py, gemm_align on model.py: (project, run, Applied)."""
+    project, run_dir = _project(tmp_path)
+    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
+    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
+    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
+    return project, run_dir, load_applied(run_dir)
+
+
 def test_nothing_applied(tmp_path: Path) -> None:
     _, run_dir = _project(tmp_path)
     with pytest.raises(UserError, match=NOTHING_APPLIED):
@@ -23,11 +32,7 @@ def test_nothing_applied(tmp_path: Path) -> None:
 
 
 def test_earliest_backup_is_the_original(tmp_path: Path) -> None:
-    project, run_dir = _project(tmp_path)
-    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
-    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
-    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
-    applied = load_applied(run_dir)
+    project, run_dir, applied = _two_rules_three_edits(tmp_path)
     assert applied.rules == ["fused_softmax", "gemm_align"]
     by_name = {f.path.name: f for f in applied.files}
     assert by_name["train.py"].original.read_text() == "a = 1\nb = 2\n"
@@ -76,11 +81,7 @@ def _text(sources: dict[str, str], project: Path, name: str) -> str:
 
 
 def test_program_with_the_first_rules_applied(tmp_path: Path) -> None:
-    project, run_dir = _project(tmp_path)
-    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
-    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
-    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
-    applied = load_applied(run_dir)
+    project, run_dir, applied = _two_rules_three_edits(tmp_path)
     order, why = applied.rule_order()
     assert (order, why) == (["fused_softmax", "gemm_align"], None)
     none = applied.program([])
@@ -93,23 +94,26 @@ def test_program_with_the_first_rules_applied(tmp_path: Path) -> None:
     assert applied.program(order) == {}  # every file as it is now: the rewrite
 
 
-def test_rules_applied_in_different_orders_cannot_be_timed_one_by_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("edits", "why"),
+    [
+        (  # the files disagree on the order of the two rules
+            [("train.py", "a = 1", "a = 10", "fused_softmax"), ("train.py", "b = 2", "b = 20", "gemm_align"),
+             ("model.py", "c = 3", "c = 30", "gemm_align"), ("model.py", "c = 30", "c = 31", "fused_softmax")],
+            "the rules were applied to the files in different orders",
+        ),
+        (  # one file had a rule applied again after another one
+            [("train.py", "a = 1", "a = 10", "fused_softmax"), ("train.py", "b = 2", "b = 20", "gemm_align"),
+             ("train.py", "a = 10", "a = 11", "fused_softmax")],
+            "train.py had fused_softmax, gemm_align, fused_softmax applied in that order",
+        ),
+    ],
+)  # fmt: skip
+def test_rules_that_cannot_be_timed_one_by_one_say_why(tmp_path: Path, edits, why) -> None:
     project, run_dir = _project(tmp_path)
-    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
-    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
-    fake_apply(run_dir, project / "model.py", "c = 3", "c = 30", rule="gemm_align")
-    fake_apply(run_dir, project / "model.py", "c = 30", "c = 31", rule="fused_softmax")
-    order, why = load_applied(run_dir).rule_order()
-    assert order == [] and "different orders" in why
-
-
-def test_a_file_with_a_rule_applied_twice_around_another_is_named(tmp_path: Path) -> None:
-    project, run_dir = _project(tmp_path)
-    fake_apply(run_dir, project / "train.py", "a = 1", "a = 10", rule="fused_softmax")
-    fake_apply(run_dir, project / "train.py", "b = 2", "b = 20", rule="gemm_align")
-    fake_apply(run_dir, project / "train.py", "a = 10", "a = 11", rule="fused_softmax")
-    order, why = load_applied(run_dir).rule_order()
-    assert order == [] and "train.py had fused_softmax, gemm_align, fused_softmax applied" in why
+    for name, old, new, rule in edits:
+        fake_apply(run_dir, project / name, old, new, rule=rule)
+    assert load_applied(run_dir).rule_order() == ([], why)
 
 
 def test_a_missing_snapshot_is_said(tmp_path: Path) -> None:

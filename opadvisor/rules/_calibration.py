@@ -10,8 +10,8 @@ profile` times warm-up steps without the profiler (`Profile.calibration`); from 
     plain idle      max(0, plain step - busy)
     idle_scale      plain idle / profiled idle, kept within [0, 1]
 
-Every time made of GPU idle (sparse_launch, host_sync and dataloader_stall findings, the breakdown's idle
-parts) is multiplied by idle_scale: each cause of idle is taken to shrink in proportion to the whole, so
+Every time made of GPU idle (sparse_launch, host_sync and dataloader_stall findings, the gaps between an
+unfused optimizer's launches, the breakdown's idle parts) is multiplied by idle_scale: each cause of idle is taken to shrink in proportion to the whole, so
 the scaled parts add up to the plain step's idle time and no finding claims more than the plain step can
 give. Shares of the step are then shares of the plain step (kernel times are GPU times: the same with or
 without the profiler). Without a calibration (a CPU profile, a run with fewer than 2 warm-up steps, a

@@ -21,7 +21,7 @@ class Evidence:
     share_of_step: float | None = None  # 0..1 of the median step
     time_basis: Literal["gpu", "cpu", "none"] = "none"
     occurrences: int = 1  # how many times per step the pattern ran at this site
-    # GPU idle as measured under the profiler, when the run's calibration scaled `time_ms_per_step` to the
+    # the time as measured under the profiler, when the run's calibration scaled its GPU idle part to the
     # plain step (opadvisor/rules/_calibration.py); None for every other time
     profiled_time_ms_per_step: float | None = None
     notes: list[str] = field(default_factory=list)  # extra evidence in words

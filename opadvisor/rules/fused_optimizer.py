@@ -149,7 +149,8 @@ def detect(profile: Profile) -> list[Finding]:
         gpu_ms = ix.per_step_ms(kernel_us)
         span_ms = ix.per_step_ms(span_us)
         cpu_ms = ix.per_step_ms(sum(b - a for a, b, _ in anns))
-        time_ms = max(gpu_ms, span_ms)
+        # the GPU idles between the step's kernels: that part is scaled to the plain step (_calibration)
+        time_ms = gpu_ms + ix.calibration.idle_ms(max(0.0, span_ms - gpu_ms))
         # passes over the state per step: elementwise ops that launched kernels (per parameter on the loop path)
         launching = [op for op in roots if ix.kernel_count(op) > 0]
         passes = len(launching) / ix.steps_recorded
@@ -194,6 +195,7 @@ def detect(profile: Profile) -> list[Finding]:
                     share_of_step=share,
                     time_basis="gpu",
                     occurrences=max(1, round(len(anns) / ix.steps_recorded)),
+                    profiled_time_ms_per_step=max(gpu_ms, span_ms) if ix.calibration.calibrated else None,
                     notes=notes,
                 ),
                 time_ms_per_step=time_ms,

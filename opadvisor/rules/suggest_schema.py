@@ -110,7 +110,7 @@ FINDING_SCHEMA: dict[str, Any] = {
         "fix": {"enum": ["safe", "unsafe", "none"]},
         # ---- additions
         "time_basis": {"enum": ["gpu", "cpu", "none"]},  # what time_ms_per_step measures
-        # GPU idle as measured under the profiler when time_ms_per_step was scaled to the plain step
+        # the time as measured under the profiler when its GPU idle part was scaled to the plain step
         # (see "calibration"); null for every other finding
         "profiled_time_ms_per_step": _NUM_OR_NULL,
         "share_of_step": _NUM_OR_NULL,  # 0..1 of the median step (the plain one once calibrated)

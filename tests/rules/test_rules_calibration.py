@@ -142,3 +142,12 @@ def test_suggest_says_why_there_is_no_plain_time(tmp_path) -> None:
     table = " ".join(_suggest(tmp_path, load_fixture_profile("sync_item")).split())
     assert "no plain step time: profile with --warmup 2 or more" not in table  # its warm-up was 2
     assert "no plain step time: this run did not time one" in table
+
+
+def test_fused_optimizer_scales_the_idle_between_its_kernels() -> None:
+    (raw,) = findings(load_fixture_profile("adamw_unfused"), "fused_optimizer")
+    assert raw.time_ms_per_step == pytest.approx(raw.details["gpu_span_ms_per_step"])  # mostly idle
+    profile = load_fixture_profile("adamw_unfused")
+    with_plain_step(profile, gpu_busy_ms(profile))  # the plain step has no idle left
+    for f in findings(profile, "fused_optimizer"):  # below the threshold now, or its kernel time only
+        assert f.time_ms_per_step == pytest.approx(f.details["gpu_kernel_ms_per_step"], abs=1e-3)

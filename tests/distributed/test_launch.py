@@ -176,6 +176,12 @@ def test_rank_exiting_before_the_window_leaves_nothing(tmp_path: Path) -> None:
     assert runs_in(tmp_path) == [] and not (tmp_path / ".opadvisor" / "latest").exists()
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT as a terminal delivers it: a suite started in the background (`pytest &`) runs with SIGINT
+    ignored, which every child inherits, and Python then never turns SIGINT into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_rank_even_blocked_ones(tmp_path: Path) -> None:
     """Rank 1 blocks in C++ (a recv nobody answers), rank 0 in the all-reduce: no Python handler can run
     on either. Ctrl-C: each rank's watchdog ends it within seconds, not torchrun's SIGKILL after 30 s.
@@ -183,7 +189,14 @@ def test_ctrl_c_stops_every_rank_even_blocked_ones(tmp_path: Path) -> None:
     marker = tmp_path / "blocking"
     cmd = [sys.executable, "-m", "opadvisor", "profile", "--nproc-per-node", "2", "--steps", "5", "--warmup", "1",
            str(CRASH), "--", "--crash-rank", "1", "--crash-step", "4", "--how", "block", "--marker", str(marker)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ctrl_c_as_in_a_terminal,
+    )
     try:
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while time.monotonic() < deadline and not marker.exists() and proc.poll() is None:

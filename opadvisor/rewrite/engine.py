@@ -61,10 +61,6 @@ PARITY_DIR = "parity"  # the original as verify's parity run sees it, when a rul
 SNAPSHOT_DIR = "snapshots"  # the file after each entry (applied.json's "after"), for verify's per-rule times
 STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
 
-# `--rule all` applies in this order; sdpa_attention first: where it and fused_softmax cover the same
-# lines, the finding marked as the bigger win is the one applied.
-ORDER = ("sdpa_attention", "fused_softmax", "fused_dropout_add", "gemm_align")
-
 
 # ---- results --------------------------------------------------------------------------------------------
 @dataclass
@@ -130,12 +126,11 @@ def project_root() -> Path:
 
 
 def codemod_order(rules: Iterable[str]) -> list[str]:
-    """Rules' codemods in ORDER then registry order; the library fixes' codemods last (they insert next to
+    """Rules' codemods in the rule registry's order; the library fixes' codemods last (they insert next to
     the model's construction, which another rule may have rewritten)."""
-    rules = list(dict.fromkeys(rules))
-    ordered = [r for r in ORDER if r in rules]
-    ordered += [r for r in registry.CODEMODS if r in rules and r not in ordered]
-    return ordered + [r for r in registry.LIBRARY_CODEMODS if r in rules]
+    wanted = set(rules)
+    ordered = [r for r in registry.fixable_rules() if r in wanted]
+    return ordered + [r for r in registry.LIBRARY_CODEMODS if r in wanted]
 
 
 def location_problem(path: Path, root: Path) -> str | None:
@@ -185,8 +180,9 @@ def _run_once(
     targets: Sequence[Target] | None,
     path: Path | str,
     allow_unsafe: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> tuple[cst.Module, RuleCodemod]:
-    codemod = codemod_cls(CodemodContext(filename=str(path)), targets)
+    codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
     # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
     codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
     try:
@@ -207,15 +203,17 @@ def rewrite_source(
     targets: Sequence[Target] | None = None,
     path: Path | str = "<source>",
     allow_unsafe: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> tuple[bytes, RuleResult]:
     """Run `rule`'s codemod on `source` (restricted to `targets`, or every match when None).
 
-    Checks the result re-parses and compiles, and that the codemod is stable on it (a second run changes
-    nothing it should not); raises UserError otherwise.
+    `options` are keyword arguments of the codemod's constructor (fp32_gemm's `mode`, say). Checks the
+    result re-parses and compiles, and that the codemod is stable on it (a second run changes nothing it
+    should not); raises UserError otherwise.
     """
     codemod_cls = registry.get_codemod(rule)
     module = _parse(source, path)
-    new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe)
+    new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options)
     result = RuleResult(
         rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", []))
     )
@@ -236,11 +234,11 @@ def rewrite_source(
     if targets is None:
         expected_left = 0
     else:
-        _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe)
+        _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe, options)
         # changes only a profile's targets ask for (say, a regional compile) have no static match
         static_kind = len(codemod.changes) - getattr(codemod, "targets_only", 0)
         expected_left = len(everything.changes) - static_kind
-    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path, allow_unsafe)
+    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path, allow_unsafe, options)
     if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
         raise UserError(
             f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
@@ -398,7 +396,7 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple
     named (`_say_withheld`)."""
     if rule == "all":
         chosen, withheld = [], []
-        for rid in codemod_order(registry.CODEMODS):
+        for rid in registry.fixable_rules():
             try:
                 cls = registry.get_codemod(rid)
             except ImportError as exc:  # a codemod module not written yet
@@ -410,7 +408,7 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple
 
     if rule not in rules_registry.RULE_MODULES and not registry.has_codemod(rule):
         raise UserError(
-            f"unknown rule {rule!r}; rules with automatic fixes: {', '.join(codemod_order(registry.CODEMODS))}, or all"
+            f"unknown rule {rule!r}; rules with automatic fixes: {', '.join(registry.fixable_rules())}, or all"
         )
     cls = registry.get_codemod(rule)  # UserError for a rule without a fix
     if cls.SAFETY == "unsafe" and not allow_unsafe:

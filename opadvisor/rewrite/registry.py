@@ -1,29 +1,24 @@
-"""Which codemod fixes which rule: rule id -> "module:Class" (imported only when needed)."""
+"""Which codemod fixes which rule, found by name: the codemod of rule R is the `RuleCodemod` subclass whose
+`RULE == "R"` in the module `opadvisor.rewrite.R`.
+
+There is no list to keep in step: a rule is listed once, in `opadvisor/rules/registry.py`, and it has an
+automatic fix exactly when `opadvisor/rewrite/<rule id>.py` exists. Modules are imported only when needed
+(`has_codemod` looks for the file, so `opadvisor suggest` and `opadvisor rules` do not import libcst).
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from functools import cache
 
 from opadvisor.errors import UserError
 from opadvisor.rewrite.base import RuleCodemod
 
-CODEMODS: dict[str, str] = {
-    "fused_softmax": "opadvisor.rewrite.fused_softmax:FusedSoftmaxCodemod",
-    "sdpa_attention": "opadvisor.rewrite.sdpa_attention:SdpaAttentionCodemod",
-    "fused_dropout_add": "opadvisor.rewrite.fused_dropout_add:FusedDropoutAddCodemod",
-    "fused_cross_entropy": "opadvisor.rewrite.fused_cross_entropy:FusedCrossEntropyCodemod",
-    "gemm_align": "opadvisor.rewrite.gemm_align:GemmAlignCodemod",
-    "fused_optimizer": "opadvisor.rewrite.fused_optimizer:FusedOptimizerCodemod",
-    "dataloader_stall": "opadvisor.rewrite.dataloader_stall:DataLoaderCodemod",
-    "manual_layernorm": "opadvisor.rewrite.manual_layernorm:ManualLayerNormCodemod",
-    "fp32_gemm": "opadvisor.rewrite.fp32_gemm:Fp32GemmCodemod",
-    "sparse_launch": "opadvisor.rewrite.sparse_launch:CudaGraphsCodemod",
-    "fuse_region": "opadvisor.rewrite.fuse_region:FuseRegionCodemod",
-}
-
+PACKAGE = "opadvisor.rewrite"
 
 # Fixes for findings in library code (opadvisor/libraries.py), keyed by fix: not rules of their own, they
-# serve the findings of the rules above whose pattern is in an installed package (see rewrite/library.py).
+# serve the findings of the rules whose pattern is in an installed package (see rewrite/library.py).
 # In the order apply runs them: each inserts right after the model's line, so the patch ends up last.
 LIBRARY_CODEMODS: dict[str, str] = {
     "library_patch": "opadvisor.rewrite.library:LibraryPatchCodemod",
@@ -32,15 +27,41 @@ LIBRARY_CODEMODS: dict[str, str] = {
 }
 
 
+@cache
 def has_codemod(rule_id: str) -> bool:
-    return rule_id in CODEMODS
+    """Whether `rule_id` has an automatic fix (a module `opadvisor.rewrite.<rule_id>`)."""
+    if not rule_id.isidentifier() or rule_id.startswith("_"):
+        return False
+    return importlib.util.find_spec(f"{PACKAGE}.{rule_id}") is not None
+
+
+def fixable_rules() -> list[str]:
+    """The rules with an automatic fix, in the order `opadvisor rules` lists them (and `--rule all` applies)."""
+    from opadvisor.rules.registry import rule_ids
+
+    return [r for r in rule_ids() if has_codemod(r)]
 
 
 def get_codemod(rule_id: str) -> type[RuleCodemod]:
-    spec = CODEMODS.get(rule_id) or LIBRARY_CODEMODS.get(rule_id)
-    if spec is None:
+    """The codemod class of `rule_id` (or of a library fix in LIBRARY_CODEMODS); UserError for a rule
+    without one."""
+    spec = LIBRARY_CODEMODS.get(rule_id)
+    if spec is not None:
+        module_name, _, cls_name = spec.partition(":")
+        return getattr(importlib.import_module(module_name), cls_name)
+    if not has_codemod(rule_id):
         raise UserError(
             f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do"
         )
-    module_name, _, cls_name = spec.partition(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+    module = importlib.import_module(f"{PACKAGE}.{rule_id}")
+    found = [
+        obj
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, RuleCodemod) and obj.RULE == rule_id
+    ]
+    if len(found) != 1:
+        raise RuntimeError(
+            f"{PACKAGE}.{rule_id} must define exactly one RuleCodemod with RULE = {rule_id!r} "
+            f"(found {len(found)})"
+        )
+    return found[0]

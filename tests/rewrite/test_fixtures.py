@@ -1,7 +1,8 @@
-"""Golden before/after fixtures for the codemods (TorchFix style), collected from fixtures/<rule>/<case>.in.py.
+"""Golden before/after fixtures for every codemod (TorchFix style): fixtures/<rule>/<case>.in.py.
 
-For every case: the static rewrite of `<case>.in.py` must equal `<case>.out.py` byte for byte (a case whose
-two files are equal is one the codemod must leave alone); the output re-parses and compiles; a second run
+For every case (see fixture_cases.py for the header options a case may set): the rewrite of `<case>.in.py`
+(static mode unless the header names targets) must equal `<case>.out.py` byte for byte (a case whose two
+files are equal is one the codemod must leave alone); the output re-parses and compiles; a second run
 changes nothing. A case named `*_unsafe` runs with unsafe fixes allowed (`opadvisor apply --unsafe`).
 
 Numerical equivalence: a fixture that defines `make_inputs()` returning `(callable, args)` is run before
@@ -12,29 +13,25 @@ so the gradients are not trivially zero (softmax rows sum to one).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import libcst as cst
 import pytest
 import torch
+from fixture_cases import case_id, cases, expected_path, options
 
 from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rewrite.registry import fixable_rules
 
-FIXTURES = Path(__file__).parent / "fixtures"
-CASES = sorted(FIXTURES.glob("*/*.in.py"))
-
-
-def _id(path: Path) -> str:
-    return f"{path.parent.name}/{path.name[: -len('.in.py')]}"
-
-
-def _out(path: Path) -> Path:
-    return path.with_name(path.name[: -len(".in.py")] + ".out.py")
+CASES = cases()
+REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"  # rewrite the .out.py files, for review with git diff
+_id = case_id
+_out = expected_path
 
 
-def test_fixtures_are_collected():
-    rules = {p.parent.name for p in CASES}
-    assert rules == {"fused_softmax", "sdpa_attention", "fused_dropout_add", "gemm_align"}
+def test_every_fixable_rule_has_fixtures():
+    assert {p.parent.name for p in CASES} == set(fixable_rules())
     missing = [_id(p) for p in CASES if not _out(p).is_file()]
     assert not missing, f"fixtures without an .out.py: {missing}"
 
@@ -42,19 +39,29 @@ def test_fixtures_are_collected():
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_golden(case: Path):
     rule = case.parent.name
-    before, expected = case.read_bytes(), _out(case).read_bytes()
-    unsafe = case.name.endswith("_unsafe.in.py")
-    after, result = rewrite_source(before, rule, None, case, allow_unsafe=unsafe)
+    before = case.read_bytes()
+    opts = options(before.decode())
+    kwargs = dict(opts.kwargs)
+    unsafe = case.name.endswith("_unsafe.in.py") or bool(kwargs.pop("allow_unsafe", False))
+    after, result = rewrite_source(before, rule, opts.targets, case, allow_unsafe=unsafe, options=kwargs)
+    if REGEN:
+        _out(case).write_bytes(after)
+    expected = _out(case).read_bytes()
     assert after.decode() == expected.decode()
     assert after == expected  # line endings included
     cst.parse_module(after)
     compile(after, str(case), "exec")
-    again, second = rewrite_source(after, rule, None, case, allow_unsafe=unsafe)
+    rerun = opts.rerun_targets if opts.rerun_targets is not None else opts.targets
+    again, second = rewrite_source(after, rule, rerun, case, allow_unsafe=unsafe, options=kwargs)
     assert again == after and not second.changes, "the codemod is not idempotent"
     if before == expected:
         assert not result.changes
     else:
         assert result.changes, "the file changed but no change was recorded"
+    if opts.changes is not None:
+        assert len(result.changes) == opts.changes, result.changes
+    for reason in opts.skipped:
+        assert any(reason in note.message for note in result.skipped), (reason, result.skipped)
 
 
 def _run(source: bytes, name: str):

@@ -1,30 +1,14 @@
-"""Running one of the four codemods on source text, and reading a fixture's header options.
-
-A fixture `fixtures/<rule>/<case>.in.py` may start with comment lines that the golden test reads:
-
-    # codemod-args: {"targets": [[12, 14]], "mode": "autocast"}   constructor keywords; targets as [line, end_line]
-    # rerun-targets: [[13, 15]]                                   the same targets in the output's lines
-    # expect-changes: 2                                           how many changes the codemod records
-    # expect-skipped: read again on line                          a skip whose reason contains this (repeatable)
-
-The comments are ordinary comments, so they are in the expected output too.
-"""
+"""The six codemods that rewrite construction sites and loops, run without the engine (see fixture_cases)."""
 
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import dataclass, field
+import sys
 from pathlib import Path
-from typing import Any
 
-import libcst as cst
-from libcst.codemod import CodemodContext
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rewrite.registry import get_codemod
+from fixture_cases import FIXTURES, Options, expected_path, options, run  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures"
 RULES = (
     "fused_optimizer",
     "dataloader_stall",
@@ -33,51 +17,5 @@ RULES = (
     "sparse_launch",
     "fused_cross_entropy",
 )
-_HEADER = re.compile(r"^# (codemod-args|rerun-targets|expect-changes|expect-skipped): (.*)$")
 
-
-@dataclass
-class Options:
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    targets: list[Target] | None = None
-    rerun_targets: list[Target] | None = None  # for the idempotence run; default: `targets`
-    changes: int | None = None
-    skipped: list[str] = field(default_factory=list)
-
-
-def options(source: str) -> Options:
-    opts = Options()
-    for line in source.splitlines():
-        match = _HEADER.match(line)
-        if not match:
-            continue
-        key, value = match.groups()
-        if key == "codemod-args":
-            kwargs = json.loads(value)
-            targets = kwargs.pop("targets", None)
-            if targets is not None:
-                opts.targets = [Target(a, b, d[0] if d else {}) for a, b, *d in targets]
-            opts.kwargs = kwargs
-        elif key == "rerun-targets":
-            opts.rerun_targets = [Target(a, b) for a, b in json.loads(value)]
-        elif key == "expect-changes":
-            opts.changes = int(value)
-        else:
-            opts.skipped.append(value.strip())
-    return opts
-
-
-def run(
-    rule: str, source: str, targets: list[Target] | None = None, **kwargs: Any
-) -> tuple[str, RuleCodemod]:
-    """The rewritten source and the codemod (its `changes` and `skipped` notes)."""
-    codemod = get_codemod(rule)(CodemodContext(), targets, **kwargs)
-    return codemod.transform_module(cst.parse_module(source)).code, codemod
-
-
-def cases() -> list[Path]:
-    return sorted(p for rule in RULES for p in (FIXTURES / rule).glob("*.in.py"))
-
-
-def expected_path(case: Path) -> Path:
-    return case.with_name(case.name.removesuffix(".in.py") + ".out.py")
+__all__ = ["FIXTURES", "RULES", "Options", "expected_path", "options", "run"]

@@ -25,7 +25,8 @@ from opadvisor.rewrite.engine import rewrite_source
 from opadvisor.rewrite.registry import fixable_rules
 
 CASES = cases()
-REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"  # rewrite the .out.py files, for review with git diff
+# OPADVISOR_REGEN_FIXTURES=1 rewrites the .out.py files from the codemods, for review with `git diff`
+REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"
 _id = case_id
 _out = expected_path
 

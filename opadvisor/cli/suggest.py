@@ -66,6 +66,13 @@ def suggest(
             "whatever the step's peak (rules named by --select are asked the same way).",
         ),
     ] = False,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check/--no-check",
+            help="Dry-run each fix on its file and offer only those the rewrite can make (the default).",
+        ),
+    ] = True,
 ) -> None:
     """Explain where the run loses time: a breakdown of the step, then findings ranked by time per step.
 
@@ -87,6 +94,11 @@ def suggest(
         chosen.append("activation_checkpointing")
     requested = [*(chosen or []), *(["activation_checkpointing"] if memory else [])]
     report = analyse(profiles, chosen, _split(ignore), sort=sort, requested=requested)  # type: ignore[arg-type]
+    if check:
+        from opadvisor.rewrite.check import check_fixes, rank_applicable
+
+        check_fixes(report.findings)
+        report.findings = rank_applicable(report.findings)
     _warn_sources(report.findings)
     if format == "json":
         print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))
@@ -142,6 +154,7 @@ def finding_entry(f) -> dict[str, Any]:
         },
         "details": f.details,
         "library": _library_entry(f.library),
+        "fix_blocked": f.fix_blocked,
     }
 
 
@@ -431,6 +444,8 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
                 at += f"\n{'rank' if len(f.ranks) == 1 else 'ranks'} {', '.join(map(str, f.ranks))}"
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
+            if f.fix_blocked:
+                fix = f"no automatic fix here: {f.fix_blocked}"
             if cmd and f.advice and f.est_saving_ms_per_step == 0:
                 fix += f" (no saving claimed: {f.advice})"  # why a fix is offered that saves nothing here
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")

@@ -128,23 +128,68 @@ def _scalar(value: Any) -> Any:
     return None
 
 
-def _inputs(event: Any) -> tuple[list, list, list]:
-    shapes, dtypes, scalars = [], [], []
+def _inputs(event: Any) -> tuple[list, list, list, list]:
+    shapes, dtypes, scalars, metas = [], [], [], []
     for value in event.extra_fields.inputs:
         sizes = getattr(value, "sizes", None)
         if sizes is not None and hasattr(value, "dtype"):
             shapes.append(list(sizes))
             dtypes.append(_dtype_name(value.dtype))
             scalars.append(None)
+            metas.append(value)
         elif isinstance(value, list) and value and hasattr(value[0], "sizes"):
             shapes.append(None)  # a TensorList (foreach ops): keep the first tensor's dtype
             dtypes.append(_dtype_name(getattr(value[0], "dtype", None)))
             scalars.append(None)
+            metas.append(None)
         else:
             shapes.append(None)
             dtypes.append(None)
             scalars.append(_scalar(value))
-    return shapes, dtypes, scalars
+            metas.append(None)
+    return shapes, dtypes, scalars, metas
+
+
+# A Python number in a tensor op (`x / 8.0`, `x + 1`) reaches the op as a 0-dim tensor of these dtypes,
+# on the CPU whatever the other operand's device.
+_WRAPPED_DTYPES = frozenset({"float64", "int64", "bool", "complex128"})
+
+
+def input_kinds(metas: list[Any], tensors: dict[int, str]) -> list[str | None]:
+    """What each tensor input is (see `Op.input_kinds`); [] when that says nothing beyond the shapes.
+
+    `tensors` maps the TensorImpl address of the model's parameters and buffers to "param" (requires
+    grad), "frozen" (a parameter that does not) or "buffer". A 0-dim input of a wrapped-number dtype is a
+    Python number when another tensor input has a different dtype or device (a 0-dim tensor the script
+    made would have to be on the CPU in float64 for that: we accept the ambiguity); a 0-dim input we cannot
+    tell apart stays None.
+    """
+    kinds: list[str | None] = []
+    informative = False
+    for i, meta in enumerate(metas):
+        if meta is None:
+            kinds.append(None)
+            continue
+        known = tensors.get(getattr(meta, "impl_ptr", None) or 0)
+        if known is not None:
+            kinds.append(known)
+            informative = True
+        elif len(meta.sizes) > 0:
+            kinds.append("tensor")
+        else:
+            kinds.append(_zero_dim_kind(meta, [m for j, m in enumerate(metas) if m is not None and j != i]))
+            informative = True
+    return kinds if informative else []
+
+
+def _zero_dim_kind(meta: Any, others: list[Any]) -> str | None:
+    dtype = _dtype_name(meta.dtype)
+    if dtype not in _WRAPPED_DTYPES:
+        return "tensor"  # a Python float is wrapped as float64, an int as int64: this one is a real tensor
+    for other in others:
+        if _dtype_name(other.dtype) != dtype or str(other.device) != str(meta.device):
+            return "number"
+    return None
 
 
 class TreeReader:
@@ -156,11 +201,13 @@ class TreeReader:
         module_paths: dict[int, str],
         cuda: bool,
         module_types: dict[int, str] | None = None,
+        tensors: dict[int, str] | None = None,
     ):
         self.origin_ns = origin_ns
         self.module_paths = module_paths
         self.module_types = module_types or {}
         self.cuda = cuda
+        self.tensors = tensors or {}  # TensorImpl address -> "param" | "frozen" | "buffer"
         self.out = Extracted()
         self._by_seq: dict[int, int] = {}  # autograd sequence number -> last forward op id with it
         self._library_files: dict[str, LibraryFile] = {}  # every library file seen (ops or not)
@@ -289,7 +336,7 @@ class TreeReader:
 
     def _add_op(self, event, where, module, parent_op, backward, forward_op) -> int:
         fields = event.extra_fields
-        shapes, dtypes, scalars = _inputs(event)
+        shapes, dtypes, scalars, metas = _inputs(event)
         op = Op(
             id=len(self.out.ops),
             name=event.name,
@@ -300,6 +347,7 @@ class TreeReader:
             input_shapes=shapes,
             input_dtypes=dtypes,
             scalars=scalars,
+            input_kinds=input_kinds(metas, self.tensors),
             parent=parent_op,
             depth=0 if parent_op is None else self.out.ops[parent_op].depth + 1,
             seq=fields.sequence_number,

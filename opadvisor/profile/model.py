@@ -97,6 +97,11 @@ Op (one aten op or autograd node; nested ops point at their parent)
     input_shapes [[int] | None per input], input_dtypes [str | None per input],
     scalars [number | bool | str | None per input: the value of non-tensor scalar inputs such as a fill
     value or a single dim; int lists (e.g. the dims of a reduction) are not recorded by torch: None],
+    input_kinds [str | None per input, or [] (the default) when it would say nothing the shapes do not:
+    "number" (a Python number the op got as a 0-dim tensor, `x / 8.0`), "param" (an nn.Parameter of the
+    model that requires grad), "frozen" (a parameter that does not), "buffer" (a module buffer),
+    "tensor" (any other tensor), None (not a tensor, or a 0-dim tensor that cannot be told from a
+    number); added in place of nothing, so older profiles load with [] (unknown)],
     file, line (1-based, the innermost frame in user code: outside torch and opadvisor), line_exact (False
     when the op was not reached through a Python call on that line, e.g. `a @ b`, and `line` is the last
     known line of that frame), function, module (module path such as "encoder.layers.0.attn"),
@@ -172,6 +177,7 @@ class Op:
     input_shapes: list[list[int] | None] = field(default_factory=list)
     input_dtypes: list[str | None] = field(default_factory=list)
     scalars: list[Any] = field(default_factory=list)
+    input_kinds: list[str | None] = field(default_factory=list)
     file: str | None = None
     line: int | None = None
     line_exact: bool = True

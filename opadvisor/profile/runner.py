@@ -124,7 +124,7 @@ def build_profile(
     roots = results.experimental_event_tree()
     marks_ns = [(m.start_ns, m.end_ns) for m in recording.steps]
     origin_ns = _profiler_origin(roots, marks_ns)
-    reader = TreeReader(origin_ns, session.module_paths, cuda, session.module_types)
+    reader = TreeReader(origin_ns, session.module_paths, cuda, session.module_types, session.tensor_kinds())
     extracted = reader.read(roots)
     marks_us = [
         ((s - origin_ns) / 1000.0, (e - origin_ns) / 1000.0) for s, e in _step_marks_in_tree(roots, marks_ns)
@@ -376,3 +376,26 @@ def record_run(
         outcome.status = "no_steps"
     session.keep_alive.clear()
     return outcome
+
+
+def profile_steps(
+    step: Callable[[], object], source: Path, *, steps: int = 1, warmup: int = 1, cuda: bool = False
+) -> Profile:
+    """Profile `step()` in this process, each call one training step (`warmup` unrecorded, then `steps`).
+
+    What `opadvisor profile` records for a script, for code already loaded in this process (tests, and
+    tools that build a model in-process): `source` is the file the profile names as its script.
+    """
+    session = Session(SessionConfig(warmup=warmup, steps=steps, run_to_end=True, cuda=cuda))
+    set_search_path(sys.path)  # torch names files relative to the sys.path entry they were found under
+    session.install()
+    try:
+        for _ in range(warmup + steps):
+            step()
+            session.on_step(explicit=True)
+    finally:
+        recording = session.finish()
+        session.uninstall()
+    if recording is None or not recording.steps:
+        raise RuntimeError("no step was recorded")
+    return build_profile(recording, session, source, [str(source)], cuda)

@@ -122,6 +122,7 @@ class Session:
         self.module_paths: dict[int, str] = {}
         self.module_types: dict[int, str] = {}  # id(module) -> qualified class
         self.modules: dict[str, str] = {}  # module path -> qualified class (the profile's `modules`)
+        self._roots: list[Any] = []  # weak references to the outermost modules called
         self._modules_by_construction: dict[int, Construction] = {}
         self._built_at: Any = None  # WeakKeyDictionary: module -> (file, line, function, how)
         self._first_optimizer: int | None = None
@@ -375,6 +376,12 @@ class Session:
         """Name every submodule of the first unknown module called: it is the outermost one."""
         self.memory.add_root(root)
         first = not self.module_paths
+        import weakref
+
+        try:
+            self._roots.append(weakref.ref(root))
+        except TypeError:  # a module class that refuses weak references: its tensors stay unnamed
+            pass
         for name, sub in root.named_modules():
             # torch.compile(model) wraps the model: name its modules as the user's model names them
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")
@@ -408,6 +415,23 @@ class Session:
             self._stop_window(complete=True)
             if not self.config.run_to_end:
                 raise WindowComplete()
+
+    def tensor_kinds(self) -> dict[int, str]:
+        """TensorImpl address -> "param" | "frozen" | "buffer" for the tensors of the modules called.
+
+        The profiler records each tensor input's TensorImpl address (`impl_ptr`), which is `Tensor._cdata`:
+        so the profile can say which operand of an op is a parameter, and whether it requires grad.
+        """
+        kinds: dict[int, str] = {}
+        for ref in self._roots:
+            root = ref()
+            if root is None:
+                continue
+            for buffer in root.buffers():
+                kinds.setdefault(buffer._cdata, "buffer")
+            for param in root.parameters():
+                kinds.setdefault(param._cdata, "param" if param.requires_grad else "frozen")
+        return kinds
 
     # ---- construction sites ------------------------------------------------------------------------
     def _wrap_init(self, cls: type, record: Callable[[Any, tuple, dict], None]) -> None:

@@ -30,11 +30,13 @@ from libcst.metadata import PositionProvider, ScopeProvider
 
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
+from opadvisor.rules.attention import AttentionFacts
 
 PRE_FUSED = ("mask", "scale")  # inward from the softmax
 PRE_SDPA = ("mask", "scale", "qk")
 POST_FUSED = ("zero", "dropout")
 POST_SDPA = ("zero", "dropout", "pv")
+ARITHMETIC = frozenset({"scale", "mask"})  # steps written as arithmetic: folded only as profiled
 
 
 @dataclass
@@ -121,6 +123,42 @@ class ChainFinder:
         self.pre_kinds = PRE_SDPA if sdpa else PRE_FUSED
         self.post_kinds = POST_SDPA if sdpa else POST_FUSED
         self._class_infos: dict[int, mt.ClassInfo] = {}
+        # What the profile saw at the site being matched (None: static mode, the source alone decides):
+        # steps it did not see are not folded, and operands must be of the kind it saw.
+        self.facts: AttentionFacts | None = None
+        self.refused: list[tuple[str, cst.CSTNode, str]] = []  # (kind, node, why it was not folded)
+
+    def with_facts(self, facts: AttentionFacts | None) -> None:
+        self.facts = facts
+        self.refused = []
+
+    def allows(self, kind: str) -> bool:
+        """Whether a step of this kind may be folded: a scale or mask only where the profile saw one (an
+        arithmetic op the source alone cannot tell from others: a per-head tensor, a position bias).
+        Calls the source names (dropout, softmax, masked_fill(0), the products) need no profile: an
+        inactive dropout runs no op to see."""
+        return self.facts is None or kind not in ARITHMETIC or self.facts.has(kind)
+
+    def scale_problem(self, factor: cst.BaseExpression) -> str | None:
+        """Why `factor` cannot be passed as a Python-number scale, or None."""
+        scale = self.facts.scale if self.facts is not None else None
+        if scale is not None and scale.kind == "number":
+            return None
+        if scale is not None and scale.is_tensor:
+            return f"the scale `{mt.code(factor)}` is {scale.words()} (as profiled), not a Python number"
+        if mt.tensor_valued(self.cm, factor, self.class_value):
+            return f"the scale `{mt.code(factor)}` is a tensor, not a Python number"
+        return None
+
+    def mask_problem(self, mask: cst.BaseExpression, additive: bool) -> str | None:
+        """Why `mask` cannot be passed as the fused call's mask, or None."""
+        profiled = self.facts.mask if self.facts is not None else None
+        if additive and (profiled is not None and profiled.dtype == "bool" or _reads_as_bool(self.cm, mask)):
+            return (
+                f"the mask `{mt.code(mask)}` is bool and added to the scores (each True adds 1.0), which a "
+                "fused call would read as a masked_fill mask"
+            )
+        return None
 
     # ---- what `self.X` is ---------------------------------------------------------------------------
     def module_kind(self, func: cst.BaseExpression) -> tuple[str | None, cst.Call | None]:
@@ -219,6 +257,22 @@ class ChainFinder:
         return False
 
     def peel_pre(self, node: cst.BaseExpression, kind: str, prefer: frozenset[str]) -> Step | None:
+        if not self.allows(kind):
+            return None
+        step = self._peel_pre(node, kind, prefer)
+        if step is None:
+            return None
+        problem = None
+        if kind == "scale":
+            problem = self.scale_problem(step.params["factor"])  # type: ignore[arg-type]
+        elif kind == "mask":
+            problem = self.mask_problem(step.params["mask"], step.params.get("fill") is None)  # type: ignore[arg-type]
+        if problem is not None:
+            self.refused.append((kind, step.node, problem))
+            return None
+        return step
+
+    def _peel_pre(self, node: cst.BaseExpression, kind: str, prefer: frozenset[str]) -> Step | None:
         if kind == "mask":
             fill = self._masked_fill(node)
             if fill is not None:
@@ -299,6 +353,11 @@ class ChainFinder:
         return step
 
     def peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
+        if not self.allows(kind):
+            return None
+        return self._peel_post(node, kind)
+
+    def _peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
         if kind == "zero":
             fill = self._masked_fill(node)
             if fill is not None and mt.is_zero(fill[2]):
@@ -473,9 +532,17 @@ class ChainFinder:
                 kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(
                     type(small.operator)
                 )
-                if kind is None or kind not in self.pre_kinds[pos:]:
+                if kind is None or kind not in self.pre_kinds[pos:] or not self.allows(kind):
                     break
                 if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
+                    break
+                problem = (
+                    self.scale_problem(small.value)
+                    if kind == "scale"
+                    else self.mask_problem(small.value, True)
+                )
+                if problem is not None:
+                    self.refused.append((kind, small, problem))
                     break
                 params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
                 step = Step(
@@ -639,6 +706,19 @@ class ChainFinder:
         return False
 
 
+def _reads_as_bool(cm: cst.MetadataDependent, node: cst.BaseExpression, depth: int = 0) -> bool:
+    """A mask expression that is bool by its form: a comparison, `~m`, `not`, `m.bool()`, or a local name
+    bound to one."""
+    node = mt.unparen(node)
+    if isinstance(node, cst.Comparison):
+        return True
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.BitInvert | cst.Not):
+        return True
+    if isinstance(node, cst.Name) and depth < 3:
+        return any(_reads_as_bool(cm, v, depth + 1) for v in mt.local_values(cm, node))
+    return m.matches(node, m.Call(func=m.Attribute(attr=m.Name("bool") | m.Name("logical_not"))))
+
+
 def _function_of(cm: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | None:
     current = mt.parent(cm, node)
     while current is not None and not isinstance(current, cst.FunctionDef):
@@ -684,12 +764,46 @@ class SoftmaxChainRewriter(BlockRewriter):
                 continue
             softmaxes = finder.softmax_calls(stmt)
             for softmax in softmaxes:
-                chain = finder.chain_at(index, softmax, lower, link=len(softmaxes) == 1)
+                link = len(softmaxes) == 1
+                finder.with_facts(None)
+                chain = finder.chain_at(index, softmax, lower, link)
+                start, end = self.stmt_lines(stmts, chain.first, chain.last)
+                target = self.target_for_lines(start, end)
+                if target is None:
+                    continue
+                facts = AttentionFacts.from_details(target.details)
+                if facts is not None:
+                    if not self._is_profiled_softmax(stmts, index, facts):
+                        continue  # another softmax in the finding's lines: not the chain the profile saw
+                    finder.with_facts(facts)
+                    chain = finder.chain_at(index, softmax, lower, link)
+                anchor = _small(stmts[chain.first]) or stmts[chain.first]
+                if mt.jit_scripted(self, anchor):
+                    self.skip(
+                        anchor,
+                        "not rewritten: the function is compiled by TorchScript (@torch.jit.script), "
+                        "which cannot compile the fused call",
+                    )
+                    continue
                 edit = self._edit_for(finder, stmts, chain, indent)
                 if edit is not None:
                     edits.append(edit)
                     lower = edit.last + 1
         return edits
+
+    def _is_profiled_softmax(
+        self, stmts: Sequence[cst.BaseStatement], index: int, facts: AttentionFacts
+    ) -> bool:
+        """Whether the softmax of statement `index` is the one the facts describe (by its line)."""
+        profiled = facts.line_of("softmax")
+        if profiled is None:
+            return True
+        start, end = self.stmt_lines(stmts, index, index)
+        return start <= profiled[1] and profiled[0] <= end
+
+    def refused_words(self, finder: ChainFinder) -> str:
+        """Why steps next to the chain were left out of it ("" when none were)."""
+        return "; ".join(dict.fromkeys(why for _, _, why in finder.refused))
 
     def _edit_for(
         self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str

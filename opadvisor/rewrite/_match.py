@@ -9,7 +9,7 @@ resolve to `torch.nn.functional.softmax`); a match checks `any()` of the candida
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import libcst as cst
@@ -315,5 +315,106 @@ def inside(
     while current is not None and current is not stop:
         if isinstance(current, kinds):
             return True
+        current = parent(visitor, current)
+    return False
+
+
+# ---- is this expression a tensor? (what the source shows, for static mode and unknown facts) ------------
+TENSOR_FACTORIES = frozenset(
+    {
+        "torch.nn.Parameter",
+        "torch.nn.parameter.Parameter",
+        "torch.tensor",
+        "torch.as_tensor",
+        "torch.ones",
+        "torch.zeros",
+        "torch.full",
+        "torch.empty",
+        "torch.rand",
+        "torch.randn",
+        "torch.arange",
+        "torch.log",
+        "torch.exp",
+        "torch.clamp",
+        "torch.sqrt",
+        "torch.rsqrt",
+        "torch.sigmoid",
+        "torch.tanh",
+        "torch.softplus",
+    }
+)
+_NUMBER_METHODS = {"size", "dim", "item", "numel", "__float__", "__int__"}
+
+
+def tensor_valued(
+    visitor: cst.MetadataDependent,
+    node: cst.BaseExpression,
+    class_value: Callable[[cst.BaseExpression], cst.BaseExpression | None],
+    depth: int = 0,
+) -> bool:
+    """True when the source shows `node` is a tensor: a torch call or tensor method (`.exp()`), an
+    nn.Parameter / torch.tensor / buffer assigned to `self.X` in `__init__`, a local name bound to one of
+    those. False means "not shown to be": a function parameter or an attribute of unknown origin."""
+    node = unparen(node)
+    if depth > 4:
+        return False
+    if isinstance(node, cst.Call):
+        if m.matches(node.func, m.Name("float") | m.Name("int") | m.Attribute(value=m.Name("math"))):
+            return False
+        if any(n.startswith("torch.") for n in qualified(visitor, node.func)):
+            return True
+        if isinstance(node.func, cst.Attribute):
+            if node.func.attr.value in _NUMBER_METHODS:
+                return False
+            return not m.matches(node.func.value, m.Name("self"))  # `t.exp()`; `self.fn(...)` is unknown
+        return False
+    if isinstance(node, cst.BinaryOperation):
+        return any(tensor_valued(visitor, side, class_value, depth + 1) for side in (node.left, node.right))
+    if isinstance(node, cst.UnaryOperation):
+        return tensor_valued(visitor, node.expression, class_value, depth + 1)
+    if isinstance(node, cst.Attribute):
+        value = class_value(node) if self_attr(node) is not None else None
+        return value is not None and tensor_valued(visitor, value, class_value, depth + 1)
+    if isinstance(node, cst.Name):
+        return any(tensor_valued(visitor, v, class_value, depth + 1) for v in local_values(visitor, node))
+    return False
+
+
+def local_values(visitor: cst.MetadataDependent, name: cst.Name) -> list[cst.BaseExpression]:
+    """The values `name` is assigned (`name = value`) in its scope, as far as the source shows."""
+    from libcst.metadata import ScopeProvider
+
+    try:
+        scope = visitor.get_metadata(ScopeProvider, name, None)
+    except KeyError:
+        return []
+    if scope is None:
+        return []
+    values = []
+    for assignment in scope.assignments[name.value]:
+        target = getattr(assignment, "node", None)
+        assign = parent(visitor, parent(visitor, target)) if target is not None else None
+        if isinstance(assign, cst.Assign) and len(assign.targets) == 1 and assign.targets[0].target is target:
+            values.append(assign.value)
+    return values
+
+
+def jit_scripted(visitor: cst.MetadataDependent, node: cst.CSTNode) -> bool:
+    """Whether `node` lies in a function (or class) that TorchScript compiles: `@torch.jit.script`,
+    `@torch.jit.script_method`, or `@torch.jit.interface`."""
+    scripted = {
+        "torch.jit.script",
+        "torch.jit.script_method",
+        "torch.jit.interface",
+        "torch.jit._script.script",
+    }
+    current = parent(visitor, node)
+    while current is not None:
+        if isinstance(current, cst.FunctionDef | cst.ClassDef):
+            for decorator in current.decorators:
+                target = decorator.decorator
+                target = target.func if isinstance(target, cst.Call) else target
+                if resolves_to(visitor, target, scripted):
+                    return True
         current = parent(visitor, current)
     return False

@@ -300,6 +300,7 @@ class FileJob:
     rules: list[str] = field(default_factory=list)
     earlier: str = ""  # who made `current` differ from `original` ("an earlier apply (fused_softmax)")
     allow_unsafe: bool = False
+    keep_going: bool = False  # `--rule all`: a rule whose rewrite fails is reported and the others go on
 
 
 def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
@@ -330,7 +331,13 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                             f"those lines were already rewritten by {by}"
                         )
                     continue
-            new_text, rule_result = rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
+            try:
+                new_text, rule_result = rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
+            except UserError as exc:
+                if not job.keep_going or "cannot parse it" in str(exc):
+                    raise
+                messages.append(f"error: {exc} (for {rule}; the other rules go on)")
+                continue
             if targets:
                 _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
             for target, by in covered:
@@ -456,16 +463,33 @@ def apply_run(
 ) -> ApplyResult:
     """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
     from opadvisor.profile.runs import load_run
-    from opadvisor.rules.engine import run_rules
+    from opadvisor.rules.engine import analyse
 
     messages: list[str] = []
     rules, withheld = _selected_rules(rule, allow_unsafe, messages)
     run_dir, profiles = load_run(run)
     # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
     asked = [] if rule == "all" else rules
-    findings = run_rules(profiles, select=rules + withheld, requested=asked) if rules or withheld else []
+    selected = rules + withheld
+    report = analyse(profiles, select=selected, requested=asked) if selected else None
+    findings = report.findings if report is not None else []
     _say_withheld(withheld, {f.rule for f in findings}, messages)
     findings = [f for f in findings if f.rule not in withheld]
+    for note in report.notes if report is not None else []:
+        if note.rule in withheld:
+            continue
+        if note.failed and rule != "all":
+            raise UserError(
+                f"the {note.rule} rule crashed on this profile, so nothing was applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        if note.failed:
+            messages.append(
+                f"{note.rule}: error: the rule crashed on this profile, its fixes were not applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        else:
+            messages.append(f"{note.rule}: not checked on this profile: {note.message}")
     sources: dict[str, str] = {}
     for profile in profiles:
         sources.update(profile.sources)
@@ -529,23 +553,9 @@ def apply_findings(
             f"the {f.rule} fix at {_rel(f.path, root)}:{f.line}{more} is unsafe "
             f"(see `opadvisor explain {f.rule}`); pass --unsafe to apply it"
         )
+    if explicit_rule is None:
+        applicable = _resolve_alternatives(applicable, messages, root)
     for f in applicable:
-        alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
-        if (
-            explicit_rule is None
-            and isinstance(alternative, dict)
-            and not alternative.get("bigger_win", True)
-        ):
-            winner_applies = any(
-                g.rule == alternative.get("rule") and g.path == f.path and g.line == alternative.get("line")
-                for g in applicable
-            )
-            if winner_applies:
-                messages.append(
-                    f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {alternative.get('rule')} rewrites the "
-                    "same lines and is the bigger win"
-                )
-                continue
         routed = library_target(f)
         if routed is None and getattr(f, "library", None) is not None:
             messages.append(f"{f.library['file']}:{f.line}: {f.rule}: not applied: {f.advice}")
@@ -589,7 +599,16 @@ def apply_findings(
         ordered = codemod_order(targets)
         earlier = ", ".join(dict.fromkeys(str(e.get("rule")) for e in entries))
         jobs.append(
-            FileJob(path, current, original, targets, ordered, f"an earlier apply ({earlier})", allow_unsafe)
+            FileJob(
+                path,
+                current,
+                original,
+                targets,
+                ordered,
+                f"an earlier apply ({earlier})",
+                allow_unsafe,
+                keep_going=explicit_rule is None,
+            )
         )
     result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
     if write and result.changed:
@@ -619,6 +638,49 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
         return None
     details = {"rules": [f.rule], "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
     return key, site["path"], Target(site["line"], site["line"], details)
+
+
+def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) -> list[Any]:
+    """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
+    the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
+    from opadvisor.rewrite.check import dry_run
+
+    dropped: set[int] = set()
+    for f in findings:
+        alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
+        if id(f) in dropped or not isinstance(alternative, dict) or not alternative.get("bigger_win"):
+            continue
+        other = next(
+            (
+                g
+                for g in findings
+                if g.rule == alternative.get("rule")
+                and g.path == f.path
+                and g.line == alternative.get("line")
+            ),
+            None,
+        )
+        if other is None or id(other) in dropped:
+            continue
+        path = Path(f.path).resolve()
+        reason = (
+            dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))])[0]
+            if path.is_file()
+            else None
+        )
+        if reason is None:
+            dropped.add(id(other))
+            messages.append(
+                f"{_rel(other.path, root)}:{other.line}: {other.rule}: not applied: {f.rule} rewrites the "
+                "same lines and is the bigger win"
+            )
+        else:
+            dropped.add(id(f))
+            messages.append(
+                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {reason}; {other.rule}, which rewrites "
+                "the same lines, is applied instead"
+            )
+    return [f for f in findings if id(f) not in dropped]
 
 
 def _rel(path: str, root: Path) -> str:
@@ -666,7 +728,11 @@ def apply_files(
             raise UserError(problem)
         _check_writable(path)
         current = _read(path)
-        jobs.append(FileJob(path, current, current, None, list(rules), allow_unsafe=allow_unsafe))
+        jobs.append(
+            FileJob(
+                path, current, current, None, list(rules), allow_unsafe=allow_unsafe, keep_going=rule == "all"
+            )
+        )
     if withheld:  # a dry run: which held-back rules would have rewritten something
         dry = [FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True) for j in jobs]
         _say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)

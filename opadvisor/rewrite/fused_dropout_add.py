@@ -27,21 +27,94 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import libcst as cst
+import libcst.matchers as m
+from libcst.metadata import PositionProvider
 
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._chain import Chain, ChainFinder, Segment, Step, _assign_name, _small
+from opadvisor.rules.fused_dropout_add import DropoutAddFacts
 
 KERNEL = "opadvisor.kernels.bias_dropout_add"
+PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
+RESHAPING = frozenset(
+    {"unsqueeze", "expand", "expand_as", "view", "reshape", "to", "type_as", "repeat", "contiguous"}
+)
+FILLED = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.randn", "torch.rand", "torch.full"})
 
 
-def _is_bias(node: cst.BaseExpression) -> bool:
+def _one_dim(finder: ChainFinder, node: cst.BaseExpression) -> bool:
+    """The source shows `node` is a 1-D tensor: a Linear's `.bias`, or `nn.Parameter(torch.zeros(n))`."""
     node = mt.unparen(node)
+    if isinstance(node, cst.Attribute) and node.attr.value == "bias" and mt.self_attr(node.value):
+        owner = finder.class_value(node.value)
+        if isinstance(owner, cst.Call) and mt.resolves_to(finder.cm, owner.func, mt.LINEAR_CLASSES):
+            return True
+    value = finder.class_value(node) if mt.self_attr(node) else None
+    if not (isinstance(value, cst.Call) and mt.resolves_to(finder.cm, value.func, PARAMETER)):
+        return False
+    inner = value.args[0].value if value.args else None
+    if not (isinstance(inner, cst.Call) and mt.resolves_to(finder.cm, inner.func, FILLED)):
+        return False
+    sizes = [a for a in inner.args if a.keyword is None]
+    return len(sizes) == 1 and not isinstance(sizes[0].value, cst.Tuple | cst.List)
+
+
+def _learned_table(finder: ChainFinder, node: cst.BaseExpression) -> bool:
+    """The source shows `node` is a parameter (or a slice of one) or an nn.Embedding lookup."""
+    node = mt.unparen(node)
+    while isinstance(node, cst.Subscript) or _reshaping_call(node):
+        node = mt.unparen(node.value if isinstance(node, cst.Subscript) else node.func.value)  # type: ignore[union-attr]
     if isinstance(node, cst.Name):
-        return node.value.endswith("bias")
-    if isinstance(node, cst.Attribute):
-        return node.attr.value.endswith("bias")
+        return any(_learned_table(finder, v) for v in mt.local_values(finder.cm, node))
+    if isinstance(node, cst.Call):
+        module = finder.class_value(node.func) if mt.self_attr(node.func) else None
+        return isinstance(module, cst.Call) and mt.resolves_to(finder.cm, module.func, mt.EMBEDDING_CLASSES)
+    value = finder.class_value(node) if mt.self_attr(node) else None
+    return isinstance(value, cst.Call) and mt.resolves_to(finder.cm, value.func, PARAMETER)
+
+
+def _reshaping_call(node: cst.BaseExpression) -> bool:
+    """`t.unsqueeze(0)`, `t.expand(...)`, `t.view(...)`, `t.to(...)` ...: the same values, reshaped or cast."""
+    return (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value in RESHAPING
+        and not m.matches(node.func.value, m.Name("self"))
+    )
+
+
+def _dropout_in_place(finder: ChainFinder, drop: Step) -> bool:
+    """`nn.Dropout(..., inplace=True)` in __init__, or `F.dropout(..., inplace=True)`."""
+    call = drop.node
+    ctor = finder.class_value(call.func) if isinstance(call, cst.Call) and mt.self_attr(call.func) else None
+    for node in (ctor, call):
+        if isinstance(node, cst.Call):
+            for arg in node.args:
+                if arg.keyword is not None and arg.keyword.value == "inplace":
+                    return not m.matches(arg.value, m.Name("False"))
     return False
+
+
+def _read_after(
+    cm: cst.MetadataDependent, stmts: Sequence[cst.BaseStatement], index: int, name: str
+) -> int | None:
+    """The line of the first read of `name` after statement `index` in the block (before it is rebound)."""
+    for stmt in stmts[index + 1 :]:
+        small = _small(stmt)
+        reading: cst.CSTNode = small.value if isinstance(small, cst.Assign) else stmt
+        for node in mt.names_in(reading):
+            par = mt.parent(cm, node)
+            if node.value == name and not (isinstance(par, cst.Attribute) and par.attr is node):
+                return cm.get_metadata(PositionProvider, node).start.line
+        if _assign_name(stmt) is not None and _assign_name(stmt)[0] == name:
+            return None  # rebound before any read
+    return None
+
+
+def _is_op_like(node: cst.BaseExpression) -> bool:
+    """A computed tensor (a call or arithmetic) rather than a bias read from a name or attribute."""
+    return isinstance(mt.unparen(node), cst.Call | cst.BinaryOperation)
 
 
 class FusedDropoutAddCodemod(BlockRewriter):
@@ -95,15 +168,18 @@ class FusedDropoutAddCodemod(BlockRewriter):
             return None
         last = index if add_stmt is stmt else index + 1
         start, end = self.stmt_lines(stmts, first, last)
-        if self.target_for_lines(start, end) is None:
+        target = self.target_for_lines(start, end)
+        if target is None:
             return None
         anchor = _small(stmts[first]) or stmts[first]
-        x, bias = drop.input, None
-        if isinstance(x, cst.BinaryOperation) and isinstance(x.operator, cst.Add) and not x.lpar:
-            if _is_bias(x.right):
-                x, bias = x.left, x.right
-            elif _is_bias(x.left):
-                x, bias = x.right, x.left
+        facts = DropoutAddFacts.from_details(target.details)
+        if facts is not None and not self._is_profiled_site(stmts, first, facts):
+            return None  # another dropout in the finding's lines: not the chain the profile saw
+        problem = self._site_problem(finder, stmts, index, drop, residual, facts)
+        if problem is not None:
+            self.skip(anchor, f"not fused: {problem}")
+            return None
+        x, bias = self._split_bias(finder, drop.input, facts)
         module = drop.params.get("module")
         keywords: list[tuple[str, cst.BaseExpression]] = []
         carried: list[cst.CSTNode] = [x, residual] + ([bias] if bias is not None else [])
@@ -154,6 +230,76 @@ class FusedDropoutAddCodemod(BlockRewriter):
         what = "bias add -> dropout -> residual add" if bias is not None else "dropout -> residual add"
         self.record_change(anchor, f"{what} -> opadvisor.kernels.bias_dropout_add")
         return BlockEdit(first, last, {id(top): new}, carried)  # type: ignore[dict-item]
+
+    # ---- the facts of the site ------------------------------------------------------------------------
+    def _is_profiled_site(
+        self, stmts: Sequence[cst.BaseStatement], first: int, facts: DropoutAddFacts
+    ) -> bool:
+        """Whether the dropout of statement `first` is the one profiled (a call: its line is exact; the
+        residual add is found from it, and the profile may place an operator's line a little early)."""
+        profiled = facts.line_of("dropout")
+        start, end = self.stmt_lines(stmts, first, first)
+        return profiled is None or (start <= profiled[1] and profiled[0] <= end)
+
+    def _site_problem(
+        self,
+        finder: ChainFinder,
+        stmts: Sequence[cst.BaseStatement],
+        index: int,
+        drop: Step,
+        residual: cst.BaseExpression,
+        facts: DropoutAddFacts | None,
+    ) -> str | None:
+        """Why this site may not become one bias_dropout_add call (the facts, else what the source shows)."""
+        if mt.jit_scripted(self, stmts[index]):
+            return "the function is compiled by TorchScript (@torch.jit.script), which cannot compile the fused call"
+        if facts is not None:
+            if (
+                facts.residual_shape is not None
+                and facts.shape is not None
+                and facts.residual_shape != facts.shape
+            ):
+                return (
+                    f"the residual {facts.residual_shape} is not of the dropout output's shape {facts.shape} "
+                    "(it broadcasts); the fused call needs one shape"
+                )
+            if any(k in {"param", "frozen", "buffer"} for k in facts.residual_kinds):
+                return "one side of the add is a parameter or buffer (an embedding), not a residual stream"
+        elif _learned_table(finder, residual):
+            return (
+                f"`{mt.code(residual)}` is a parameter or an embedding lookup, whose shape need not be the "
+                "dropout output's (a broadcast add); profile the script to check it"
+            )
+        inplace = (facts is not None and facts.dropout_inplace) or _dropout_in_place(finder, drop)
+        if inplace and isinstance(drop.input, cst.Name):
+            later = _read_after(self, stmts, index, drop.input.value)
+            if later is not None:
+                return (
+                    f"the dropout works in place, so it also changes `{drop.input.value}`, which is read "
+                    f"again at line {later}; the fused call would leave it unchanged"
+                )
+        return None
+
+    def _split_bias(
+        self, finder: ChainFinder, value: cst.BaseExpression, facts: DropoutAddFacts | None
+    ) -> tuple[cst.BaseExpression, cst.BaseExpression | None]:
+        """(x, bias) of the dropout's input `x + bias`: only a bias the profile saw as a separate 1-D add
+        (or, without a profile, one the source shows is 1-D); else (value, None)."""
+        if not (
+            isinstance(value, cst.BinaryOperation) and isinstance(value.operator, cst.Add) and not value.lpar
+        ):
+            return value, None
+        if facts is not None:
+            seen = facts.bias_operand
+            if facts.bias != "add" or seen is None or seen.shape is None or len(seen.shape) != 1:
+                return value, None
+            # the 1-D side, as the source reads: the non-flowing operand of the add
+            left, right = value.left, value.right
+            return (left, right) if not _is_op_like(right) else (right, left)
+        for x, bias in ((value.left, value.right), (value.right, value.left)):
+            if _one_dim(finder, bias):
+                return x, bias
+        return value, None
 
     def _residual(
         self, finder: ChainFinder, read: cst.BaseExpression, stmt: cst.CSTNode

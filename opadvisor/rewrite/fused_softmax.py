@@ -68,12 +68,14 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     def _edit_for(
         self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], chain: Chain, indent: str
     ) -> BlockEdit | None:
-        if not any(step.kind != "softmax" for step in chain.steps):
-            return None  # a plain softmax: nothing to fuse
         start, end = self.stmt_lines(stmts, chain.first, chain.last)
         if self.target_for_lines(start, end) is None:
             return None
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
+        if not any(step.kind != "softmax" for step in chain.steps):
+            if finder.refused:  # a plain softmax once what could not be folded is left out
+                self.skip(anchor, f"not fused: {self.refused_words(finder)}")
+            return None
         softmax = chain.step("softmax")
         assert softmax is not None
         if softmax.problem:
@@ -85,7 +87,8 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
             if problem is None:
                 edit, read = self._build(finder, stmts, cand, indent)
                 if read is None:
-                    self._record(_small(stmts[cand.first]) or stmts[cand.first], chain, cand, first_problem)
+                    left_out = first_problem or self.refused_words(finder) or None
+                    self._record(_small(stmts[cand.first]) or stmts[cand.first], chain, cand, left_out)
                     return edit
                 problem = read
             if first_problem is None:
@@ -190,7 +193,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
 
     def _record(self, anchor: cst.CSTNode, full: Chain, done: Chain, problem: str | None) -> None:
         message = f"{describe(done)} -> opadvisor.kernels.masked_softmax"
-        if len(done.steps) < len(full.steps) and problem:
+        if problem:
             message += f" (the rest stays separate: {problem})"
         self.record_change(anchor, message)
 

@@ -85,7 +85,9 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
             return None
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
         if "qk" not in kinds or "pv" not in kinds:
-            if self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
+            if finder.refused:
+                self.skip(anchor, f"not rewritten: {self.refused_words(finder)}")
+            elif self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
                 missing = "q @ k.transpose(-2, -1)" if "qk" not in kinds else "the product with v"
                 self.skip(anchor, f"not rewritten: no {missing} found in the same block, next to the softmax")
             return None

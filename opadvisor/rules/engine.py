@@ -74,6 +74,7 @@ class Note:
     ranks: list[int] | None = None
     needs_gpu: bool = False  # the rule cannot judge a CPU profile (NeedsGpuProfile)
     hint: str = ""  # NeedsGpuProfile's hint
+    failed: bool = False  # the rule crashed (a bug), rather than not applying to this profile
 
 
 @dataclass
@@ -164,6 +165,7 @@ def analyse(
                     f"rule failed on this profile ({type(exc).__name__}: {exc})",
                     profile.rank,
                     multi,
+                    failed=True,
                 )
         for f in found:
             if f.source_status == "ok":
@@ -208,8 +210,10 @@ def link_alternatives(findings: list[Finding]) -> None:
             f.message += f"; or {g.rule} (lines {g.line}-{g.end_line}): {tail}"
 
 
-def _note(notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool) -> Note:
-    note = notes.setdefault((rid, message), Note(rid, message, [] if multi else None))
+def _note(
+    notes: dict[tuple[str, str], Note], rid: str, message: str, rank: int, multi: bool, failed: bool = False
+) -> Note:
+    note = notes.setdefault((rid, message), Note(rid, message, [] if multi else None, failed=failed))
     if note.ranks is not None and rank not in note.ranks:
         note.ranks.append(rank)
     return note

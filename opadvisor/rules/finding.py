@@ -48,6 +48,9 @@ class Finding:
     # version, path within site-packages, module class, the user's call site, the model's construction
     # site and the fix for library code (see opadvisor/rules/_library.py); None for the user's own code
     library: dict[str, Any] | None = None
+    # Why the rule's automatic fix cannot be applied at this site (a dry run of its codemod, see
+    # opadvisor/rewrite/check.py); `fix` is then "none". None: not blocked (or not checked).
+    fix_blocked: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

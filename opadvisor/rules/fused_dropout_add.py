@@ -29,14 +29,16 @@ Fix and its safety
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._attention import DROPOUT_OPS, dropout_active
-from opadvisor.rules._chains import Chain, Link, names, numel, out_shape, scalar_float, shape
+from opadvisor.rules._chains import Chain, Link, dtype_of, names, numel, out_shape, scalar_float, shape
 from opadvisor.rules._chains import find_chains as _find
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
 from opadvisor.rules._source import load_profiled_source, locate_each
+from opadvisor.rules.facts import Facts, Operand, operand, operand_kind
 from opadvisor.rules.finding import Finding
 
 ID = "fused_dropout_add"
@@ -48,6 +50,40 @@ LABELS = ("bias", "dropout", "residual")
 # opadvisor.kernels.dropout_add.SMALL_NUMEL, which the kernels package owns (importing it here would import
 # torch into every `suggest`); tests/rules/test_chain_rules.py checks the two agree.
 KERNEL_MIN_NUMEL = 1 << 25
+
+
+@dataclass
+class DropoutAddFacts(Facts):
+    """What a fused_dropout_add finding carries to its fix (see opadvisor.rules.facts).
+
+    ops / op_names: the links that ran ("bias", "dropout", "residual") and their aten ops; lines: link ->
+    [first, last] source line. shape / dtype: the dropout's input (the sublayer output). bias: "add" (a
+    separate `+ bias`, whose operand is `bias_operand`, 1-D [hidden]) or "linear" (the producing
+    nn.Linear has one) or None; producer: "linear" when an nn.Linear produced the value. residual_shape:
+    the residual added (the dropout output's shape: the rule reports no broadcast residual); residual_kinds:
+    what the two operands of the add were ("tensor"; "param" for a learned table such as a positional
+    embedding, which is no residual stream).
+    inplace: the residual add ran in place (`x += ...`); dropout_inplace: the dropout did
+    (`nn.Dropout(inplace=True)`), so the original also overwrote its input.
+    """
+
+    ops: list[str] = field(default_factory=list)
+    op_names: list[str] = field(default_factory=list)
+    lines: dict[str, list[int]] = field(default_factory=dict)
+    shape: list[int] | None = None
+    dtype: str | None = None
+    bias: str | None = None
+    producer: str | None = None
+    bias_operand: Operand | None = None
+    residual_shape: list[int] | None = None
+    residual_kinds: list[str | None] = field(default_factory=list)
+    inplace: bool = False
+    dropout_p: float | None = None
+    dropout_inplace: bool = False
+
+    def line_of(self, label: str) -> tuple[int, int] | None:
+        span = self.lines.get(label)
+        return (int(span[0]), int(span[-1])) if span else None
 
 
 def _bias(op: Op, bound: dict[str, Op]) -> bool:
@@ -76,7 +112,12 @@ def _dropout(op: Op, bound: dict[str, Op]) -> bool:
 def _residual(op: Op, bound: dict[str, Op]) -> bool:
     want = shape(bound["dropout"], 0)
     s0, s1 = shape(op, 0), shape(op, 1)
-    return want is not None and s0 == want and s1 == want and scalar_float(op, 2) in (None, 1.0)
+    # a learned table added (a positional embedding parameter) is no residual stream: it only has the
+    # dropout output's shape when the batch is 1
+    learned = {operand_kind(op, 0), operand_kind(op, 1)} & {"param", "frozen", "buffer"}
+    return (
+        want is not None and s0 == want and s1 == want and scalar_float(op, 2) in (None, 1.0) and not learned
+    )
 
 
 CHAIN = Chain(
@@ -161,17 +202,25 @@ def detect(profile: Profile) -> list[Finding]:
                     else "one fused kernel: opadvisor.kernels.bias_dropout_add "
                     "(opadvisor apply --rule fused_dropout_add)"
                 ),
-                details={
-                    "bias": bias_kind if has_bias else None,
-                    "producer": "linear" if bias_kind == "linear" else None,
-                    "inplace": residual.name.endswith("_"),
-                    "dropout_p": scalar_float(first["dropout"], 1),
-                    "lines": {k: list(v) for k, v in lines.items()},
-                },
+                details=DropoutAddFacts(
+                    ops=[x for x in LABELS if x in first],
+                    op_names=[first[x].name for x in LABELS if x in first],
+                    lines={k: list(v) for k, v in lines.items()},
+                    shape=shape(first["dropout"], 0),
+                    dtype=dtype_of(first["dropout"], 0),
+                    bias=bias_kind if has_bias else None,
+                    producer="linear" if bias_kind == "linear" else None,
+                    bias_operand=operand(bias, 1) if bias_kind == "add" else None,
+                    residual_shape=shape(residual, 0),
+                    residual_kinds=[operand_kind(residual, 0), operand_kind(residual, 1)],
+                    inplace=residual.name.endswith("_"),
+                    dropout_p=scalar_float(first["dropout"], 1),
+                    dropout_inplace=first["dropout"].name.endswith("_"),
+                ).to_details(),
                 notes=["the fused dropout draws its own random mask: losses agree in distribution"],
             )
         )
     return findings
 
 
-__all__ = ["CHAIN", "DROPOUT_OPS", "FIX", "ID", "TITLE", "detect"]
+__all__ = ["CHAIN", "DROPOUT_OPS", "FIX", "ID", "TITLE", "DropoutAddFacts", "detect"]

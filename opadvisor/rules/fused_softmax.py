@@ -34,10 +34,10 @@ from __future__ import annotations
 from collections import defaultdict
 
 from opadvisor.profile.model import Profile
-from opadvisor.rules._attention import SAMPLING_OPS, AttentionSite, attention_sites, fill_value
-from opadvisor.rules._chains import scalar_float
+from opadvisor.rules._attention import SAMPLING_OPS, AttentionSite, attention_sites
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
+from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
 
 ID = "fused_softmax"
@@ -46,6 +46,7 @@ FIX = "safe"
 ALTERNATIVES = ("sdpa_attention",)  # rules whose fix rewrites the same lines another way
 
 LABELS = ("mask", "softmax", "zero", "dropout")
+FACT_LABELS = ("scale", *LABELS)  # the fix folds a scale in front of the mask too
 SAMPLING_LOOKBACK = 40  # frame ops before the mask searched for top-k / sort
 
 
@@ -90,19 +91,9 @@ def detect(profile: Profile) -> list[Finding]:
         total_us = ix.site_cost_us(op for occ in occurrences for op in occ)
         n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
         saving = ix.per_step_ms(total_us) * (1 - 1 / n_fwd) if ix.gpu and n_fwd > 1 else None
-        mask = first.ops["mask"]
-        details = {
-            "mask_kind": "additive" if mask.name.startswith("aten::add") else "masked_fill",
-            "fill_value": fill_value(mask) if not mask.name.startswith("aten::add") else None,
-            "scale": "scale" in first.ops,
-            "zero_fill": "zero" in first.ops,
-            "dropout_p": scalar_float(first.ops["dropout"], 1) if "dropout" in first.ops else None,
-            "dim": -1,
-            "lines": {label: list(sites[0].lines[label]) for label in LABELS if label in sites[0].lines},
-            "pinpointed": sites[0].pinpointed,
-        }
+        facts = attention_facts(sites[0], FACT_LABELS)
         notes = []
-        if details["fill_value"] == float("-inf"):
+        if facts.fill_value == float("-inf"):
             notes.append(
                 "fill is -inf: a fully masked row gives NaN in the original; the fused kernel gives 0"
             )
@@ -122,7 +113,7 @@ def detect(profile: Profile) -> list[Finding]:
                 fused_kernels=1,
                 est_saving_ms=saving,
                 advice="one fused kernel: opadvisor.kernels.masked_softmax (opadvisor apply --rule fused_softmax)",
-                details=details,
+                details=facts.to_details(),
                 notes=notes,
             )
         )

@@ -31,16 +31,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from opadvisor.profile.model import Profile
-from opadvisor.rules._attention import (
-    ATTENTION_LABELS,
-    SAMPLING_OPS,
-    AttentionSite,
-    attention_sites,
-    fill_value,
-)
-from opadvisor.rules._chains import GEMM_OPS, scalar_float
+from opadvisor.rules._attention import ATTENTION_LABELS, SAMPLING_OPS, AttentionSite, attention_sites
+from opadvisor.rules._chains import GEMM_OPS
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
+from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
 
 ID = "sdpa_attention"
@@ -77,19 +72,8 @@ def detect(profile: Profile) -> list[Finding]:
         saving = None
         if ix.gpu:
             saving = ix.per_step_ms(ix.site_cost_us(op for occ in elementwise for op in occ))
-        mask = first.ops.get("mask")
         zero = "zero" in first.ops
-        details = {
-            "scale": "scale" in first.ops,
-            "mask_kind": None
-            if mask is None
-            else ("additive" if mask.name.startswith("aten::add") else "masked_fill"),
-            "fill_value": fill_value(mask) if mask is not None and "masked_fill" in mask.name else None,
-            "zero_fill": zero,
-            "dropout_p": scalar_float(first.ops["dropout"], 1) if "dropout" in first.ops else None,
-            "lines": {label: list(sites[0].lines[label]) for label in labels if label in sites[0].lines},
-            "pinpointed": sites[0].pinpointed,
-        }
+        facts = attention_facts(sites[0], ATTENTION_LABELS)
         notes = []
         if zero:
             notes.append(
@@ -110,7 +94,7 @@ def detect(profile: Profile) -> list[Finding]:
                 fused_kernels=1,
                 est_saving_ms=saving,
                 advice="F.scaled_dot_product_attention (opadvisor apply --rule sdpa_attention)",
-                details=details,
+                details=facts.to_details(),
                 notes=notes,
             )
         )

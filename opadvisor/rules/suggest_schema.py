@@ -135,6 +135,8 @@ FINDING_SCHEMA: dict[str, Any] = {
         },
         "details": {"type": "object"},  # rule-specific facts (what `apply` uses)
         "library": LIBRARY_SCHEMA,  # null for the user's own code
+        # why the automatic fix cannot be applied here (then fix is "none"); absent when it can
+        "fix_blocked": {"type": ["string", "null"]},
     },
 }
 

@@ -1,5 +1,5 @@
 """`opadvisor apply` through the real CLI: profile mode on hand-built findings (the rules are stubbed with
-`run_rules` returning them), static mode, backups and applied.json, undo, and every refusal (exit 2, one
+`analyse` returning them), static mode, backups and applied.json, undo, and every refusal (exit 2, one
 line on stderr, the file untouched byte for byte)."""
 
 from __future__ import annotations
@@ -78,10 +78,12 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         ),
     ]
 
-    def run_rules(profiles, select=None, ignore=None, requested=()):
-        return [f for f in findings if select is None or f.rule in select]
+    def analyse(profiles, select=None, ignore=None, **_):
+        from opadvisor.rules.engine import Report
 
-    monkeypatch.setattr("opadvisor.rules.engine.run_rules", run_rules)
+        return Report([f for f in findings if select is None or f.rule in select], [], list(select or []))
+
+    monkeypatch.setattr("opadvisor.rules.engine.analyse", analyse)
     return {"root": tmp_path, "model": model, "run": run_dir, "findings": findings}
 
 

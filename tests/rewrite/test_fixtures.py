@@ -25,6 +25,12 @@ from opadvisor.rewrite.engine import rewrite_source
 from opadvisor.rewrite.registry import fixable_rules
 
 CASES = cases()
+CPU_RULES = {
+    "fused_softmax",
+    "sdpa_attention",
+    "fused_dropout_add",
+    "manual_layernorm",
+}  # find on a CPU profile
 # OPADVISOR_REGEN_FIXTURES=1 rewrites the .out.py files from the codemods, for review with `git diff`
 REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"
 _id = case_id
@@ -65,15 +71,23 @@ def test_golden(case: Path):
         assert any(reason in note.message for note in result.skipped), (reason, result.skipped)
 
 
+def _weighted_loss(out) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The tensor outputs, and their sum weighted by fixed random numbers (softmax rows sum to one)."""
+    outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=generator, device="cpu").to(o.device)).sum() for o in outs)
+    return outs, loss
+
+
 def _run(source: bytes, name: str):
+    """Outputs and gradients of the fixture's `make_inputs()` callable, dropout off (modules in eval mode)."""
     namespace: dict = {"__name__": name}
     exec(compile(source, name, "exec"), namespace)  # noqa: S102 - our own fixture files
     torch.manual_seed(0)
     fn, args = namespace["make_inputs"]()
-    out = fn(*args)
-    outs = [o for o in (out if isinstance(out, tuple | list) else (out,)) if isinstance(o, torch.Tensor)]
-    generator = torch.Generator(device="cpu").manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=generator, device="cpu").to(o.device)).sum() for o in outs)
+    if isinstance(fn, torch.nn.Module):
+        fn.eval()  # dropout draws different random numbers before and after: compare without it
+    outs, loss = _weighted_loss(fn(*args))
     loss.backward()
     grads = [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     params = [(n, p.grad) for n, p in fn.named_parameters()] if isinstance(fn, torch.nn.Module) else []
@@ -121,3 +135,53 @@ def test_numerically_equivalent_on_cuda(case: Path):
         test_numerically_equivalent(case)
     finally:
         torch.set_default_device("cpu")
+
+
+# ---- profile mode: the rule finds the form, and its facts lead the codemod to the same rewrite -------------
+PROFILED = [p for p in CASES if b"def make_inputs" in p.read_bytes() and p.parent.name in CPU_RULES]
+
+
+def profiled_expected(case: Path) -> Path:
+    """`<case>.profiled.out.py` where the facts of a profile lead elsewhere than the source alone, else .out.py."""
+    special = case.with_name(case.name.removesuffix(".in.py") + ".profiled.out.py")
+    return special if special.is_file() else _out(case)
+
+
+def profiled_targets(case: Path, rule: str) -> tuple[list, list]:
+    """(targets, findings) of `rule` in this fixture: `make_inputs()` profiled in training mode on the CPU."""
+    from opadvisor.profile.runner import profile_steps
+    from opadvisor.rewrite.base import Target
+    from opadvisor.rules.engine import analyse
+
+    namespace: dict = {"__name__": f"profiled_{case.stem}"}
+    exec(compile(case.read_bytes(), str(case), "exec"), namespace)  # noqa: S102 - our own fixture files
+    torch.manual_seed(0)
+    fn, args = namespace["make_inputs"]()
+
+    def step() -> None:
+        _, loss = _weighted_loss(fn(*args))
+        loss.backward()
+
+    profile = profile_steps(step, case, steps=1, warmup=1)
+    findings = [f for f in analyse([profile], select=[rule]).findings if Path(f.path) == case.resolve()]
+    return [Target(f.line, f.end_line, f.details) for f in findings if f.fix != "none"], findings
+
+
+@pytest.mark.parametrize("case", PROFILED, ids=_id)
+def test_profiled(case: Path):
+    """The fixture profiled, its findings applied as `opadvisor apply` would: the expected rewrite."""
+    rule = case.parent.name
+    unsafe = case.name.endswith("_unsafe.in.py")
+    targets, findings = profiled_targets(case, rule)
+    allowed = [
+        t
+        for t, f in zip(targets, [f for f in findings if f.fix != "none"], strict=True)
+        if unsafe or f.fix == "safe"
+    ]
+    after, result = rewrite_source(case.read_bytes(), rule, allowed, case, allow_unsafe=unsafe)
+    expected = profiled_expected(case)
+    if REGEN and expected.name.endswith(".profiled.out.py"):
+        expected.write_bytes(after)
+    assert after.decode() == expected.read_bytes().decode(), [
+        (f.line, f.end_line, f.message) for f in findings
+    ]

@@ -1,0 +1,126 @@
+"""Dry runs: can the codemod rewrite the site a finding names? `suggest` offers only fixes that pass.
+
+    from opadvisor.rewrite.check import check_fixes, rank_applicable
+    check_fixes(findings)               # a finding whose fix cannot be made gets fix "none" and fix_blocked
+    findings = rank_applicable(findings)
+
+Each (file, rule) is rewritten once in memory with every finding of that rule in the file as a target,
+exactly as `opadvisor apply` would (the facts in each finding's details included), and nothing is
+written. A finding passes when the rewrite changed lines inside its range. Otherwise its `fix` becomes
+"none" and `fix_blocked` says why: the codemod's own reason (the scale is a tensor, the weights are
+returned ...), or that it found no code it can rewrite there. Findings whose file changed since the
+profile are left as they are (apply refuses the file anyway and `suggest` warns about it).
+
+Two findings that are alternatives (sdpa_attention and fused_softmax on the same lines) are ranked so
+that the one that can be applied comes first: a blocked one sorts right after its applicable alternative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opadvisor.errors import UserError
+from opadvisor.rewrite import registry
+from opadvisor.rewrite.base import Target
+
+__all__ = ["check_fixes", "dry_run", "rank_applicable"]
+
+
+def dry_run(
+    path: Path, rule: str, targets: Sequence[Target], source: bytes | None = None
+) -> list[str | None]:
+    """Per target: None when the codemod rewrites lines inside it, else why not (one line)."""
+    from opadvisor.rewrite.engine import LineMap, rewrite_source
+
+    try:
+        source = path.read_bytes() if source is None else source
+        after, result = rewrite_source(source, rule, list(targets), path, allow_unsafe=True)
+    except (OSError, UserError) as exc:
+        return [f"the {rule} rewrite fails here ({exc})"] * len(targets)
+    except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
+        return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
+    line_map = LineMap(source, after)
+    out: list[str | None] = []
+    for target in targets:
+        if line_map.map(target.line, target.end_line)[2]:
+            out.append(None)
+            continue
+        reasons = [n.message for n in result.skipped if target.line <= n.line <= target.end_line]
+        out.append(
+            _sentence(reasons[0]) if reasons else f"the {rule} rewrite found no code it can rewrite here"
+        )
+    return out
+
+
+def check_fixes(findings: Sequence[Any]) -> None:
+    """Dry-run the fix of every finding that has one; block those the codemod cannot make (see module doc)."""
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for f in findings:
+        if f.fix == "none" or f.source_status != "ok" or not registry.has_codemod(f.rule):
+            continue
+        if getattr(f, "library", None) is not None:
+            continue  # in library code: its fix goes into the user's script another way (rewrite/library.py)
+        groups.setdefault((f.path, f.rule), []).append(f)
+    for (path, rule), group in groups.items():
+        targets = [Target(f.line, f.end_line, dict(f.details)) for f in group]
+        for f, reason in zip(group, dry_run(Path(path), rule, targets), strict=True):
+            if reason is not None:
+                block(f, reason)
+    for f in findings:  # an alternative's message no longer offers a blocked fix as the better one
+        for g in findings:
+            if getattr(g, "fix_blocked", None) and g.path == f.path and _names(f, g):
+                f.message = f.message.replace(
+                    f"{g.rule} there is the bigger win",
+                    f"{g.rule} there would save more but cannot be applied",
+                )
+
+
+def _names(f: Any, g: Any) -> bool:
+    """Whether finding f names g as its alternative."""
+    alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
+    return (
+        isinstance(alternative, dict)
+        and alternative.get("rule") == g.rule
+        and alternative.get("line") == g.line
+    )
+
+
+def block(finding: Any, reason: str) -> None:
+    """Mark a finding's fix as one that cannot be applied, with the reason."""
+    finding.fix = "none"
+    finding.fix_blocked = reason
+
+
+def _sentence(reason: str) -> str:
+    for prefix in ("not rewritten: ", "not fused: ", "not applied: "):
+        reason = reason.removeprefix(prefix)
+    return reason
+
+
+def rank_applicable(findings: list[Any]) -> list[Any]:
+    """`findings` in their order, except that a blocked finding with an applicable alternative on the same
+    lines comes right after that alternative (suggest never ranks first a fix it cannot apply)."""
+    out = [f for f in findings if not _displaced(f, findings)]
+    for f in findings:
+        partner = _displaced(f, findings)
+        if partner is not None:
+            out.insert(out.index(partner) + 1, f)
+    return out
+
+
+def _displaced(f: Any, findings: list[Any]) -> Any:
+    alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
+    if not getattr(f, "fix_blocked", None) or not isinstance(alternative, dict):
+        return None
+    for g in findings:
+        if (
+            g is not f
+            and g.rule == alternative.get("rule")
+            and g.path == f.path
+            and g.line == alternative.get("line")
+            and g.fix != "none"
+        ):
+            return g
+    return None

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from opadvisor.profile.target import Target
 
 from opadvisor.cli.common import EXIT_USER_ERROR, fail, note, user_errors, warn
+from opadvisor.errors import UserError
 
 
 def register(app: typer.Typer) -> None:
@@ -81,6 +82,14 @@ def profile(
             help="Measure the activation memory each module saves for backward (saved-tensor hooks).",
         ),
     ] = True,
+    eager: Annotated[
+        bool,
+        typer.Option(
+            "--eager",
+            help="Switch torch.compile off for the run, so the code it compiles runs op by op and its "
+            "patterns can be found and fixed (step times are then eager times).",
+        ),
+    ] = False,
     # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, opadvisor/cli/_distributed.py)
     nproc_per_node: Annotated[
         int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
@@ -104,6 +113,10 @@ def profile(
     (profile.json and trace.json.gz, which opens in Perfetto) and the script is stopped. A script inside
     a package that imports relatively runs as `python -m package.script` would.
 
+    A model under torch.compile runs its ops inside compiled graphs, which the rules cannot see into
+    (`opadvisor suggest` says how much of the step that was): --eager switches torch.compile off for the
+    run, so the same code is recorded op by op and `opadvisor apply` can fix it.
+
     Examples:
 
     \b
@@ -112,6 +125,10 @@ def profile(
     """
     target, args = _target(script, module, list(ctx.args))
     if nproc_per_node is not None or nnodes > 1:  # issue 9: every rank of a torchrun launch
+        if eager:
+            raise UserError(
+                "--eager is not supported with --nproc-per-node/--nnodes yet; profile one process"
+            )
         from opadvisor.cli._distributed import profile_ranks
         from opadvisor.profile.distributed import LaunchSpec
 
@@ -141,6 +158,7 @@ def profile(
         window_seconds=window,
         activations=activations,
         memory_requested=memory,
+        eager=eager,
     )
     with _Progress(steps) as progress:
         outcome = run_script(target, args, config, out=out, on_progress=progress.update)

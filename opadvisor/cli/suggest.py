@@ -203,6 +203,8 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "memory": memory_entry(first),
         "recording": recording_entry(profiles),
         "calibration": index_of(first).calibration.to_json(),
+        "compiled": report.compiled,
+        "eager": first.eager,
         **extra,
     }
 
@@ -463,6 +465,10 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         console.print(cross_rank.render(cross_rank.analyse(profiles)))
     for line in note_lines(report.notes):
         console.print(line, soft_wrap=True)  # one line, folded by the terminal only
+    if report.compiled:
+        console.print(compiled_words(report.compiled))
+    if first.eager:
+        console.print("Profiled with --eager: torch.compile was switched off, so times are eager times.")
     if first.environment.device != "cuda":
         console.print("CPU profile: times are CPU op times; savings need kernel times: profile on a GPU.")
 
@@ -484,6 +490,25 @@ def note_lines(notes) -> list[str]:
             f" a CUDA profile to judge this run: {', '.join(gpu_only)} (`opadvisor explain RULE` says why)",
         )
     return lines
+
+
+def compiled_words(compiled: dict[str, Any]) -> str:
+    """The note for time spent inside torch.compile graphs (see opadvisor/rules/_compiled.py)."""
+    from opadvisor.rules._findings import fmt_ms, fmt_share
+
+    basis = "" if compiled["basis"] == "gpu" else " of CPU time"
+    share = (
+        f" ({fmt_share(compiled['share_of_step'])} of the step)"
+        if compiled["share_of_step"] is not None
+        else ""
+    )
+    graphs = compiled["graphs"]
+    return (
+        f"note: {fmt_ms(compiled['ms_per_step'])}/step{basis}{share} ran inside {graphs} torch.compile "
+        f"graph{'s' if graphs != 1 else ''}, which the rules cannot see into: nothing there was analysed. "
+        "To find and fix patterns in that code, profile it with torch.compile switched off: "
+        "`opadvisor profile --eager SCRIPT`."
+    )
 
 
 # ---- rules / explain -------------------------------------------------------------------------

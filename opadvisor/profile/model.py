@@ -26,6 +26,7 @@ Profile
     warmup_steps      steps run before the window
     steps_requested   steps the window was asked to record
     complete          False when the script ended or failed before the window was recorded in full
+    eager             True when torch.compile was switched off for the run (`opadvisor profile --eager`)
     steps             [Step]  the recorded steps, in order
     ops               [Op]    every op kept from the window: thread by thread (the tree torch records per
                       thread), in start order within a thread; parents before their children
@@ -339,6 +340,7 @@ class Profile:
     warmup_steps: int = 0
     steps_requested: int = 0
     complete: bool = True
+    eager: bool = False
     steps: list[Step] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     annotations: list[Annotation] = field(default_factory=list)

@@ -150,6 +150,7 @@ def build_profile(
         warmup_steps=session.config.warmup,
         steps_requested=session.config.steps,
         complete=recording.complete and len(recording.steps) >= session.config.steps,
+        eager=session.config.eager,
         steps=extracted.steps,
         ops=extracted.ops,
         annotations=extracted.annotations,

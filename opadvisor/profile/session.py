@@ -80,6 +80,9 @@ class SessionConfig:
     # the rules need both: shapes for the chains, stacks for the source lines).
     record_shapes: bool = True
     with_stack: bool = True
+    # Switch torch.compile off for the run (torch._dynamo.config.disable): compiled functions run their
+    # Python eagerly, so the ops inside them are recorded with their source lines (`profile --eager`).
+    eager: bool = False
 
 
 @dataclass
@@ -186,9 +189,18 @@ class Session:
         self._wrap_init(torch.nn.Embedding, self._record_module)
         self._built_at = weakref.WeakKeyDictionary()
         self._wrap_init(torch.nn.Module, self._remember_site)
+        if self.config.eager:
+            self._disable_compile()
         _active = self
         if self.config.warmup == 0:
             self._start_window()
+
+    def _disable_compile(self) -> None:
+        import torch._dynamo
+
+        saved = torch._dynamo.config.disable
+        torch._dynamo.config.disable = True
+        self._undo.append(lambda: setattr(torch._dynamo.config, "disable", saved))
 
     def uninstall(self) -> None:
         global _active

@@ -281,13 +281,26 @@ class LineMap:
 
 
 def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
-    """The target on the current text, and the rule that already rewrote its lines (if one did)."""
+    """The target on the current text, and the rule that already rewrote its lines (if one did).
+
+    The per-step lines a finding's facts carry (`details["lines"]`: label -> [first, last]) move too.
+    """
     start, end, touched_by = target.line, target.end_line, None
     for rule, line_map in maps:
         start, end, touched = line_map.map(start, end)
         if touched and touched_by is None:
             touched_by = rule
-    return Target(start, end, target.details), touched_by
+    details = target.details
+    lines = details.get("lines") if isinstance(details, dict) else None
+    if maps and isinstance(lines, dict):
+        moved = {}
+        for label, span in lines.items():
+            a, b = int(span[0]), int(span[-1])
+            for _, line_map in maps:
+                a, b, _ = line_map.map(a, b)
+            moved[label] = [a, b]
+        details = {**details, "lines": moved}
+    return Target(start, end, details), touched_by
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Literal
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Profile
 from opadvisor.rules import registry
+from opadvisor.rules._compiled import compiled_regions
 from opadvisor.rules._library import describe_library, pattern_view
 from opadvisor.rules._source import source_status
 from opadvisor.rules.finding import Finding
@@ -82,6 +83,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     notes: list[Note] = field(default_factory=list)
     rules_run: list[str] = field(default_factory=list)
+    # time inside torch.compile graphs, which no rule sees into (see _compiled.py); None: none ran
+    compiled: dict | None = None
 
 
 def select_rules(select: Sequence[str] | None = None, ignore: Sequence[str] | None = None) -> list[str]:
@@ -175,6 +178,8 @@ def analyse(
     report.findings = sort_findings(_merge(per_rank, multi), sort)
     link_alternatives(report.findings)
     report.notes = list(notes.values())
+    if profiles:
+        report.compiled = compiled_regions(profiles[0])
     return report
 
 

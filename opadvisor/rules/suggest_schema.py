@@ -293,5 +293,18 @@ SUGGEST_SCHEMA: dict[str, Any] = {
                 "steps_requested": {"type": "integer", "minimum": 0},
             },
         },
+        # time inside torch.compile graphs, which no rule analyses (null: none ran compiled)
+        "compiled": {
+            "type": ["object", "null"],
+            "required": ["ms_per_step", "share_of_step", "basis", "graphs"],
+            "additionalProperties": False,
+            "properties": {
+                "ms_per_step": {"type": "number"},
+                "share_of_step": _NUM_OR_NULL,
+                "basis": {"enum": ["gpu", "cpu"]},
+                "graphs": {"type": "integer", "minimum": 0},
+            },
+        },
+        "eager": {"type": "boolean"},  # profiled with `opadvisor profile --eager` (torch.compile off)
     },
 }

@@ -122,7 +122,6 @@ class BlockRewriter(RuleCodemod):
         for index, stmt in enumerate(original):
             if index in firsts:
                 edit = firsts[index]
-                assert isinstance(stmt, cst.SimpleStatementLine)
                 if edit.kept_first is not None:
                     body.append(edit.kept_first)
                     if edit.kept_first_dropped is not None:
@@ -134,7 +133,6 @@ class BlockRewriter(RuleCodemod):
                 continue
             if index in removed:
                 edit = removed[index]
-                assert isinstance(stmt, cst.SimpleStatementLine)
                 moved.extend(_moved_lines(stmt, edit.carried))
                 continue
             if index in by_last:
@@ -161,9 +159,13 @@ def _inner(stmt: cst.CSTNode) -> cst.CSTNode:
     return stmt
 
 
-def _moved_lines(stmt: cst.SimpleStatementLine, carried: Sequence[cst.CSTNode]) -> list[cst.EmptyLine]:
-    """What a removed statement leaves behind: its leading lines and its comments (as comment lines)."""
-    comments = ed.orphaned_comments([*stmt.body, stmt.trailing_whitespace], carried)
+def _moved_lines(stmt: cst.BaseStatement, carried: Sequence[cst.CSTNode]) -> list[cst.EmptyLine]:
+    """What a removed statement leaves behind: its leading lines and its comments (as comment lines); for
+    a compound one (`if mask is not None:` around a folded mask), the comments in all of it."""
+    if isinstance(stmt, cst.SimpleStatementLine):
+        comments = ed.orphaned_comments([*stmt.body, stmt.trailing_whitespace], carried)
+    else:
+        comments = ed.orphaned_comments([stmt.with_changes(leading_lines=[])], carried)
     return [*stmt.leading_lines, *ed.comment_lines(comments)]
 
 

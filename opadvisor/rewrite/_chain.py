@@ -28,14 +28,15 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, ScopeProvider
 
+from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rules.attention import AttentionFacts
 
 PRE_FUSED = ("mask", "scale")  # inward from the softmax
 PRE_SDPA = ("mask", "scale", "qk")
-POST_FUSED = ("zero", "dropout")
-POST_SDPA = ("zero", "dropout", "pv")
+POST_FUSED = ("cast", "zero", "dropout")
+POST_SDPA = ("cast", "zero", "dropout", "pv")
 ARITHMETIC = frozenset({"scale", "mask"})  # steps written as arithmetic: folded only as profiled
 
 
@@ -243,7 +244,11 @@ class ChainFinder:
             args = mt.bind_args(node, ("input", "dim0", "dim1"), required=3)
             if args:
                 source, dims = args["input"].value, (args["dim0"].value, args["dim1"].value)
-        if source is not None and {mt.int_value(dims[0]), mt.int_value(dims[1])} == {-1, -2}:
+        wanted = [{-1, -2}]
+        rank = len(self.facts.scores_shape) if self.facts is not None and self.facts.scores_shape else None
+        if rank is not None:  # `k.transpose(2, 3)` on the 4-D keys the profile saw
+            wanted.append({rank - 1, rank - 2})
+        if source is not None and {mt.int_value(dims[0]), mt.int_value(dims[1])} in wanted:
             return source
         return None
 
@@ -318,6 +323,19 @@ class ChainFinder:
         raise ValueError(kind)
 
     def peel_softmax(self, node: cst.BaseExpression) -> Step | None:
+        """The softmax step of `node`, its input with an upcast (`x.float()`) peeled off and recorded as
+        `params["upcast"]`, as is `dtype=torch.float32` (the fused call computes in float32 and returns the
+        input's dtype: the rewrite then needs the result cast back, see `upcast_problem`)."""
+        step = self._softmax_call(node)
+        if step is None or step.input is None:
+            return step
+        inner = _float32_cast(self.cm, step.input)
+        if inner is not None:
+            step.input = inner
+            step.params["upcast"] = cst.Name("True")
+        return step
+
+    def _softmax_call(self, node: cst.BaseExpression) -> Step | None:
         if not isinstance(node, cst.Call):
             return None
         args: dict[str, cst.Arg] | None = None
@@ -329,19 +347,15 @@ class ChainFinder:
         elif self._method(node, "softmax"):
             args = mt.bind_args(node, ("dim", "dtype"), required=0)
             source = node.func.value  # type: ignore[union-attr]
-        else:
-            kind, ctor = self.module_kind(node.func)
-            if kind != "softmax" or ctor is None:
+        elif self._softmax_wrapper(node.func):
+            args = mt.bind_args(node, ("input", "dim", "onnx_trace"))
+            if args is None or "dim" not in args:
                 return None
-            call_args = mt.bind_args(node, ("input",))
-            ctor_args = mt.bind_args(ctor, ("dim",), required=0)
-            if call_args is None or ctor_args is None:
-                return None
-            dim = ctor_args.get("dim")
-            step = Step("softmax", node, call_args["input"].value, {"dim": dim.value if dim else None})
-            if dim is None:
-                step.problem = "the nn.Softmax module has no explicit dim"
+            step = Step("softmax", node, args["input"].value, {"dim": args["dim"].value})
+            step.params["upcast"] = cst.Name("True")
             return step
+        else:
+            return self._softmax_module(node)
         if args is None:
             return None
         step = Step("softmax", node, source if source is not None else args["input"].value, {})
@@ -349,7 +363,72 @@ class ChainFinder:
         if "dim" not in args:
             step.problem = "the softmax has no explicit dim"
         elif "dtype" in args:
-            step.problem = "the softmax casts with dtype=, which the fused kernel does not do"
+            if _is_float32(self.cm, args["dtype"].value):
+                step.params["upcast"] = cst.Name("True")
+            else:
+                step.problem = "the softmax casts with dtype=, which the fused kernel does not do"
+        return step
+
+    def _softmax_wrapper(self, func: cst.BaseExpression) -> bool:
+        """`func` names a function of this module that only returns a float32 softmax of its first argument
+        over its `dim` argument (fairseq's `softmax(x, dim, onnx_trace=False)`): each return is
+        `F.softmax(x.float(), dim=dim)` or `F.softmax(x, dim=dim, dtype=torch.float32)`."""
+        if not isinstance(func, cst.Name):
+            return False
+        module = self.cm.context.wrapper.module if self.cm.context.wrapper is not None else None  # type: ignore[attr-defined]
+        defs = [
+            d
+            for d in (module.body if module is not None else [])
+            if isinstance(d, cst.FunctionDef) and d.name.value == func.value
+        ]
+        if len(defs) != 1:
+            return False
+        params = [p.name.value for p in defs[0].params.params]
+        if len(params) < 2 or params[1] != "dim":
+            return False
+        returns = mt.nodes_of(defs[0].body, cst.Return)
+        others = [
+            st
+            for st in mt.nodes_of(defs[0].body, cst.BaseSmallStatement)
+            if not isinstance(st, cst.Return | cst.Expr)
+        ]
+        return (
+            bool(returns)
+            and not others
+            and all(self._float32_softmax_of(r.value, params[0]) for r in returns)
+        )
+
+    def _float32_softmax_of(self, node: cst.BaseExpression | None, name: str) -> bool:
+        step = self._softmax_call(node) if node is not None else None
+        if (
+            step is None
+            or step.problem
+            or "upcast" not in step.params
+            and _float32_cast(self.cm, step.input) is None
+        ):
+            return False
+        flowing = _float32_cast(self.cm, step.input) or step.input
+        return m.matches(flowing, m.Name(name)) and m.matches(step.params.get("dim"), m.Name("dim"))
+
+    def _softmax_module(self, node: cst.Call) -> Step | None:
+        """`self.softmax(x)` with `self.softmax = nn.Softmax(dim=...)` in __init__, or `nn.Softmax(dim=-1)(x)`."""
+        ctor: cst.Call | None
+        if isinstance(node.func, cst.Call) and mt.resolves_to(self.cm, node.func.func, mt.SOFTMAX_MODULES):
+            ctor = node.func
+        else:
+            kind, ctor = self.module_kind(node.func)
+            if kind != "softmax":
+                return None
+        if ctor is None:
+            return None
+        call_args = mt.bind_args(node, ("input",))
+        ctor_args = mt.bind_args(ctor, ("dim",), required=0)
+        if call_args is None or ctor_args is None:
+            return None
+        dim = ctor_args.get("dim")
+        step = Step("softmax", node, call_args["input"].value, {"dim": dim.value if dim else None})
+        if dim is None:
+            step.problem = "the nn.Softmax module has no explicit dim"
         return step
 
     def peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
@@ -358,6 +437,11 @@ class ChainFinder:
         return self._peel_post(node, kind)
 
     def _peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
+        if kind == "cast":
+            target = _cast_back(node)
+            if target is None:
+                return None
+            return Step("cast", node, node.func.value, {"to": target})  # type: ignore[union-attr]
         if kind == "zero":
             fill = self._masked_fill(node)
             if fill is not None and mt.is_zero(fill[2]):
@@ -557,6 +641,12 @@ class ChainFinder:
                 entry = small.target
                 i -= 1
                 continue
+            conditional = self._conditional_mask(i - 1, entry, pos)
+            if conditional is not None:
+                segments.insert(0, conditional)
+                pos = self.pre_kinds.index("mask") + 1
+                i -= 1
+                continue
             assign = _assign_name(prev)
             if assign is None or assign[0] != entry.value:
                 break
@@ -585,6 +675,83 @@ class ChainFinder:
             j += 1
         softmax_seg = next(n for n, seg in enumerate(segments) if seg.index == index)
         return Chain(segments, softmax_seg)
+
+    def _conditional_mask(self, index: int, entry: cst.Name, pos: int) -> Segment | None:
+        """`if <test>: x = x + mask` (or `x += mask`, `x = x.masked_fill(m, v)`), with no else: the mask step,
+        applied only when the test holds (`params["condition"]`), as a segment binding x. Folded even where
+        the profile saw no mask (its run took the other branch); a bool mask added is still refused.
+
+        The block may also name the mask first (`causal_mask = attention_mask[...]`, inlined: see
+        `_inlinable`), and may add it to a view of x that it then undoes (BART/CLIP's 3-D scores:
+        `x = x.view(b, h, t, s) + mask; x = x.view(b * h, t, s)`): `params["reshape"]` is the view the
+        mask applies to, `params["restore"]` the view back (the last dim is the same in both)."""
+        stmt = self.stmts[index]
+        if not (
+            isinstance(stmt, cst.If)
+            and stmt.orelse is None
+            and isinstance(stmt.body, cst.IndentedBlock)
+            and "mask" in self.pre_kinds[pos:]
+        ):
+            return None
+        name = entry.value
+        body = list(stmt.body.body)
+        restore = _restoring_view(body[-1], name) if len(body) >= 2 else None
+        if restore is not None:
+            body = body[:-1]
+        *preps, inner = body
+        inlined = self._inlinable(preps, inner, index)
+        step = self._mask_step(inner, name, allow_view=restore is not None) if inlined is not None else None
+        if step is None or inlined is None:
+            return None
+        reshape = None if isinstance(step.input, cst.Name) else step.input
+        if (reshape is None) != (restore is None) or not _same_last_dim(reshape, restore):
+            return None
+        step.params.update(condition=stmt.test, reshape=reshape, restore=restore)
+        if inlined:
+            step.params["mask"] = _inline(step.params["mask"], inlined)  # type: ignore[arg-type]
+            step.params["inlined"] = cst.Tuple([cst.Element(v) for v in inlined.values()])
+        problem = self.mask_problem(step.params["mask"], step.params.get("fill") is None)  # type: ignore[arg-type]
+        if problem is not None:
+            self.refused.append(("mask", step.node, problem))
+            return None
+        return Segment(index, [step], cst.Name(name), step.node, name, aug=bool(step.params.get("aug")))
+
+    def _mask_step(self, stmt: cst.BaseStatement, name: str, *, allow_view: bool) -> Step | None:
+        """The mask step of `name += mask` or `name = <mask applied to name (or to a view of it)>`."""
+        small = _small(stmt)
+        if isinstance(small, cst.AugAssign) and isinstance(small.operator, cst.AddAssign):
+            if isinstance(small.target, cst.Name) and small.target.value == name:
+                step = Step("mask", small.value, small.target, {"mask": small.value, "fill": None})
+                step.params["aug"] = cst.Name("True")
+                return step
+            return None
+        assign = _assign_name(stmt)
+        if assign is None or assign[0] != name:
+            return None
+        step = self._peel_pre(assign[1], "mask", frozenset({name}))
+        if step is None:
+            return None
+        flowing = step.input
+        if allow_view and _view_of(flowing, name):
+            return step
+        return step if m.matches(flowing, m.Name(name)) else None
+
+    def _inlinable(
+        self, preps: Sequence[cst.BaseStatement], inner: cst.BaseStatement, index: int
+    ) -> dict[str, cst.BaseExpression] | None:
+        """`name = value` statements before the mask step in the `if` block (Llama's `causal_mask =
+        attention_mask[...]`) whose names only the mask step reads: name -> value, to inline; None when
+        a statement is something else or its name is read elsewhere."""
+        out: dict[str, cst.BaseExpression] = {}
+        later = [n.value for stmt in self.stmts[index + 1 :] for n in mt.names_in(stmt)]
+        for prep in preps:
+            assign = _assign_name(prep)
+            if assign is None or assign[0] in out or assign[0] in later:
+                return None
+            if sum(n.value == assign[0] for n in mt.names_in(inner)) != 1:
+                return None
+            out[assign[0]] = assign[1]
+        return out
 
     def _prefer(self, index: int) -> frozenset[str]:
         """Names that hold the flowing tensor around statement `index` (its target, the previous one's)."""
@@ -616,18 +783,23 @@ class ChainFinder:
         return (p.start.line, p.start.column), (p.end.line, p.end.column)
 
     def fresh_before(self, chain: Chain) -> bool:
-        """For a chain starting with `x op= ...`: the statement before binds x to a new tensor."""
+        """For a chain starting with `x op= ...`: x was last bound, earlier in the block, to a new tensor
+        (`x = q @ k.T`, not a name or attribute it may share with something else), and nothing between
+        read it except for its dtype, device or shape (T5's `scores += position_bias` after the bias is
+        built from `scores.device`)."""
         first = chain.segments[0]
         if not first.aug:
             return True
-        if first.index == 0:
-            return False
-        assign = _assign_name(self.stmts[first.index - 1])
-        return (
-            assign is not None
-            and assign[0] == first.target
-            and not isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript)
-        )
+        for stmt in reversed(self.stmts[: first.index]):
+            assign = _assign_name(stmt)
+            if assign is not None and assign[0] == first.target:
+                return not isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript)
+            if any(
+                n.value == first.target and not _metadata_read(self.cm, n) and not _attribute_name(self.cm, n)
+                for n in mt.names_in(stmt)
+            ):
+                return False
+        return False
 
     def temps_problem(
         self,
@@ -706,6 +878,128 @@ class ChainFinder:
         return False
 
 
+FLOAT32 = frozenset({"torch.float32", "torch.float"})
+CAST_METHODS = frozenset({"type_as", "to", "type"})
+
+
+def _is_float32(cm: cst.MetadataDependent, node: cst.BaseExpression) -> bool:
+    return mt.resolves_to(cm, node, FLOAT32)
+
+
+def _float32_cast(cm: cst.MetadataDependent, node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """X for `X.float()`, `X.to(torch.float32)`, `X.to(dtype=torch.float32)`, `X.type(torch.float32)`."""
+    node = mt.unparen(node)
+    if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)):
+        return None
+    method, args = node.func.attr.value, node.args
+    if method == "float" and not args:
+        return node.func.value
+    if method in ("to", "type") and len(args) == 1 and _is_float32(cm, args[0].value):
+        if args[0].keyword is None or args[0].keyword.value == "dtype":
+            return node.func.value
+    return None
+
+
+def _cast_back(node: cst.BaseExpression) -> cst.BaseExpression | None:
+    """Y for a cast to another tensor's dtype: `.type_as(Y)`, `.to(Y.dtype)`, `.to(dtype=Y.dtype)`,
+    `.type(Y.dtype)` (the probabilities cast back after a float32 softmax)."""
+    if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)):
+        return None
+    if node.func.attr.value not in CAST_METHODS or len(node.args) != 1 or node.args[0].star:
+        return None
+    arg = node.args[0]
+    if node.func.attr.value == "type_as":
+        return arg.value if arg.keyword is None else None
+    if arg.keyword is not None and arg.keyword.value != "dtype":
+        return None
+    if m.matches(arg.value, m.Attribute(attr=m.Name("dtype"))):
+        return arg.value.value  # type: ignore[union-attr]
+    return None
+
+
+def upcast_problem(chain: Chain, facts: AttentionFacts | None) -> str | None:
+    """A softmax in float32 whose result is not cast back (before anything else reads it): the fused call
+    returns the scores' dtype, the original float32, unless the profile shows the scores are float32."""
+    softmax = chain.step("softmax")
+    if softmax is None or "upcast" not in softmax.params:
+        return None
+    if chain.step("cast") is not None or (facts is not None and facts.scores_dtype == "float32"):
+        return None
+    return "the softmax runs in float32 and its float32 result is used as it is; the fused call keeps the scores' dtype"
+
+
+def cast_problem(chain: Chain, facts: AttentionFacts | None) -> str | None:
+    """A cast after the softmax that the profile shows is not back to the scores' dtype."""
+    cast = chain.step("cast")
+    if cast is None or facts is None or not facts.out_dtype or not facts.scores_dtype:
+        return None
+    if facts.out_dtype != facts.scores_dtype:
+        return (
+            f"`{mt.code(cast.node)}` casts the probabilities to {facts.out_dtype}, the scores are "
+            f"{facts.scores_dtype} (as profiled); the fused call keeps the scores' dtype"
+        )
+    return None
+
+
+def guarded(step: Step, value: cst.BaseExpression) -> tuple[cst.BaseExpression, list[cst.CSTNode]]:
+    """The mask argument for a step applied only under `if <test>:` (`value if test else None`; just the
+    name for `if mask is not None: ... mask`), and the original nodes it reuses."""
+    test = step.params.get("condition")
+    inlined = step.params.get("inlined")
+    reused: list[cst.CSTNode] = (
+        [el.value for el in inlined.elements] if isinstance(inlined, cst.Tuple) else []
+    )
+    if test is None:
+        return value, reused
+    if (
+        isinstance(test, cst.Comparison)
+        and len(test.comparisons) == 1
+        and isinstance(test.comparisons[0].operator, cst.IsNot)
+        and m.matches(test.comparisons[0].comparator, m.Name("None"))
+        and mt.unparen(value).deep_equals(mt.unparen(test.left))
+    ):
+        return value, [test, *reused]
+    if isinstance(test, cst.IfExp | cst.Lambda | cst.NamedExpr):
+        test = ed.atomic(test)
+    return ed.template("__v__ if __t__ else None", v=ed.atomic(value), t=test), [test, *reused]
+
+
+VIEWS = frozenset({"view", "reshape"})
+
+
+def _view_of(node: cst.BaseExpression | None, name: str) -> bool:
+    """`name.view(...)` / `name.reshape(...)`."""
+    return (
+        isinstance(node, cst.Call)
+        and isinstance(node.func, cst.Attribute)
+        and node.func.attr.value in VIEWS
+        and m.matches(node.func.value, m.Name(name))
+        and all(not a.star and a.keyword is None for a in node.args)
+    )
+
+
+def _restoring_view(stmt: cst.BaseStatement, name: str) -> cst.Call | None:
+    """The view call of `name = name.view(...)`, else None."""
+    assign = _assign_name(stmt)
+    if assign is not None and assign[0] == name and _view_of(assign[1], name):
+        return assign[1]  # type: ignore[return-value]
+    return None
+
+
+def _same_last_dim(reshape: cst.BaseExpression | None, restore: cst.Call | None) -> bool:
+    """Both views end with the same size expression (the softmax's dim keeps its length and meaning)."""
+    if reshape is None or restore is None:
+        return True
+    a, b = reshape.args, restore.args  # type: ignore[union-attr]
+    return bool(a) and bool(b) and a[-1].value.deep_equals(b[-1].value)
+
+
+def _inline(node: cst.BaseExpression, values: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
+    """`node` with each Name in `values` replaced by its value (parenthesised where it must be)."""
+    mapping = {id(n): ed.atomic(values[n.value]) for n in mt.names_in(node) if n.value in values}
+    return ed.replace_nodes(node, mapping)  # type: ignore[return-value]
+
+
 def _reads_as_bool(cm: cst.MetadataDependent, node: cst.BaseExpression, depth: int = 0) -> bool:
     """A mask expression that is bool by its form: a comparison, `~m`, `not`, `m.bool()`, or a local name
     bound to one."""
@@ -724,6 +1018,14 @@ def _function_of(cm: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | 
     while current is not None and not isinstance(current, cst.FunctionDef):
         current = mt.parent(cm, current)
     return current
+
+
+def _attribute_name(cm: cst.MetadataDependent, name: cst.Name) -> bool:
+    """`name` is the attribute in `obj.name` or a keyword (`f(name=...)`), not a read of the variable."""
+    par = mt.parent(cm, name)
+    return (isinstance(par, cst.Attribute) and par.attr is name) or (
+        isinstance(par, cst.Arg) and par.keyword is name
+    )
 
 
 def _metadata_read(cm: cst.MetadataDependent, name: cst.Name) -> bool:

@@ -3,6 +3,7 @@
 `reference(codemod, module, "torch.nn.functional.scaled_dot_product_attention")` gives, in this order:
 the alias of a `from torch.nn.functional import scaled_dot_product_attention [as X]`; `F.scaled_dot_...`
 when the file has `import torch.nn.functional as F` or `from torch.nn import functional as F`;
+`nn.functional.scaled_dot_...` after `from torch import nn`;
 `torch.nn.functional.scaled_dot_...` when `torch` is imported; otherwise it schedules
 `from torch.nn.functional import scaled_dot_product_attention` with `AddImportsVisitor` (added once, after
 the transform) and uses the bare name — or, when that name is already used for something else in the
@@ -70,6 +71,7 @@ def reference(context: CodemodContext, module: cst.Module, qualified_name: str) 
     imports = _top_level_imports(module)
     bound_root = False
     module_alias: str | None = None
+    parent_alias: tuple[str, str] | None = None  # (local name, its module) for `from torch import nn`
     for imp in imports:
         if isinstance(imp, cst.ImportFrom):
             if imp.relative or imp.module is None or isinstance(imp.names, cst.ImportStar):
@@ -82,6 +84,8 @@ def reference(context: CodemodContext, module: cst.Module, qualified_name: str) 
                     return cst.Name(local)  # from pkg.mod import obj [as X]
                 if f"{source}.{imported}" == module_path and module_alias is None:
                     module_alias = local  # from pkg import mod [as X]
+                elif module_path.startswith(f"{source}.{imported}.") and source == "torch" and local:
+                    parent_alias = (local, f"{source}.{imported}")  # from torch import nn: nn.functional.X
         else:
             for alias in imp.names:
                 imported = get_full_name_for_node(alias.name) or ""
@@ -99,6 +103,9 @@ def reference(context: CodemodContext, module: cst.Module, qualified_name: str) 
                         bound_root = True
     if module_alias is not None:
         return cst.Attribute(value=cst.Name(module_alias), attr=cst.Name(obj))
+    if parent_alias is not None:  # torch imports its own submodules: `nn.functional` always resolves
+        local, parent_module = parent_alias
+        return _dotted(local + qualified_name[len(parent_module) :])
     if bound_root:
         return _dotted(qualified_name)
     if obj not in names_used(module):

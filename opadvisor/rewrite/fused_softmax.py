@@ -37,11 +37,20 @@ import libcst as cst
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit
-from opadvisor.rewrite._chain import Chain, ChainFinder, SoftmaxChainRewriter, _small
+from opadvisor.rewrite._chain import (
+    Chain,
+    ChainFinder,
+    SoftmaxChainRewriter,
+    _small,
+    cast_problem,
+    guarded,
+    upcast_problem,
+)
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
 _LABELS = {
+    "cast": "cast back",
     "scale": "scale",
     "mask": "masked_fill",
     "softmax": "softmax",
@@ -108,6 +117,9 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
                 return "the zeroing after the softmax has no matching masked_fill before it"
             if not mask.params["mask"].deep_equals(zero.params["mask"]):  # type: ignore[union-attr]
                 return "the zeroing after the softmax uses a different mask than the masked_fill before it"
+        upcast = upcast_problem(cand, finder.facts) or cast_problem(cand, finder.facts)
+        if upcast is not None:
+            return upcast
         if not finder.fresh_before(cand):
             seg = cand.segments[0]
             return f"`{seg.target} {code_op(stmt_of(finder, seg.index))}=` updates a tensor that may be shared in place"
@@ -134,9 +146,17 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
         mask = cand.step("mask")
         scale = cand.step("scale")
         dropout = cand.step("dropout")
+        meta_name = x.value if isinstance(x, cst.Name) else None
+        reshape, restore = (mask.params.get("reshape"), mask.params.get("restore")) if mask else (None, None)
+        if reshape is not None:  # the mask applies to a view of the scores: the call takes that view
+            if cand.segments[0].steps[0] is not mask or not isinstance(x, cst.Name):
+                return None, "the mask is added to a view of the scores that other folded steps come before"
+            positional[0] = reshape
+            carried.extend([reshape, restore])  # type: ignore[list-item]
         if mask is not None:
-            positional.append(mask.params["mask"])  # type: ignore[arg-type]
-            carried.append(mask.params["mask"])  # type: ignore[arg-type]
+            value, reused = guarded(mask, mask.params["mask"])  # type: ignore[arg-type]
+            positional.append(value)
+            carried.extend([mask.params["mask"], *reused])  # type: ignore[list-item]
         dim = softmax.params.get("dim")
         if dim is not None and mt.int_value(dim) != -1:
             keywords.append(("dim", dim))
@@ -168,7 +188,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
                 if training is not None:
                     keywords.append(("training", training))
                     carried.append(training)
-        read = finder.temps_problem(cand, carried, x.value if isinstance(x, cst.Name) else None, keep_first)
+        read = finder.temps_problem(cand, carried, meta_name, keep_first)
         if read is not None:
             name, line, _in_return = read
             return (
@@ -177,7 +197,11 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
             )
         last_stmt = stmts[cand.last]
         assert isinstance(last_stmt, cst.SimpleStatementLine)
-        call = self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, cand.top, _indent_of(indent))
+        call: cst.BaseExpression = self.call_for(
+            self.ref(KERNEL), positional, keywords, last_stmt, cand.top, _indent_of(indent)
+        )
+        if isinstance(restore, cst.Call):  # back to the view the code had after its mask
+            call = cst.Call(func=cst.Attribute(value=call, attr=restore.func.attr), args=restore.args)  # type: ignore[attr-defined]
         edit = BlockEdit(cand.first, cand.last, {id(cand.top): call}, carried)
         if keep_first:
             first_stmt = stmts[cand.first]

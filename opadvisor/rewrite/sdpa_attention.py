@@ -51,7 +51,16 @@ import libcst.matchers as m
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit
-from opadvisor.rewrite._chain import Chain, ChainFinder, SoftmaxChainRewriter, _assign_name, _small
+from opadvisor.rewrite._chain import (
+    Chain,
+    ChainFinder,
+    SoftmaxChainRewriter,
+    _assign_name,
+    _small,
+    cast_problem,
+    guarded,
+    upcast_problem,
+)
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
@@ -88,8 +97,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
             if finder.refused:
                 self.skip(anchor, f"not rewritten: {self.refused_words(finder)}")
             elif self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
-                missing = "q @ k.transpose(-2, -1)" if "qk" not in kinds else "the product with v"
-                self.skip(anchor, f"not rewritten: no {missing} found in the same block, next to the softmax")
+                self.skip(anchor, f"not rewritten: {self._missing_product(stmts, chain, 'qk' not in kinds)}")
             return None
         problem, keywords, carried = self._arguments(finder, chain)
         if problem is None:
@@ -122,6 +130,21 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         self.record_change(anchor, self._describe(chain, keywords))
         return BlockEdit(chain.first, chain.last, {id(chain.top): call}, [q, k, v, *carried])
 
+    def _missing_product(self, stmts: Sequence[cst.BaseStatement], chain: Chain, qk: bool) -> str:
+        """Why the chain does not reach q @ k^T (`qk`) or the product with v."""
+        if qk:
+            return "no q @ k.transpose(-2, -1) found in the same block, next to the softmax"
+        name = chain.segments[-1].target
+        following = stmts[chain.last + 1] if chain.last + 1 < len(stmts) else None
+        if name and following is not None and any(n.value == name for n in mt.names_in(following)):
+            line = self.lines_of(following)[0]
+            text = mt.code(following).strip().splitlines()[0]
+            return (
+                f"`{name}` is used at line {line} (`{text}`) before its product with v; "
+                "scaled_dot_product_attention cannot do that"
+            )
+        return "no product with v found in the same block, next to the softmax"
+
     def _is_weights(self, chain: Chain, name: str) -> bool:
         after = False
         for seg in chain.segments:
@@ -147,22 +170,40 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
             return softmax.problem, keywords, carried
         if mt.int_value(softmax.params.get("dim")) != -1:
             return "the softmax is not over the last dim (the keys)", keywords, carried
+        dtype_problem = upcast_problem(chain, finder.facts) or cast_problem(chain, finder.facts)
+        if dtype_problem is not None:
+            return dtype_problem, keywords, carried
         mask, zero, scale, dropout = (chain.step(k) for k in ("mask", "zero", "scale", "dropout"))
         causal = False
+        if mask is not None and mask.params.get("reshape") is not None:
+            return (
+                "the mask is added to a view of the scores in another shape (3-D scores, 4-D mask), "
+                "which scaled_dot_product_attention's attn_mask cannot take",
+                keywords,
+                carried,
+            )
         if mask is not None:
             mask_node = mask.params["mask"]
             assert mask_node is not None
             fill = mask.params.get("fill")
             if fill is None:  # additive float mask: SDPA adds it the same way
-                keywords.append(("attn_mask", mask_node))
-                carried.append(mask_node)
+                value, reused = guarded(mask, mask_node)
+                keywords.append(("attn_mask", value))
+                carried.extend([mask_node, *reused])
                 if zero is not None:
                     return "the zeroing after the softmax has no matching masked_fill", keywords, carried
             else:
+                profiled = finder.facts.fill_value if finder.facts is not None else None
                 very_negative = (
                     mt.is_neg_inf(fill)
                     or mt.is_finfo_min(fill)
                     or ((mt.number_value(fill) or 0.0) <= VERY_NEGATIVE and mt.number_value(fill) is not None)
+                    # a fill read from a name (`mask_value = -torch.finfo(dots.dtype).max`): its value as profiled
+                    or (
+                        mt.number_value(fill) is None
+                        and isinstance(profiled, float)
+                        and profiled <= VERY_NEGATIVE
+                    )
                 )
                 if not very_negative:
                     return (
@@ -184,9 +225,12 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                         keywords,
                         carried,
                     )
-                causal = self._is_causal(finder, mask_node)
+                causal = mask.params.get("condition") is None and self._is_causal(finder, mask_node)
                 if not causal:
-                    if not mt.is_neg_inf(fill) and zero is None:
+                    neg_inf = mt.is_neg_inf(fill) or (
+                        mt.number_value(fill) is None and profiled == float("-inf")
+                    )
+                    if not neg_inf and zero is None:
                         return (
                             f"with the finite fill `{mt.code(fill)}`, a row whose every key is masked averages "
                             "the values; SDPA gives zeros there (fill with float('-inf') or zero the masked "
@@ -194,8 +238,9 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                             keywords,
                             carried,
                         )
-                    keywords.append(("attn_mask", ed.invert(mask_node)))
-                    carried.append(mask_node)
+                    value, reused = guarded(mask, ed.invert(mask_node))
+                    keywords.append(("attn_mask", value))
+                    carried.extend([mask_node, *reused])
         elif zero is not None:
             return "the zeroing after the softmax has no matching masked_fill", keywords, carried
         if dropout is not None:

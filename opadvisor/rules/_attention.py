@@ -110,7 +110,13 @@ def _softmax(op: Op, bound: dict[str, Op]) -> bool:
     if "mask" in bound:
         mshape = shape(bound["mask"], 0)
         other = shape(bound["mask"], 1)
-        if mshape != s0 and not (other is not None and (other == s0 or broadcastable(mshape, s0))):
+        # the mask may apply to a view of the scores (BART's [b, h, t, s] view of [b * h, t, s] scores)
+        viewed = numel(mshape) == numel(s0) and mshape is not None and mshape[-1:] == s0[-1:]
+        if (
+            mshape != s0
+            and not viewed
+            and not (other is not None and (other == s0 or broadcastable(mshape, s0)))
+        ):
             return False
     return _same_scores(op, bound)
 

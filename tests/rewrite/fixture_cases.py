@@ -9,7 +9,10 @@ expected output too):
     # expect-skipped: read again on line                          a skip whose reason contains this (repeatable)
 
 A case named `*_unsafe` runs with unsafe fixes allowed (as `opadvisor apply --unsafe`). Every rule with a
-codemod has a folder here (tests/rewrite/test_fixtures.py checks it against the registry).
+codemod has a folder here (tests/rewrite/test_fixtures.py checks it against the registry). A case with
+`make_inputs()` is also profiled on the CPU and its findings applied: `<case>.profiled.out.py`, where it
+exists, is what that gives when the profile's facts lead elsewhere than the source alone (gemm_align finds
+nothing in a float32 CPU profile; fused_softmax does not report a softmax without a mask).
 """
 
 from __future__ import annotations

@@ -42,7 +42,28 @@ from opadvisor.rules._chains import PASS_THROUGH_OPS, names, scalar, scalar_floa
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import Frame, index_of
 from opadvisor.rules._source import load_profiled_source, locate_each
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Finding
+
+
+@dataclass
+class LayerNormFacts(Facts):
+    """What a manual_layernorm finding carries to its fix (see opadvisor.rules.facts): the normalized shape
+    and the dims reduced (counted from the end), how the variance was taken ("var" / "std", "_unbiased"),
+    where eps went ("none", "inside_sqrt", "outside_sqrt"), rsqrt, whether a weight and a bias were
+    applied, whether it is the same function as F.layer_norm (and why not), the input dtype."""
+
+    normalized_shape: list[int] | None = None
+    reduce_dims: list[int] = field(default_factory=list)
+    variance: str = "var"
+    eps: str = "none"
+    rsqrt: bool = False
+    weight: bool = False
+    bias: bool = False
+    equivalent: bool = True
+    not_equivalent_because: list[str] = field(default_factory=list)
+    dtype: str | None = None
+
 
 ID = "manual_layernorm"
 TITLE = "Layer norm written as mean/var/sqrt ops"
@@ -314,24 +335,24 @@ def detect(profile: Profile) -> list[Finding]:
                 fused_kernels=1,
                 est_saving_ms=saving,
                 advice=advice,
-                details={
-                    "normalized_shape": normalized_shape,
-                    "reduce_dims": [d - n for d in first.reduced],
-                    "variance": ("std" if first.std else "var") + ("_unbiased" if first.unbiased else ""),
-                    "eps": "none"
+                details=LayerNormFacts(
+                    normalized_shape=normalized_shape,
+                    reduce_dims=[d - n for d in first.reduced],
+                    variance=("std" if first.std else "var") + ("_unbiased" if first.unbiased else ""),
+                    eps="none"
                     if "eps" not in first.roles
                     else ("outside_sqrt" if first.eps_outside else "inside_sqrt"),
-                    "rsqrt": first.rsqrt,
-                    "weight": "weight" in first.roles,
-                    "bias": "bias" in first.roles,
-                    "equivalent": safe,
-                    "not_equivalent_because": reasons,
-                    "dtype": first.ops[0].input_dtypes[0] if first.ops[0].input_dtypes else None,
-                },
+                    rsqrt=first.rsqrt,
+                    weight="weight" in first.roles,
+                    bias="bias" in first.roles,
+                    equivalent=safe,
+                    not_equivalent_because=reasons,
+                    dtype=first.ops[0].input_dtypes[0] if first.ops[0].input_dtypes else None,
+                ).to_details(),
                 notes=reasons,
             )
         )
     return findings
 
 
-__all__ = ["FIX", "ID", "TITLE", "detect"]
+__all__ = ["FIX", "ID", "TITLE", "LayerNormFacts", "detect"]

@@ -134,6 +134,8 @@ class Session:
         self._step_start_ns: int | None = None
         self._step_fn: Any = None
         self._first_forward_s: float | None = None
+        self._outer: int | None = None  # id of the first module called (the outermost), and its calls
+        self._outer_calls = 0
         self._window_started_s: float | None = None
         self._undo: list[Callable[[], None]] = []
         self.warnings: list[str] = []
@@ -369,6 +371,10 @@ class Session:
         self.memory.enter((path, cls))  # always paired with the post hook's exit, window or not
         if self._profiler is not None:
             self.module_calls.on_call(module, path, cls, args)
+        if self._outer is None:
+            self._outer = key
+        if key == self._outer:
+            self._outer_calls += 1
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:
@@ -417,7 +423,9 @@ class Session:
             self._first_forward_s = now
             return
         if self._window_started_s is None:
-            if now - self._first_forward_s >= self.config.window_after_seconds:
+            # Only once the model was called again without a step: a first step can take longer than
+            # window_after_seconds by itself (torch.compile compiling it) and still end in optimizer.step().
+            if now - self._first_forward_s >= self.config.window_after_seconds and self._outer_calls >= 2:
                 self.detection = "time_window"
                 self._window_started_s = now
                 self._start_window()

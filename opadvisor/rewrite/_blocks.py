@@ -23,7 +23,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite._names import reference
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 
 @dataclass
@@ -99,7 +99,30 @@ class BlockRewriter(RuleCodemod):
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         body = self._apply(original_node.body, updated_node.body, "")
+        if self.targets:
+            self._explain_unmatched(original_node)
         return updated_node if body is None else updated_node.with_changes(body=body)
+
+    # ---- targets the rewrite found nothing at -------------------------------------------------------------
+    def unmatched_reason(
+        self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
+    ) -> str | None:
+        """Why nothing was rewritten or skipped at `target` (subclasses; None: no better word than "found
+        no code it can rewrite"). `functions`: (name, first line, last line) of every def; `lines`: the source."""
+        return None
+
+    def _explain_unmatched(self, module: cst.Module) -> None:
+        noted = [n.line for n in (*self.changes, *self.skipped)]
+        functions = [
+            (f.name.value, *self.lines_of(f)) for f in _all_nodes(module) if isinstance(f, cst.FunctionDef)
+        ]
+        lines = module.code.splitlines()
+        for target in self.targets or ():
+            if any(target.line <= n <= target.end_line for n in noted):
+                continue
+            reason = self.unmatched_reason(target, functions, lines)
+            if reason is not None:
+                self.skipped.append(Note(target.line, reason))
 
     def _apply(
         self, original: Sequence[cst.BaseStatement], updated: Sequence[cst.BaseStatement], indent: str

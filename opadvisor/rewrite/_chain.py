@@ -31,6 +31,7 @@ from libcst.metadata import PositionProvider, ScopeProvider
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
+from opadvisor.rewrite.base import Target
 from opadvisor.rules.attention import AttentionFacts
 
 PRE_FUSED = ("mask", "scale")  # inward from the softmax
@@ -1092,6 +1093,19 @@ class SoftmaxChainRewriter(BlockRewriter):
                     edits.append(edit)
                     lower = edit.last + 1
         return edits
+
+    def unmatched_reason(
+        self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
+    ) -> str | None:
+        facts = AttentionFacts.from_details(target.details)
+        softmax = facts.line_of("softmax") if facts is not None else None
+        if softmax is None:
+            return None
+        text = lines[softmax[0] - 1].strip() if 0 < softmax[0] <= len(lines) else ""
+        return (
+            f"not rewritten: the softmax at line {softmax[0]} (`{text}`) is not in a chain this rewrite reads "
+            "(in one branch of an if/else, inside a function or module called there, or a form it does not know)"
+        )
 
     def _is_profiled_softmax(
         self, stmts: Sequence[cst.BaseStatement], index: int, facts: AttentionFacts

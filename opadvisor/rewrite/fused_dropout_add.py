@@ -33,6 +33,7 @@ from libcst.metadata import PositionProvider
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._chain import Chain, ChainFinder, Segment, Step, _assign_name, _small
+from opadvisor.rewrite.base import Target
 from opadvisor.rules.fused_dropout_add import DropoutAddFacts
 
 KERNEL = "opadvisor.kernels.bias_dropout_add"
@@ -41,6 +42,12 @@ RESHAPING = frozenset(
     {"unsqueeze", "expand", "expand_as", "view", "reshape", "to", "type_as", "repeat", "contiguous"}
 )
 FILLED = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.randn", "torch.rand", "torch.full"})
+
+
+def _innermost(functions: list[tuple[str, int, int]], line: int) -> tuple[str, int] | None:
+    """(name, first line) of the innermost def holding `line`."""
+    holding = [(end - start, name, start) for name, start, end in functions if start <= line <= end]
+    return min(holding)[1:] if holding else None
 
 
 def _one_dim(finder: ChainFinder, node: cst.BaseExpression) -> bool:
@@ -121,6 +128,27 @@ class FusedDropoutAddCodemod(BlockRewriter):
     RULE = "fused_dropout_add"
     KERNEL_OP = "bias_dropout_add"
     SAFETY = "safe"
+
+    def unmatched_reason(
+        self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
+    ) -> str | None:
+        facts = DropoutAddFacts.from_details(target.details)
+        drop = facts.line_of("dropout") if facts is not None else None
+        add = facts.line_of("residual") if facts is not None else None
+        if drop is None or add is None:
+            return None
+        inner, outer = _innermost(functions, drop[0]), _innermost(functions, add[0])
+        if inner is not None and inner != outer:
+            return (
+                f"not fused: the dropout (line {drop[0]}, in the {inner[0]} defined at line {inner[1]}) and the "
+                f"residual add (line {add[0]}, in its caller) are in two functions; fusing them would change "
+                "what the first one returns"
+            )
+        text = lines[drop[0] - 1].strip() if 0 < drop[0] <= len(lines) else ""
+        return (
+            f"not fused: no dropout call at line {drop[0]} (`{text}`): it runs inside a module or function "
+            "called there (an nn.Sequential, a library layer), which this rewrite does not open"
+        )
 
     def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
         finder = ChainFinder(self, stmts, sdpa=False)

@@ -676,11 +676,10 @@ def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) 
         if other is None or id(other) in dropped:
             continue
         path = Path(f.path).resolve()
-        reason = (
-            dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))])[0]
-            if path.is_file()
-            else None
-        )
+        library = getattr(f, "library", None) is not None  # fixed in the user's script, not at f.path
+        reason = None
+        if path.is_file() and not library:
+            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))])[0]
         if reason is None:
             dropped.add(id(other))
             messages.append(

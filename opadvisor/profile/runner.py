@@ -399,4 +399,6 @@ def profile_steps(
         session.uninstall()
     if recording is None or not recording.steps:
         raise RuntimeError("no step was recorded")
-    return build_profile(recording, session, source, [str(source)], cuda)
+    from opadvisor.profile.target import known_target
+
+    return build_profile(recording, session, known_target(str(source)), [str(source)], cuda)

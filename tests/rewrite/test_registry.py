@@ -12,8 +12,9 @@ from opadvisor.rewrite import registry
 from opadvisor.rewrite.base import RuleCodemod
 from opadvisor.rules.registry import rule_ids
 
-# modules of opadvisor/rewrite/ that are the engine, not a rule's codemod
-ENGINE = {"__init__", "base", "check", "engine", "registry"}
+# modules of opadvisor/rewrite/ that are the engine, not a rule's codemod; `library` holds the library
+# fixes' codemods (registry.LIBRARY_CODEMODS: fixes for findings in installed packages, not rules)
+ENGINE = {"__init__", "base", "check", "engine", "registry", "library"}
 
 
 def test_every_codemod_module_is_a_listed_rules_and_found_by_its_id():
@@ -24,6 +25,8 @@ def test_every_codemod_module_is_a_listed_rules_and_found_by_its_id():
     for rule in codemods:
         cls = registry.get_codemod(rule)
         assert issubclass(cls, RuleCodemod) and cls.RULE == rule and cls.SAFETY in ("safe", "unsafe")
+    for fix in registry.LIBRARY_CODEMODS:
+        assert issubclass(registry.get_codemod(fix), RuleCodemod) and not registry.has_codemod(fix)
 
 
 def test_a_rule_without_a_codemod_says_so():

@@ -40,6 +40,8 @@ Fix and its safety
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from opadvisor.profile.memory import (
     Holder,
     activation_holders,
@@ -52,6 +54,7 @@ from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "activation_checkpointing"
@@ -67,6 +70,27 @@ MIN_GROUP_SHARE = 0.2  # blocks holding less of the saved memory are not worth r
 HOLDERS_NAMED = 4
 SEQUENTIAL_FRAME = "torch/nn/modules/container.py"  # blocks of an nn.Sequential are called from there
 HF_SWITCH = 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})'
+
+
+@dataclass
+class CheckpointFacts(Facts):
+    """What the profile proved about the blocks (the finding's `details`; the codemod reads `modules` and
+    `form`). Bytes are per step; None where the profile could not tell (no CUDA: no peaks)."""
+
+    modules: list[str] = field(default_factory=list)  # the blocks' paths: "blocks.0", "blocks.1", ...
+    module_class: str | None = None
+    form: str = "call"  # "call": the caller calls each block; "sequential": an nn.Sequential calls them
+    call_lines: list[int] = field(default_factory=list)  # where the caller calls them
+    activation_bytes: int = 0  # what the blocks (with their submodules) save for backward
+    saved_bytes_per_step: int = 0  # what the whole step saves
+    input_bytes: int | None = None  # the blocks' tensor arguments: what a checkpoint keeps
+    est_memory_saving_bytes: int = 0
+    extra_compute_ms_per_step: float | None = None  # the blocks' forward: what recomputation repeats
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    device_bytes: int | None = None
+    batchnorm: list[str] = field(default_factory=list)  # BatchNorm classes inside the blocks
+    in_library: bool = False  # called from library code: no rewrite
 
 
 def detect(profile: Profile, requested: bool = False) -> list[Finding]:
@@ -218,22 +242,22 @@ def _finding(
         time_ms_per_step=extra_ms,
         est_saving_ms_per_step=None if extra_ms is None else -extra_ms,  # a cost: the recomputed forward
         advice=advice,
-        details={
-            "modules": holder.modules,
-            "module_class": holder.module_class,
-            "call_lines": lines,
-            "activation_bytes": round(holder.saved_bytes),
-            "saved_bytes_per_step": round(saved),
-            "input_bytes": holder.input_bytes,
-            "est_memory_saving_bytes": round(freed),
-            "extra_compute_ms_per_step": extra_ms,
-            "peak_allocated_bytes": allocated,
-            "peak_reserved_bytes": reserved,
-            "device_bytes": device,
-            "batchnorm": batchnorm,
-            "in_library": in_library,
-            "form": "sequential" if sequential else "call",
-        },
+        details=CheckpointFacts(
+            modules=holder.modules,
+            module_class=holder.module_class,
+            form="sequential" if sequential else "call",
+            call_lines=lines,
+            activation_bytes=round(holder.saved_bytes),
+            saved_bytes_per_step=round(saved),
+            input_bytes=holder.input_bytes,
+            est_memory_saving_bytes=round(freed),
+            extra_compute_ms_per_step=extra_ms,
+            peak_allocated_bytes=allocated,
+            peak_reserved_bytes=reserved,
+            device_bytes=device,
+            batchnorm=batchnorm,
+            in_library=in_library,
+        ).to_details(),
     )
 
 
@@ -264,4 +288,4 @@ def _fix(
     return ("unsafe" if batchnorm else "safe"), advice
 
 
-__all__ = ["FIX", "FIX_CAVEAT", "ID", "ON_REQUEST", "TITLE", "detect", "memory_saving"]
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "ON_REQUEST", "TITLE", "CheckpointFacts", "detect", "memory_saving"]

@@ -37,11 +37,14 @@ Fix and its safety
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from opadvisor.profile.model import ModuleCall, Op, Profile
 from opadvisor.rules._findings import cost_words, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "cudnn_rnn"
@@ -53,6 +56,21 @@ LAYERS = ("LSTM", "GRU", "RNN")
 TENSOR_CORES = (7, 0)
 BF16 = (8, 0)
 COPY_OPS = frozenset({"aten::copy_", "aten::zero_", "aten::fill_", "aten::cat", "aten::_copy_from"})
+
+
+@dataclass
+class CudnnRnnFacts(Facts):
+    """What the profile saw of the layer's calls (the finding's `details`; the codemod inserts
+    flatten_parameters() only where `problems` holds "not_flat", before a call of `module`'s last part)."""
+
+    kind: str = ""  # "LSTM", "GRU" or "RNN"
+    module: str = ""
+    problems: list[str] = field(default_factory=list)  # "not_flat", "no_cudnn", "float32"
+    call_line: int | None = None
+    calls_not_flat: int = 0  # calls in the window whose weights were not one packed buffer
+    calls: int = 0
+    weight_dtype: str | None = None
+    autocast: str | None = None
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -160,16 +178,16 @@ def _finding(
         time_ms_per_step=ms,
         est_saving_ms_per_step=saving,
         advice=advice,
-        details={
-            "kind": kind,
-            "module": call.module,
-            "problems": problems,
-            "call_line": call.line,
-            "calls_not_flat": attrs.get("calls_not_flat", 0),
-            "calls": call.calls,
-            "weight_dtype": attrs.get("weight_dtype"),
-            "autocast": attrs.get("autocast"),
-        },
+        details=CudnnRnnFacts(
+            kind=kind,
+            module=call.module,
+            problems=problems,
+            call_line=call.line,
+            calls_not_flat=attrs.get("calls_not_flat", 0),
+            calls=call.calls,
+            weight_dtype=attrs.get("weight_dtype"),
+            autocast=attrs.get("autocast"),
+        ).to_details(),
     )
 
 
@@ -178,4 +196,4 @@ def _callee(call: ModuleCall) -> str:
     return "self." + call.module.rpartition(".")[2] if call.module else "model"
 
 
-__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "detect"]
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "CudnnRnnFacts", "detect"]

@@ -36,10 +36,13 @@ Fix and its safety
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opadvisor.profile.model import ModuleCall, Profile
 from opadvisor.rules._findings import cost_words, fmt_ms
 from opadvisor.rules._index import index_of
 from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "rnn_cell_loop"
@@ -49,6 +52,23 @@ FIX = "safe"
 CELLS = ("LSTMCell", "GRUCell", "RNNCell")
 MIN_CALLS_PER_STEP = 4  # fewer time steps leave little to fuse
 FUSED_LAYER = {"LSTMCell": "nn.LSTM", "GRUCell": "nn.GRU", "RNNCell": "nn.RNN"}
+
+
+@dataclass
+class CellLoopFacts(Facts):
+    """The cell the profile saw stepped in the loop (the finding's `details`; the codemod checks the
+    loop's cell against `module` and the state's form against `kind`)."""
+
+    kind: str = ""  # "LSTMCell", "GRUCell" or "RNNCell"
+    module: str = ""  # its path in the model; the call names its last part (`self.cell`)
+    call_line: int | None = None
+    calls_per_step: float = 0.0  # the time steps
+    input_size: int | None = None
+    hidden_size: int | None = None
+    bias: bool | None = None
+    nonlinearity: str | None = None  # RNNCell: "tanh" or "relu"
+    input_shape: list[int] | None = None  # one time step's input
+    state_given: bool | None = None  # whether the first call passed a state
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -121,19 +141,19 @@ def _finding(
             f"{FUSED_LAYER[kind]}'s fused op over the whole sequence, with the cell's own parameters "
             f"(about {fmt_ms(ms)}/step spent in the loop now)"
         ),
-        details={
-            "kind": kind,
-            "module": call.module,
-            "call_line": call.line,
-            "calls_per_step": per_step,
-            "input_size": attrs.get("input_size"),
-            "hidden_size": attrs.get("hidden_size"),
-            "bias": attrs.get("bias"),
-            "nonlinearity": attrs.get("nonlinearity"),
-            "input_shape": attrs.get("input_shape"),
-            "state_given": attrs.get("state_given"),
-        },
+        details=CellLoopFacts(
+            kind=kind,
+            module=call.module,
+            call_line=call.line,
+            calls_per_step=per_step,
+            input_size=attrs.get("input_size"),
+            hidden_size=attrs.get("hidden_size"),
+            bias=attrs.get("bias"),
+            nonlinearity=attrs.get("nonlinearity"),
+            input_shape=attrs.get("input_shape"),
+            state_given=attrs.get("state_given"),
+        ).to_details(),
     )
 
 
-__all__ = ["FIX", "ID", "TITLE", "detect"]
+__all__ = ["FIX", "ID", "TITLE", "CellLoopFacts", "detect"]

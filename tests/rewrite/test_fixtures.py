@@ -30,6 +30,7 @@ CPU_RULES = {
     "sdpa_attention",
     "fused_dropout_add",
     "manual_layernorm",
+    "rnn_cell_loop",
 }  # find on a CPU profile
 # OPADVISOR_REGEN_FIXTURES=1 rewrites the .out.py files from the codemods, for review with `git diff`
 REGEN = os.environ.get("OPADVISOR_REGEN_FIXTURES") == "1"

@@ -6,8 +6,6 @@ Rendering only: the analysis is `opadvisor.rules` (the Report `suggest` renders)
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -38,6 +36,7 @@ def report(
     Example:  opadvisor report -o report.html
     """
     from opadvisor.errors import UserError
+    from opadvisor.files import atomic_write
     from opadvisor.profile.runs import load_run
     from opadvisor.report.html import build_html
     from opadvisor.rules.engine import analyse
@@ -53,30 +52,8 @@ def report(
         return f"{cmd} {shown_run}" if cmd else None
 
     page = build_html(run_dir, profiles, analyse(profiles), display=display_path, apply_command=command)
-    _write_atomically(target, page)
-    print(f"report written to {display_path(str(target))} (open it in a browser)")
-
-
-def _write_atomically(target: Path, text: str) -> None:
-    """Whole or not at all: written beside the target, then renamed over it."""
-    from opadvisor.errors import UserError
-
-    parent = target.parent if str(target.parent) else Path(".")
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=parent)
+    try:  # whole or not at all: written beside the target, then renamed over it
+        atomic_write(target, page.encode("utf-8"))
     except OSError as exc:
         raise UserError(f"cannot write {target}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    print(f"report written to {display_path(str(target))} (open it in a browser)")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import gzip
-import hashlib
 import os
 import platform
 import runpy
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from opadvisor.errors import UserError
+from opadvisor.files import current_umask, file_sha256
 from opadvisor.profile import runs
 from opadvisor.profile.events import TreeReader, assign_steps, profiler_step_ranges
 from opadvisor.profile.memory import attach_memory
@@ -109,13 +109,6 @@ def copy_bandwidth_gbps(repeats: int = 5) -> float | None:
     return round(2 * COPY_BYTES / (best / 1e3) / 1e9, 1) if best > 0 else None
 
 
-def _sha256(path: str) -> str | None:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
 def build_profile(
     recording: Recording, session: Session, target: Target | None, argv: list[str], cuda: bool
 ) -> Profile:
@@ -145,7 +138,7 @@ def build_profile(
         argv=argv,
         cwd=os.getcwd(),
         environment=environment(cuda),
-        sources={f: h for f in sorted(files) if (h := _sha256(f)) is not None},
+        sources={f: h for f in sorted(files) if (h := file_sha256(f)) is not None},
         step_detection=session.detection,
         warmup_steps=session.config.warmup,
         steps_requested=session.config.steps,
@@ -162,7 +155,7 @@ def build_profile(
         memory_requested=session.config.memory_requested,
         libraries=_libraries(extracted.library_files.values()),
         library_sources={
-            lib.rel: h for lib in extracted.library_files.values() if (h := _sha256(lib.path)) is not None
+            lib.rel: h for lib in extracted.library_files.values() if (h := file_sha256(lib.path)) is not None
         },
         modules=dict(session.modules),
         calibration=session.calibration(),
@@ -240,7 +233,9 @@ def write_run(
         profile.run_id = final.name
         save_profile(profile, staging / runs.PROFILE_FILE)
         _export_trace(recording, staging / runs.TRACE_FILE)
-        staging.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a run folder is an ordinary folder
+        staging.chmod(
+            0o777 & ~current_umask()
+        )  # mkdtemp makes it private; a run folder is an ordinary folder
         if final.exists():
             final.rmdir()  # an empty --out folder (checked before the run)
         staging.rename(final)
@@ -280,17 +275,11 @@ def _write_rank_files(
         save_profile(profile, staging / profile_name)
         _export_trace(recording, staging / trace_name)
         for name in (trace_name, profile_name):
-            (staging / name).chmod(0o666 & ~_umask())
+            (staging / name).chmod(0o666 & ~current_umask())
             (staging / name).rename(out / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out, profile
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:

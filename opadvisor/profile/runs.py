@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from opadvisor.errors import UserError
+from opadvisor.files import atomic_write
 from opadvisor.profile.model import Profile, ProfileFormatError, load_profile
 
 STATE_DIR = ".opadvisor"
@@ -34,10 +35,7 @@ def new_run_id() -> str:
 
 def mark_latest(run_dir: Path) -> None:
     """Point `.opadvisor/latest` at run_dir (a small text file, atomic replace)."""
-    latest = run_dir.parent.parent / "latest"
-    tmp = latest.with_name("latest.tmp")
-    tmp.write_text(run_dir.name + "\n", encoding="utf-8")
-    tmp.replace(latest)
+    atomic_write(run_dir.parent.parent / "latest", (run_dir.name + "\n").encode("utf-8"))
 
 
 def resolve_run(run: str | None, base: Path | None = None) -> Path:

@@ -41,7 +41,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ import libcst as cst
 from libcst.codemod import CodemodContext, SkipFile
 
 from opadvisor.errors import UserError
+from opadvisor.files import atomic_write
 from opadvisor.rewrite import registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
@@ -757,33 +757,6 @@ def apply_files(
 
 
 # ---- writing ----------------------------------------------------------------------------------------------------------
-def atomic_write(path: Path, data: bytes, mode_from: Path | None = None) -> None:
-    """Replace `path` with `data` through a temporary file in the same folder (permission bits kept)."""
-    source = mode_from or path
-    st = source.stat() if source.exists() else None
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".opadvisor-tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if st is not None:
-            os.chmod(tmp, stat.S_IMODE(st.st_mode))
-            try:
-                os.chown(tmp, st.st_uid, st.st_gid)
-            except (PermissionError, AttributeError):
-                pass
-        else:  # a new file: the mode a plain open() would give (mkstemp makes it 0600)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _backup_rel(path: Path) -> Path:
     root = project_root()
     try:

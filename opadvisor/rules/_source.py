@@ -33,6 +33,7 @@ from typing import Literal
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from opadvisor.files import file_sha256
 from opadvisor.profile.model import Op, Profile
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
     "SourceFile",
     "SourceStatus",
     "callee_name",
-    "file_sha256",
     "load_profiled_source",
     "load_source",
     "locate_each",
@@ -100,24 +100,24 @@ _OP_SYMBOL = {
 _HASHES: dict[str, tuple[int, int, str]] = {}
 
 
-def file_sha256(path: str | Path) -> str | None:
-    """sha256 hex of a file's bytes, None when it cannot be read (cached on path, mtime and size)."""
-    p = str(path)
+def _cached_sha256(path: str) -> str | None:
+    """`file_sha256`, cached on path, mtime and size (every finding asks about its file)."""
     try:
-        st = Path(p).stat()
-        hit = _HASHES.get(p)
-        if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
-            return hit[2]
-        digest = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+        st = Path(path).stat()
     except OSError:
         return None
-    _HASHES[p] = (st.st_mtime_ns, st.st_size, digest)
+    hit = _HASHES.get(path)
+    if hit is not None and hit[0] == st.st_mtime_ns and hit[1] == st.st_size:
+        return hit[2]
+    digest = file_sha256(path)
+    if digest is not None:
+        _HASHES[path] = (st.st_mtime_ns, st.st_size, digest)
     return digest
 
 
 def source_status(profile: Profile, path: str) -> SourceStatus:
     """Whether `path` is the file that was profiled: "ok", "changed" (hash differs), or "missing"."""
-    now = file_sha256(path)
+    now = _cached_sha256(path)
     if now is None:
         return "missing"
     then = profile.sources.get(path)

@@ -18,7 +18,6 @@ last entry among those rules: verify times these to say what each rule saved.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from opadvisor.errors import UserError
+from opadvisor.files import file_sha256
 
 APPLIED_FILE = "applied.json"
 APPLIED_SCHEMA = 1
@@ -129,17 +129,13 @@ class Applied:
         return order, None
 
 
-def sha256_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _snapshot(run_dir: Path, entry: dict[str, Any]) -> Path | None:
     """The entry's `after` snapshot when it is there and still what apply wrote, else None."""
     rel = entry.get("after")
     if not isinstance(rel, str):
         return None
     path = (run_dir / rel).resolve()
-    if not path.is_file() or sha256_file(path) != entry["sha256_after"]:
+    if not path.is_file() or file_sha256(path) != entry["sha256_after"]:
         return None
     return path
 
@@ -174,7 +170,7 @@ def load_applied(run_dir: Path) -> Applied:
             backup = (run_dir / e["backup"]).resolve()
             if not backup.is_file():
                 raise UserError(f"the backup of {target} ({backup}) is missing; cannot rebuild the original")
-            if sha256_file(backup) != e["sha256_before"]:
+            if file_sha256(backup) != e["sha256_before"]:
                 raise UserError(f"the backup {backup} does not match the hash apply recorded; it was changed")
             files[target] = AppliedFile(path=target, original=backup)
         f = files[target]
@@ -191,5 +187,5 @@ def load_applied(run_dir: Path) -> Applied:
     for target, f in files.items():
         if not target.is_file():
             raise UserError(f"{target} was rewritten by apply but no longer exists")
-        f.edited_since = sha256_file(target) != last_hash[target]
+        f.edited_since = file_sha256(target) != last_hash[target]
     return Applied(files=list(files.values()))

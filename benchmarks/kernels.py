@@ -46,18 +46,15 @@ def bench_graph(fn) -> float:
 
     Dropout seeds drawn during capture would be frozen into the graph anyway; opadvisor's is fixed here.
     """
-    from opadvisor.kernels import _rng
+    from opadvisor.kernels import fixed_dropout_seed
     from triton.testing import do_bench_cudagraph
 
-    draw = _rng.draw_seed
-    _rng.draw_seed = lambda device: (1, 2, 3)
-    try:
-        return do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
-    except Exception as exc:  # a chain that cannot be captured: report, keep going
-        print(f"graph capture failed: {exc!r}", flush=True)
-        return float("nan")
-    finally:
-        _rng.draw_seed = draw
+    with fixed_dropout_seed((1, 2, 3)):
+        try:
+            return do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+        except Exception as exc:  # a chain that cannot be captured: report, keep going
+            print(f"graph capture failed: {exc!r}", flush=True)
+            return float("nan")
 
 
 def copy_bandwidth() -> float:

@@ -14,6 +14,8 @@
 - ``quick_gelu(x)``: ``x * sigmoid(1.702 * x)``, one kernel each way.
 - ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
 - ``compile_region``: a decorator compiling one function with torch.compile, the original kept on failure.
+- ``fixed_dropout_seed(seed=(1, 2, 3))``: a context manager in which every dropout of these kernels uses
+  one seed (the same mask each call): for timing CUDA-graph replays and debugging, never for training.
 
 Which implementation runs (Triton on CUDA, Triton's interpreter under ``TRITON_INTERPRET=1``, plain
 PyTorch otherwise) is decided by ``backend()`` and the per-op ``*_backend()`` functions before a call;
@@ -24,6 +26,7 @@ does not import Triton.
 
 from ._backend import backend
 from ._dispatch import dispatch_counts, reset_dispatch_counts
+from ._rng import fixed_dropout_seed
 from .activations import quick_gelu, quick_gelu_backend, reference_quick_gelu
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
@@ -50,6 +53,7 @@ __all__ = [
     "disentangled_bias_backend",
     "dropout",
     "dropout_backend",
+    "fixed_dropout_seed",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",

@@ -22,6 +22,9 @@ pointer (`SEED_PTR`). The backward reads the same three words, saved with the fo
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from ._backend import cuda_graph_capturing
@@ -68,6 +71,22 @@ def draw_host_seed(device: torch.device) -> tuple[int, int, int]:
         return seed & _M31, (seed >> 31) & _M31, (offset // 4) & _M31
     seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())  # the CPU generator: no sync
     return seed & _M31, (seed >> 31) & _M31, 0
+
+
+@contextlib.contextmanager
+def fixed_dropout_seed(seed: tuple[int, int, int] = (1, 2, 3)) -> Iterator[None]:
+    """Every dropout of these kernels inside the block uses `seed` (k0, k1, stream), so every call draws
+    the same mask and no seed is drawn: for timing replays of a CUDA graph and for debugging, never for
+    training (its masks must differ from call to call)."""
+    global draw_seed
+    if len(seed) != 3 or not all(isinstance(v, int) and 0 <= v <= _M31 for v in seed):
+        raise ValueError(f"a dropout seed is three integers in [0, 2**31), not {seed!r}")
+    drawn = draw_seed
+    draw_seed = lambda device: seed  # noqa: E731 - the kernels call _rng.draw_seed: rebinding reaches them
+    try:
+        yield
+    finally:
+        draw_seed = drawn
 
 
 def seed_launch_args(seed: Seed, placeholder: torch.Tensor) -> tuple[torch.Tensor, int, int, int, bool]:

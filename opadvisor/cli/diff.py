@@ -63,7 +63,7 @@ def diff(
 
 
 def _signed(ms: float | None) -> str:
-    from opadvisor.rules._findings import fmt_ms
+    from opadvisor.rules.overview import fmt_ms
 
     if ms is None:
         return "n/a"
@@ -77,7 +77,7 @@ def _pct(pct: float | None) -> str:
 def _render(d, top: int, fail_above: float | None) -> None:
     from rich.console import Console
 
-    from opadvisor.rules._findings import fmt_ms
+    from opadvisor.rules.overview import fmt_ms
 
     console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
     for label, side in (("A", d.a), ("B", d.b)):
@@ -114,7 +114,7 @@ def _render(d, top: int, fail_above: float | None) -> None:
 def _changes_table(title: str, changes, limit: int, calls: bool = False):
     from rich.table import Table
 
-    from opadvisor.rules._findings import fmt_ms
+    from opadvisor.rules.overview import fmt_ms
 
     table = Table(title=title, title_justify="left", header_style="bold", box=None)
     table.add_column("name", overflow="fold")
@@ -134,7 +134,7 @@ def _changes_table(title: str, changes, limit: int, calls: bool = False):
 def _findings_table(findings):
     from rich.table import Table
 
-    from opadvisor.rules._findings import fmt_ms
+    from opadvisor.rules.overview import fmt_ms
 
     table = Table(title="Findings", title_justify="left", header_style="bold", box=None)
     for col, justify in (("status", "left"), ("rule", "left"), ("where", "left")):

@@ -181,8 +181,7 @@ def _round(v: float | None, digits: int = 3) -> float | None:
 
 def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
     """The `suggest --format json` object (schema: opadvisor/rules/suggest_schema.py)."""
-    from opadvisor.rules._breakdown import breakdown
-    from opadvisor.rules._index import index_of, median_step_ms
+    from opadvisor.rules.overview import breakdown, calibration, median_step_ms
 
     first = profiles[0]
     env = first.environment
@@ -202,7 +201,7 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
         "rules_run": report.rules_run,
         "memory": memory_entry(first),
         "recording": recording_entry(profiles),
-        "calibration": index_of(first).calibration.to_json(),
+        "calibration": calibration(first).to_json(),
         "compiled": report.compiled,
         "eager": first.eager,
         **extra,
@@ -384,9 +383,9 @@ def sarif_document(report, profiles) -> dict[str, Any]:
         notifications.insert(0, {"level": "warning", "message": {"text": incomplete}})
     if notifications:
         run["invocations"] = [{"executionSuccessful": True, "toolExecutionNotifications": notifications}]
-    from opadvisor.rules._index import index_of
+    from opadvisor.rules.overview import calibration
 
-    run["properties"] = {"calibration": index_of(profiles[0]).calibration.to_json()}
+    run["properties"] = {"calibration": calibration(profiles[0]).to_json()}
     return {"$schema": SARIF_SCHEMA_URI, "version": "2.1.0", "runs": [run]}
 
 
@@ -400,9 +399,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     from rich.table import Table
 
     from opadvisor.profile.summary import memory_text
-    from opadvisor.rules._breakdown import breakdown
-    from opadvisor.rules._calibration import step_words
-    from opadvisor.rules._findings import fmt_ms, fmt_share
+    from opadvisor.rules.overview import breakdown, fmt_ms, fmt_share, step_words
 
     # a terminal gets its own width; a pipe or a CI log gets 120 columns, so commands are not folded
     console = Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120)
@@ -494,7 +491,7 @@ def note_lines(notes) -> list[str]:
 
 def compiled_words(compiled: dict[str, Any]) -> str:
     """The note for time spent inside torch.compile graphs (see opadvisor/rules/_compiled.py)."""
-    from opadvisor.rules._findings import fmt_ms, fmt_share
+    from opadvisor.rules.overview import fmt_ms, fmt_share
 
     basis = "" if compiled["basis"] == "gpu" else " of CPU time"
     share = (

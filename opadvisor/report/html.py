@@ -23,9 +23,9 @@ from typing import Any
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Profile
 from opadvisor.report.svg import KIND_COLOURS, timeline_svg
-from opadvisor.rules._findings import fmt_ms, fmt_share
 from opadvisor.rules.engine import Report
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.overview import fmt_ms, fmt_share
 
 __all__ = ["build_html"]
 
@@ -88,7 +88,7 @@ def _device(p: Profile) -> str:
 
 
 def _header(run_dir: Path, profiles: Sequence[Profile], display: Callable[[str], str]) -> str:
-    from opadvisor.rules._calibration import step_words
+    from opadvisor.rules.overview import step_words
 
     p = profiles[0]
     ranks = f" · {len(profiles)} ranks" if len(profiles) > 1 else ""
@@ -118,8 +118,7 @@ def _sentence(words: str) -> str:
 
 
 def _breakdown_section(p: Profile) -> str:
-    from opadvisor.rules._breakdown import breakdown
-    from opadvisor.rules._calibration import step_words
+    from opadvisor.rules.overview import breakdown, step_words
 
     bd = breakdown(p)
     parts = [q for q in bd["parts"] if q["ms"]]
@@ -308,7 +307,7 @@ class Sources:
 
     def lines(self, path: str) -> tuple[list[str] | None, str | None]:
         """(lines, note): lines None when the file cannot be read; note says what is shown, if not plain."""
-        from opadvisor.rules._source import file_sha256
+        from opadvisor.files import file_sha256
 
         want = self.recorded.get(path)
         now = file_sha256(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from html import escape
 
-from opadvisor.rules._findings import fmt_ms
+from opadvisor.rules.overview import fmt_ms
 from opadvisor.rules.timeline import Segment, StepTimeline
 
 WIDTH = 1000.0

@@ -85,6 +85,23 @@ def test_triton_keep_mask_equals_pytorch_one(interleave, device, kernels_everywh
     assert torch.equal(y != 0, _rng.philox_keep_mask(seed, 5, 37, 0.3, device))
 
 
+def test_fixed_dropout_seed_gives_every_call_one_mask(device, kernels_everywhere):
+    """Inside `fixed_dropout_seed` every dropout uses the given seed; the draw comes back after it."""
+    from opadvisor.kernels import fixed_dropout_seed
+
+    drawn = _rng.draw_seed
+    x = torch.ones(5, 37, device=device)
+    with fixed_dropout_seed((7, 8, 9)):
+        a = dropout_add.bias_dropout_add(x, None, torch.zeros_like(x), 0.3)
+        b = dropout_add.bias_dropout_add(x, None, torch.zeros_like(x), 0.3)
+    assert _rng.draw_seed is drawn
+    assert torch.equal(a != 0, _rng.philox_keep_mask((7, 8, 9), 5, 37, 0.3, device))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="three integers"):
+        with fixed_dropout_seed((1, 2**31)):
+            pass
+
+
 def test_seed_draw_follows_manual_seed():
     torch.manual_seed(11)
     a = _rng.draw_seed(torch.device("cpu"))

@@ -1,0 +1,111 @@
+"""The layout is the architecture: a private module (`_x.py`) is imported only inside its own package.
+
+Every import in opadvisor/, kernels/ (installed as opadvisor.kernels), benchmarks/ and examples/ is read with
+ast and resolved to the module it names (relative imports and `from pkg import _mod` included); one that
+names a private module of another package fails here. A package's subpackages are its own. The tests are
+not held to this: they may test a package's private modules directly.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder in the repository -> the dotted package it is imported as
+TREES = {
+    "opadvisor": "opadvisor",
+    "kernels": "opadvisor.kernels",
+    "benchmarks": "benchmarks",
+    "examples": "examples",
+}
+
+
+def _module_of(path: Path) -> str:
+    """The dotted name `path` is imported as (a package's __init__.py is the package)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [*TREES[rel.parts[0]].split("."), *rel.parts[1:]]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the trees, by dotted name."""
+    found = {}
+    for tree in TREES:
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            found[_module_of(path)] = path
+    return found
+
+
+SOURCES = _sources()
+
+
+def _package_of(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _imported(node: ast.AST, package: str) -> list[str]:
+    """The dotted names an import statement can load: the module, and for `from M import a` also M.a."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:  # relative: `from .x` is package.x, each further dot one package up
+        base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        module = ".".join([*base, *([node.module] if node.module else [])])
+    else:
+        module = node.module or ""
+    return [module, *(f"{module}.{alias.name}" for alias in node.names)]
+
+
+def _private_owner(name: str) -> str | None:
+    """The package owning the first private module along `name` (one of ours), None if none is private."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[: i + 1])
+        if part.startswith("_") and not part.startswith("__") and prefix in SOURCES:
+            return ".".join(parts[:i])
+    return None
+
+
+def _violations(source: str, module: str, path: Path) -> list[str]:
+    package = _package_of(module, path)
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        for name in _imported(node, package):
+            owner = _private_owner(name)
+            if owner is not None and package != owner and not package.startswith(owner + "."):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name} (private to {owner})")
+                break
+    return found
+
+
+def test_no_private_module_is_imported_across_packages() -> None:
+    problems = [v for module, path in SOURCES.items() for v in _violations(path.read_text(), module, path)]
+    assert not problems, "use the package's public surface instead:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from opadvisor.rules._findings import fmt_ms",
+        "from opadvisor.rules import _findings",
+        "import opadvisor.rules._index",
+        "from ..rules._source import load_source",
+        "from opadvisor.kernels import _rng",
+    ],
+)
+def test_the_check_sees_each_form_of_import(line: str) -> None:
+    # as if written in opadvisor/cli/suggest.py: every form names a private module of another package
+    path = ROOT / "opadvisor" / "cli" / "suggest.py"
+    assert _violations(line, "opadvisor.cli.suggest", path)
+
+
+def test_the_check_allows_a_package_its_own_private_modules() -> None:
+    path = ROOT / "opadvisor" / "rules" / "engine.py"
+    source = (
+        "from opadvisor.rules._index import index_of\nfrom ._findings import fmt_ms\nimport torch._dynamo"
+    )
+    assert not _violations(source, "opadvisor.rules.engine", path)

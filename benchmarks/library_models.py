@@ -19,8 +19,9 @@ synchronised at each optimizer step, warm-up excluded, median of --steps):
 1. the original, eager and under torch.compile;
 2. `opadvisor profile` -> `opadvisor suggest --format json` -> `opadvisor apply --rule all` (the safe
    fixes) -> `opadvisor verify` (loss parity, dropout off) -> time it, eager;
-3. `opadvisor apply --rule all --unsafe` on top (CUDA graphs: `cuda_graphed(model)` before the optimizer)
-   -> verify -> time it, eager.
+3. `opadvisor profile` again (a new run: what is left after the safe fixes, e.g. launch-bound work that only
+   shows once the kernels are fused) -> `opadvisor apply --rule all --unsafe` (CUDA graphs:
+   `cuda_graphed(model)` before the optimizer) -> verify -> time it, eager.
 
 A failure in one step (a timeout, a crash, a parity failure) becomes that row's entry in the table; the
 run goes on. The table is printed last and written, with the findings and the rewrites, to
@@ -136,7 +137,9 @@ class Row:
 class Bench:
     model: str
     rows: list[Row] = field(default_factory=list)
-    findings: list[dict[str, Any]] = field(default_factory=list)
+    # suggest's findings per round: "before any fix", then "after the safe fixes" (re-profiled, as a
+    # user does before trying the unsafe fixes: launch-bound work only shows once the kernels are fused)
+    findings: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     applied: dict[str, list[str]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
 
@@ -225,7 +228,9 @@ def parity(work: Path, deadline: Deadline) -> str:
         return f"verify exit {proc.returncode}: {last_line(proc.stderr)}"
 
 
-def profile_and_suggest(bench: Bench, work: Path, device_args: list[str], deadline: Deadline) -> bool:
+def profile_and_suggest(
+    bench: Bench, work: Path, device_args: list[str], deadline: Deadline, when: str
+) -> bool:
     proc = opadvisor(
         work, deadline, "profile", "train.py", "--steps", "3", "--warmup", "3", "--", *device_args
     )
@@ -239,11 +244,12 @@ def profile_and_suggest(bench: Bench, work: Path, device_args: list[str], deadli
     except json.JSONDecodeError:
         bench.rows.append(Row("opadvisor suggest", error=last_line(proc.stderr)))
         return False
+    listed = bench.findings.setdefault(when, [])
     for f in doc["findings"]:
         lib = f.get("library") or {}
         where = f"{lib['file']}:{f['line']}" if lib else f"{f['path']}:{f['line']}"
         fix = (lib.get("fix") or {}).get("name") if lib else None
-        bench.findings.append(
+        listed.append(
             {
                 "rule": f["rule"],
                 "where": where,
@@ -253,7 +259,7 @@ def profile_and_suggest(bench: Bench, work: Path, device_args: list[str], deadli
                 "apply": f["apply"],
             }
         )
-    say(bench, f"[suggest] {len(bench.findings)} findings")
+    say(bench, f"[suggest {when}] {len(listed)} findings")
     return True
 
 
@@ -284,9 +290,11 @@ def run(opts) -> Bench:
     if not opts.no_compile:
         timed(bench, "original, torch.compile", original, [*device_args, "--compile"], opts, deadline)
     try:
-        if not profile_and_suggest(bench, work, device_args, deadline):
+        if not profile_and_suggest(bench, work, device_args, deadline, "before any fix"):
             return bench
         for label, args in (("apply (safe), eager", []), ("apply (safe + unsafe), eager", ["--unsafe"])):
+            if args and not profile_and_suggest(bench, work, device_args, deadline, "after the safe fixes"):
+                return bench
             if not apply(bench, work, label, args, deadline):
                 continue
             if not bench.applied[label]:
@@ -349,13 +357,15 @@ def markdown(bench: Bench, header: dict[str, str]) -> str:
             f"{r.parity or ''} |"
         )
     out += ["", "Targets:"] + [f"- {v}" for v in verdicts(bench)]
-    out += ["", "What `opadvisor suggest` listed (before any fix):", ""]
-    out += ["| rule | where | module class | ms/step | fix | command |", "|---|---|---|---:|---|---|"]
-    for f in bench.findings:
-        ms = "-" if f["ms"] is None else f"{f['ms']:.2f}"
-        out.append(
-            f"| {f['rule']} | {f['where']} | {f['module_class'] or ''} | {ms} | {f['fix']} | {f['apply'] or ''} |"
-        )
+    for when, listed in bench.findings.items():
+        out += ["", f"What `opadvisor suggest` listed ({when}):", ""]
+        out += ["| rule | where | module class | ms/step | fix | command |", "|---|---|---|---:|---|---|"]
+        for f in listed:
+            ms = "-" if f["ms"] is None else f"{f['ms']:.2f}"
+            out.append(
+                f"| {f['rule']} | {f['where']} | {f['module_class'] or ''} | {ms} | {f['fix']} | "
+                f"{f['apply'] or ''} |"
+            )
     for label, lines in bench.applied.items():
         out += ["", f"Rewrites of `apply --rule all{' --unsafe' if 'unsafe' in label else ''}`:"]
         out += [f"- `{line}`" for line in lines] or ["- none"]

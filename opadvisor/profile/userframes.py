@@ -11,6 +11,7 @@ frame that called it, as in the user's case.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import site
 import sys
@@ -22,8 +23,19 @@ from pathlib import Path
 import opadvisor
 
 
+def _opadvisor_dirs() -> set[str]:
+    """opadvisor's own folders. `opadvisor.kernels` lives in its own folder (`kernels/` in a source
+    checkout installed with `pip install -e`), so it is looked up, not assumed to be inside `opadvisor/`:
+    the fused ops' reference paths must never read as the user's code."""
+    dirs = {str(Path(opadvisor.__file__).resolve().parent)}
+    spec = importlib.util.find_spec("opadvisor.kernels")  # finds the folder without importing triton
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        dirs.add(str(Path(location).resolve()))
+    return dirs
+
+
 def _roots() -> tuple[str, ...]:
-    roots = {str(Path(opadvisor.__file__).resolve().parent)}
+    roots = _opadvisor_dirs()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:

@@ -1,10 +1,10 @@
 """The dispatch record (which implementation each fused call ran) and the one-time fallback warnings.
 
 `dispatch_counts()` maps an op ("masked_softmax", "bias_dropout_add", "cross_entropy", "padded_linear",
-"dropout", "quick_gelu", "disentangled_bias") to its paths and their call counts:
+"dropout", "quick_gelu", "disentangled_bias", "cell_sequence") to its paths and their call counts:
 
 - "kernel": the fused implementation ran (a Triton kernel, compiled or interpreted; for `padded_linear`, the
-  matrix product on padded sizes);
+  matrix product on padded sizes; for `cell_sequence`, the fused recurrence `nn.LSTM` runs);
 - "chain": the plain PyTorch chain, by design: a CUDA tensor under the op's size threshold, an aligned
   `padded_linear`, or a call traced by torch.compile where the op traces its chain;
 - "reference": the PyTorch reference, where no kernel applies (CPU tensors without Triton's interpreter,

@@ -36,6 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _dispatch
+
+OP = "cell_sequence"  # its name in the dispatch record: every call runs the fused layer op ("kernel")
 _PACKING_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
 
 
@@ -78,6 +81,7 @@ def cell_sequence(
     elif not batched:
         state = tuple(s.unsqueeze(0) for s in state) if lstm else state.unsqueeze(0)
     args = (_parameters(cell), cell.bias, 1, 0.0, torch.is_grad_enabled(), False, time_dim == 1)
+    _dispatch.record(OP, _dispatch.KERNEL)
     with warnings.catch_warnings(), _loop_precision(inputs):
         warnings.filterwarnings("ignore", message=_PACKING_WARNING)
         if lstm:

@@ -91,6 +91,10 @@ class ActivationCheckpointingCodemod(RuleCodemod):
     """Wrap the calls of the profiled blocks in torch.utils.checkpoint.checkpoint (non-reentrant)."""
 
     RULE: ClassVar[str] = "activation_checkpointing"
+    NO_KERNEL_OP: ClassVar[str] = (
+        "torch.utils.checkpoint recomputes the blocks with PyTorch's own ops; verify measures its effect, "
+        "the peak memory"
+    )
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 

@@ -41,8 +41,11 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     # instead of being refused as "already rewritten".
     COMPOSES: ClassVar[bool] = False
     # the `opadvisor.kernels` op the rewrite calls, by its name in `dispatch_counts()` (verify checks that
-    # the rewritten program ran its kernel); None when the fix calls none
-    KERNEL_OP: ClassVar[str | None] = None
+    # the rewritten program ran its kernel); a tuple when each form the codemod rewrites calls its own op
+    # (verify then expects those whose name the rule's rewrite added to the file); None when the fix calls
+    # none, and then NO_KERNEL_OP says why (tests/verify/test_kernel_ops.py holds every fix to one of them)
+    KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = None
+    NO_KERNEL_OP: ClassVar[str] = ""
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
 
     def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:

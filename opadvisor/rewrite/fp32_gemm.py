@@ -103,6 +103,7 @@ class Fp32GemmCodemod(RuleCodemod):
     """TF32 flags at the script's start (default), or bf16 autocast around the step's forward (mode)."""
 
     RULE: ClassVar[str] = "fp32_gemm"
+    NO_KERNEL_OP: ClassVar[str] = "a TF32 switch or bf16 autocast: PyTorch's own matrix products run"
     SAFETY: ClassVar[str] = "unsafe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 

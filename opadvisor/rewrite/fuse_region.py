@@ -170,6 +170,8 @@ class _Plan:
 
 class FuseRegionCodemod(BlockRewriter):
     RULE = "fuse_region"
+    # one op per exact form (compile_region, the fallback, is torch.compile: it keeps no dispatch record)
+    KERNEL_OP = ("dropout", "quick_gelu", "disentangled_bias")
     SAFETY = "safe"
     RANDOM_ONLY = False  # True in the parity twin: only the dropout rewrites
 

@@ -43,7 +43,7 @@ LOSS_MODULES = frozenset({"torch.nn.CrossEntropyLoss", "torch.nn.modules.loss.Cr
 class FusedCrossEntropyCodemod(RuleCodemod):
     RULE: ClassVar[str] = "fused_cross_entropy"
     SAFETY: ClassVar[str] = "safe"
-    KERNEL_OP: ClassVar[str | None] = "cross_entropy"
+    KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = "cross_entropy"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
 
     def visit_Module(self, node: cst.Module) -> bool:

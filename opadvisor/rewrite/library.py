@@ -133,6 +133,10 @@ class LibraryPatchCodemod(_AtStatement):
     """Insert `model = opadvisor.patch(model, rules=[...])` after the model's construction."""
 
     RULE: ClassVar[str] = "library_patch"
+    NO_KERNEL_OP: ClassVar[str] = (
+        "opadvisor.patch picks at run time, per module instance, which fused forward (and so which ops) "
+        "to swap in: the inserted line names none"
+    )
     SAFETY: ClassVar[str] = "safe"
 
     def statement(self, original, updated, rest, targets):
@@ -272,6 +276,7 @@ class HfAttnImplementationCodemod(_AtStatement):
     """transformers' attn_implementation="sdpa" where the model is built or loaded."""
 
     RULE: ClassVar[str] = "hf_attn_implementation"
+    NO_KERNEL_OP: ClassVar[str] = 'attn_implementation="sdpa" selects transformers\' own SDPA attention'
     SAFETY: ClassVar[str] = "safe"
 
     def statement(self, original, updated, rest, targets):
@@ -331,6 +336,7 @@ class MhaNeedWeightsCodemod(_AtStatement):
     """need_weights=False at a call of an nn.MultiheadAttention whose weights are dropped."""
 
     RULE: ClassVar[str] = "mha_need_weights"
+    NO_KERNEL_OP: ClassVar[str] = "need_weights=False lets nn.MultiheadAttention take its own fused path"
     SAFETY: ClassVar[str] = "safe"
 
     def statement(self, original, updated, rest, targets):

@@ -431,6 +431,7 @@ class ManualLayerNormCodemod(RuleCodemod):
     """Collapse hand-written layer norms into `torch.nn.functional.layer_norm` (no finding details used)."""
 
     RULE: ClassVar[str] = "manual_layernorm"
+    NO_KERNEL_OP: ClassVar[str] = "the layer norm becomes PyTorch's own layer_norm"
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (
         PositionProvider,

@@ -81,6 +81,7 @@ _PEELABLE_METHODS = {
 
 class SdpaAttentionCodemod(SoftmaxChainRewriter):
     RULE = "sdpa_attention"
+    NO_KERNEL_OP = "F.scaled_dot_product_attention is PyTorch's own fused attention"
     SAFETY = "safe"
     SDPA = True
 

@@ -55,6 +55,10 @@ class CudaGraphsCodemod(RuleCodemod):
     """Wrap the optimized module in `cuda_graphed` before its optimizer is built."""
 
     RULE: ClassVar[str] = "sparse_launch"
+    NO_KERNEL_OP: ClassVar[str] = (
+        "opadvisor.kernels.cuda_graphed keeps no dispatch record (a replay runs no Python to count); "
+        "verify's step times show whether the graphs ran"
+    )
     SAFETY: ClassVar[str] = "unsafe"
     # it inserts `model = cuda_graphed(model)` before the optimizer's line, which fused_optimizer may have
     # given `fused=True`: the two compose

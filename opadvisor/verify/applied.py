@@ -19,6 +19,8 @@ last entry among those rules: verify times these to say what each rule saved.
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,6 +74,22 @@ class Applied:
             for r in f.rules:
                 seen.setdefault(r, None)
         return list(seen)
+
+    def names_added(self, rule: str) -> set[str]:
+        """The identifiers `rule`'s rewrites added to its files (more of them after than before): which of
+        its codemod's kernel ops a rule with one op per form called. A rewrite without a usable snapshot is
+        read as its file's whole change (the backup against the file now)."""
+        added: set[str] = set()
+        for f in self.files:
+            texts = [f.original, *(s.after for s in f.steps)]
+            for i, step in enumerate(f.steps):
+                if step.rule != rule:
+                    continue
+                before, after = texts[i], texts[i + 1]
+                if before is None or after is None:
+                    before, after = f.original, f.path
+                added |= set(_identifiers(after) - _identifiers(before))
+        return added
 
     def sources(self) -> dict[str, str]:
         """{rewritten file: its original (backup)}, as the harness config wants it."""
@@ -127,6 +145,14 @@ class Applied:
             except ValueError as exc:
                 return [], str(exc)
         return order, None
+
+
+def _identifiers(path: Path) -> Counter[str]:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return Counter()
+    return Counter(re.findall(r"[A-Za-z_]\w*", text))
 
 
 def _snapshot(run_dir: Path, entry: dict[str, Any]) -> Path | None:

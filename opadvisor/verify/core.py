@@ -361,7 +361,7 @@ def verify(
         notes.extend(_timing_notes(report.timing, profile, opts))
         if timed_dispatch is not None:
             dispatch, run = timed_dispatch, "timing"
-    report.fused_calls, warnings = fused_calls(applied.rules, dispatch, run)
+    report.fused_calls, warnings = fused_calls(applied.rules, dispatch, run, applied.names_added)
     report.warnings.extend(warnings)
     if parity.ok and opts.reprofile:
         progress("re-profiling the rewritten script")

@@ -1,7 +1,8 @@
 """Which implementation each fused call of the rewritten program ran, and what that means for the verdict.
 
 The harness reads `opadvisor.kernels.dispatch_counts()` at the end of each run: per op ("masked_softmax",
-"bias_dropout_add", "cross_entropy", "padded_linear") the calls that took each path:
+"bias_dropout_add", "cross_entropy", "padded_linear", "dropout", "quick_gelu", "disentangled_bias",
+"cell_sequence") the calls that took each path:
 
     kernel     the fused implementation (a Triton kernel, compiled or interpreted; a padded matrix product)
     chain      the plain PyTorch chain by design: tensors under the op's size threshold, an aligned
@@ -17,8 +18,11 @@ the chain or the reference, not the kernel the rewrite was for).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+NamesAdded = Callable[[str], set[str]]  # rule -> the identifiers its rewrite added to the source
 
 PATH_WORDS = {
     "chain": "the plain PyTorch chain (tensors under the op's size threshold, or traced by torch.compile)",
@@ -41,27 +45,33 @@ class FusedCalls:
         return {"op": self.op, "rules": self.rules, "counts": self.counts, "run": self.run}
 
 
-def kernel_ops(rules: list[str]) -> dict[str, list[str]]:
-    """{op: [applied rules whose codemod calls it]} from each codemod's KERNEL_OP."""
+def kernel_ops(rules: list[str], names_added: NamesAdded | None = None) -> dict[str, list[str]]:
+    """{op: [applied rules whose codemod calls it]} from each codemod's KERNEL_OP. A codemod with one op
+    per form it rewrites (fuse_region) calls those whose name its rewrite added (`names_added(rule)`, from
+    the applied files); without `names_added`, all of them."""
     from opadvisor.errors import UserError
     from opadvisor.rewrite.registry import get_codemod
 
     ops: dict[str, list[str]] = {}
     for rule in rules:
         try:
-            op = get_codemod(rule).KERNEL_OP
+            declared = get_codemod(rule).KERNEL_OP
         except (UserError, ImportError, AttributeError):
             continue
-        if op:
+        named = (declared,) if isinstance(declared, str) else declared or ()
+        if len(named) > 1 and names_added is not None:
+            added = names_added(rule)
+            named = tuple(op for op in named if op in added)
+        for op in named:
             ops.setdefault(op, []).append(rule)
     return ops
 
 
 def fused_calls(
-    rules: list[str], dispatch: dict[str, Any] | None, run: str
+    rules: list[str], dispatch: dict[str, Any] | None, run: str, names_added: NamesAdded | None = None
 ) -> tuple[list[FusedCalls], list[str]]:
     """The rewrite's fused calls per op, and a warning per applied rule whose kernel never ran."""
-    wanted = kernel_ops(rules)
+    wanted = kernel_ops(rules, names_added)
     if dispatch is None:
         return [], []
     counts: dict[str, dict[str, int]] = dispatch.get("counts") or {}

@@ -103,3 +103,12 @@ def test_same_on_cuda(kind: str, time_dim: int, recwarn):
     assert torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
     _compare(kind, time_dim, True, True, "cuda", 1e-5, 1e-6)
     assert not [w for w in recwarn if "contiguous chunk" in str(w.message)]
+
+
+def test_each_call_is_recorded_as_the_fused_op() -> None:
+    """verify reads the dispatch record to see that rnn_cell_loop's rewrite ran."""
+    from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
+
+    reset_dispatch_counts()
+    cell_sequence(nn.GRUCell(5, 7), torch.randn(3, 2, 5))
+    assert dispatch_counts() == {"cell_sequence": {"kernel": 1}}

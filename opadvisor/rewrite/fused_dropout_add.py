@@ -67,13 +67,14 @@ def _one_dim(finder: ChainFinder, node: cst.BaseExpression) -> bool:
     return len(sizes) == 1 and not isinstance(sizes[0].value, cst.Tuple | cst.List)
 
 
-def _learned_table(finder: ChainFinder, node: cst.BaseExpression) -> bool:
+def _learned_table(finder: ChainFinder, node: cst.BaseExpression, depth: int = 0) -> bool:
     """The source shows `node` is a parameter (or a slice of one) or an nn.Embedding lookup."""
     node = mt.unparen(node)
     while isinstance(node, cst.Subscript) or _reshaping_call(node):
         node = mt.unparen(node.value if isinstance(node, cst.Subscript) else node.func.value)  # type: ignore[union-attr]
     if isinstance(node, cst.Name):
-        return any(_learned_table(finder, v) for v in mt.local_values(finder.cm, node))
+        # bounded: `h = h.reshape(...)` names itself among its own values
+        return depth < 3 and any(_learned_table(finder, v, depth + 1) for v in mt.local_values(finder.cm, node))
     if isinstance(node, cst.Call):
         module = finder.class_value(node.func) if mt.self_attr(node.func) else None
         return isinstance(module, cst.Call) and mt.resolves_to(finder.cm, module.func, mt.EMBEDDING_CLASSES)

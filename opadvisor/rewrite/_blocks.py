@@ -44,12 +44,18 @@ class BlockRewriter(RuleCodemod):
         super().__init__(context, targets)
         self._module: cst.Module | None = None
         self._indents: list[str] = []
+        self._reached: set[int] = set()  # ids of targets an edit or a skip answered
 
     # ---- subclasses ---------------------------------------------------------------------------------
     def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
         raise NotImplementedError
 
     # ---- helpers for subclasses -----------------------------------------------------------------------
+    def reached(self, target: Target) -> None:
+        """`target` was answered by an edit or a skip, though the note's line may lie before its lines (a
+        chain read upward past the finding's first line, to a scale or an `if` around the mask)."""
+        self._reached.add(id(target))
+
     def ref(self, qualified_name: str) -> cst.BaseExpression:
         assert self._module is not None
         return reference(self.context, self._module, qualified_name)
@@ -118,7 +124,7 @@ class BlockRewriter(RuleCodemod):
         ]
         lines = module.code.splitlines()
         for target in self.targets or ():
-            if any(target.line <= n <= target.end_line for n in noted):
+            if id(target) in self._reached or any(target.line <= n <= target.end_line for n in noted):
                 continue
             reason = self.unmatched_reason(target, functions, lines)
             if reason is not None:

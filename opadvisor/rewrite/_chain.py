@@ -355,6 +355,14 @@ class ChainFinder:
             step = Step("softmax", node, args["input"].value, {"dim": args["dim"].value})
             step.params["upcast"] = cst.Name("True")
             return step
+        elif (upcast := self._softmax_attribute(node.func)) is not None:
+            args = mt.bind_args(node, ("input", "dim"))
+            if args is None or "dim" not in args:
+                return None
+            step = Step("softmax", node, args["input"].value, {"dim": args["dim"].value})
+            if upcast:
+                step.params["upcast"] = cst.Name("True")
+            return step
         else:
             return self._softmax_module(node)
         if args is None:
@@ -399,6 +407,31 @@ class ChainFinder:
             and all(self._float32_softmax_of(r.value, params[0]) for r in returns)
         )
 
+    def _softmax_attribute(self, func: cst.BaseExpression) -> bool | None:
+        """For `self.attn_fn` that __init__ sets to a softmax function (x-transformers:
+        `partial(F.softmax, dtype=torch.float32) if not qk_norm else F.softmax`): whether some branch
+        computes in float32; None when it is not such a function."""
+        value = self.class_value(func) if mt.self_attr(func) else None
+        if value is None:
+            return None
+        upcast = False
+        for branch in (value.body, value.orelse) if isinstance(value, cst.IfExp) else (value,):
+            branch = mt.unparen(branch)
+            if mt.resolves_to(self.cm, branch, mt.SOFTMAX_FUNCS):
+                continue
+            if not (
+                isinstance(branch, cst.Call)
+                and mt.resolves_to(self.cm, branch.func, {"functools.partial"})
+                and len(branch.args) == 2
+                and branch.args[0].keyword is None
+                and mt.resolves_to(self.cm, branch.args[0].value, mt.SOFTMAX_FUNCS)
+                and m.matches(branch.args[1].keyword, m.Name("dtype"))
+                and _is_float32(self.cm, branch.args[1].value)
+            ):
+                return None
+            upcast = True
+        return upcast
+
     def _float32_softmax_of(self, node: cst.BaseExpression | None, name: str) -> bool:
         step = self._softmax_call(node) if node is not None else None
         if (
@@ -437,9 +470,26 @@ class ChainFinder:
             return None
         return self._peel_post(node, kind)
 
+    def _cast_to_named_dtype(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        """Y for `.type(dtype)` / `.to(dtype)` where the function binds `dtype = Y.dtype` once
+        (x-transformers keeps the input's dtype in a name before its float32 softmax)."""
+        if not (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value in ("type", "to")
+            and len(node.args) == 1
+            and node.args[0].keyword is None
+            and isinstance(node.args[0].value, cst.Name)
+        ):
+            return None
+        values = mt.local_values(self.cm, node.args[0].value)
+        if len(values) == 1 and m.matches(values[0], m.Attribute(attr=m.Name("dtype"))):
+            return values[0].value  # type: ignore[attr-defined]
+        return None
+
     def _peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
         if kind == "cast":
-            target = _cast_back(node)
+            target = _cast_back(node) or self._cast_to_named_dtype(node)
             if target is None:
                 return None
             return Step("cast", node, node.func.value, {"to": target})  # type: ignore[union-attr]
@@ -1088,7 +1138,10 @@ class SoftmaxChainRewriter(BlockRewriter):
                         "which cannot compile the fused call",
                     )
                     continue
+                skips = len(self.skipped)
                 edit = self._edit_for(finder, stmts, chain, indent)
+                if edit is not None or len(self.skipped) > skips:
+                    self.reached(target)
                 if edit is not None:
                     edits.append(edit)
                     lower = edit.last + 1

@@ -74,7 +74,9 @@ def _learned_table(finder: ChainFinder, node: cst.BaseExpression, depth: int = 0
         node = mt.unparen(node.value if isinstance(node, cst.Subscript) else node.func.value)  # type: ignore[union-attr]
     if isinstance(node, cst.Name):
         # bounded: `h = h.reshape(...)` names itself among its own values
-        return depth < 3 and any(_learned_table(finder, v, depth + 1) for v in mt.local_values(finder.cm, node))
+        return depth < 3 and any(
+            _learned_table(finder, v, depth + 1) for v in mt.local_values(finder.cm, node)
+        )
     if isinstance(node, cst.Call):
         module = finder.class_value(node.func) if mt.self_attr(node.func) else None
         return isinstance(module, cst.Call) and mt.resolves_to(finder.cm, module.func, mt.EMBEDDING_CLASSES)

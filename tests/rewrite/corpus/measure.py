@@ -9,7 +9,8 @@ suggest --format json` (the safe fixes it offers: fix "safe" with an apply comma
 same lines, sdpa_attention and fused_softmax, count as one site), `opadvisor apply --rule all`, then per
 offered site whether the rewrite changed its lines, and `opadvisor verify --no-timing` (the losses of the
 original and the rewrite, dropout off, same seeds). Prints one row per model, the fixes not applied with
-the reason apply gave, and the totals; exits 1 when fewer than 90% are applied or a verify fails.
+the reason apply gave, the findings of the safe rules that suggest did not offer (fix_blocked: its reason),
+the totals per pattern and in all; exits 1 when fewer than 90% are applied or a verify fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TARGET = 0.9
+SAFE_RULES = ("fused_softmax", "fused_dropout_add", "sdpa_attention", "manual_layernorm")
 
 
 @dataclass
@@ -34,6 +36,13 @@ class Result:
     applied: int = 0
     parity: str = "-"
     missed: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    per_pattern: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, pattern: str, applied: bool) -> None:
+        row = self.per_pattern.setdefault(pattern, [0, 0])
+        row[0] += 1
+        row[1] += int(applied)
 
 
 def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -76,12 +85,20 @@ def measure(model: Path, root: Path) -> Result:
     doc = json.loads(opadvisor(project, "suggest", "--format", "json").stdout)
     groups = sites(doc["findings"])
     result.offered = len(groups)
+    result.refused = [
+        f"{f['path']}:{f['line']} {f['rule']}: {f['fix_blocked']}"
+        for f in doc["findings"]
+        if f["rule"] in SAFE_RULES and f.get("fix_blocked") and not f.get("apply")
+    ]
     before = {p: (project / p).read_bytes() for p in {f["path"] for g in groups for f in g}}
     applied = opadvisor(project, "apply", "--rule", "all")
     for group in groups:
         f = group[0]
         line_map = LineMap(before[f["path"]], (project / f["path"]).read_bytes())
-        if any(line_map.map(g["line"], g["end_line"])[2] for g in group):
+        pattern = "/".join(g["rule"] for g in group)
+        done = any(line_map.map(g["line"], g["end_line"])[2] for g in group)
+        result.count(pattern, done)
+        if done:
             result.applied += 1
             continue
         why = [m for m in applied.stderr.splitlines() if f":{f['line']}:" in m and "not applied" in m]
@@ -107,16 +124,28 @@ def main() -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="opadvisor-corpus-"))
     root.mkdir(parents=True, exist_ok=True)
     results = [measure(m, root) for m in models]
-    print(f"{'model':<16} {'offered':>7} {'applied':>7}  losses")
+    print(f"{'model':<20} {'offered':>7} {'applied':>7}  losses")
     for r in results:
-        print(f"{r.model:<16} {r.offered:>7} {r.applied:>7}  {r.parity}")
+        print(f"{r.model:<20} {r.offered:>7} {r.applied:>7}  {r.parity}")
         for line in r.missed:
             print(f"    not applied: {line}")
+        for line in r.refused:
+            print(f"    not offered: {line}")
+    patterns: dict[str, list[int]] = {}
+    for r in results:
+        for pattern, (o, a) in r.per_pattern.items():
+            patterns.setdefault(pattern, [0, 0])
+            patterns[pattern][0] += o
+            patterns[pattern][1] += a
+    refused = sum(len(r.refused) for r in results)
+    for pattern, (o, a) in sorted(patterns.items()):
+        print(f"{pattern:<32} {o:>7} {a:>7}")
+    print(f"{'not offered (fix_blocked)':<32} {refused:>7}")
     offered, applied = sum(r.offered for r in results), sum(r.applied for r in results)
     share = applied / offered if offered else 1.0
     parity_ok = all(r.parity in ("match", "-") for r in results)
     print(
-        f"{'total':<16} {offered:>7} {applied:>7}  {share:.0%} applied; losses {'all match' if parity_ok else 'DIFFER'}"
+        f"{'total':<20} {offered:>7} {applied:>7}  {share:.0%} applied; losses {'all match' if parity_ok else 'DIFFER'}"
     )
     if args.keep is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,52 @@
+"""The corpus of public-code forms (tests/rewrite/corpus, measured by its measure.py): what a run of it
+found and what guards it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fixture_cases import FIXTURES, run
+
+from opadvisor.rewrite.base import Target
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+def test_a_chain_read_above_the_findings_first_line_answers_the_finding():
+    """The profile's finding starts at the mask (line 33, under `if`) and its chain at the scale above
+    (line 30): one change, and no "not rewritten" note for the same finding (apply printed both)."""
+    source = (FIXTURES / "fused_softmax" / "hf_bert_conditional_mask.in.py").read_text()
+    details = {
+        "ops": ["scale", "mask", "softmax", "dropout"],
+        "lines": {"scale": [30, 30], "mask": [33, 33], "softmax": [36, 36], "dropout": [37, 37]},
+        "scores_dtype": "float32",
+        "scale": {"kind": "number", "shape": [], "dtype": "float64", "requires_grad": False, "value": None},
+        "scale_divides": True,
+        "mask_kind": "additive",
+        "mask": {"kind": "tensor", "shape": [4, 1, 1, 16], "dtype": "float32"},
+        "dropout_p": 0.1,
+        "softmax_dim": -1,
+        "softmax_dtype": "float32",
+        "out_dtype": "float32",
+    }
+    _, codemod = run("fused_softmax", source, [Target(33, 37, details)])
+    assert [c.line for c in codemod.changes] == [30]
+    assert codemod.skipped == []
+
+
+@pytest.mark.slow
+def test_opt_style_corpus_model_is_fixed_and_keeps_its_losses(tmp_path: Path):
+    """OPT's decoder layer reassigns its residual's name from itself; the fused_dropout_add rewrite recursed
+    without end there and suggest blocked both sites. measure.py: every offered fix applied, losses kept."""
+    done = subprocess.run(
+        [sys.executable, str(CORPUS / "measure.py"), "--keep", str(tmp_path), "opt_style"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("opt_style"))
+    assert row[1:4] == ["2", "2", "match"], done.stdout

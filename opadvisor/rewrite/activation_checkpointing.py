@@ -49,7 +49,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 from opadvisor.rewrite._args import keyword
 from opadvisor.rewrite._match import code, parent
 from opadvisor.rewrite._names import reference
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.activation_checkpointing import CheckpointFacts
 
 CHECKPOINT = "torch.utils.checkpoint.checkpoint"
@@ -100,7 +100,6 @@ class ActivationCheckpointingCodemod(RuleCodemod):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self._module = node
-        self._done: set[Target] = set()
         return True
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
@@ -113,7 +112,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
             return self._sequential(original_node, updated_node, target)
         if not self._calls_the_blocks(original_node, target):
             return updated_node
-        self._done.add(target)
+        self.reached.add(target)
         clash = next((k for k in OWN_KEYWORDS if keyword(original_node, k) is not None), None)
         if clash is not None:
             self.skip(original_node, f"the block is called with {clash}=..., which checkpoint takes itself")
@@ -130,7 +129,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
         container = container_of(_facts(target).modules)
         if container is None or not names_container(original.func, container):
             return updated
-        self._done.add(target)
+        self.reached.add(target)
         seq = code(original.func)
         if len(original.args) != 1 or original.args[0].keyword is not None or original.args[0].star:
             self.skip(original, f"{seq}(...) takes one positional input where checkpoint_sequential does")
@@ -150,16 +149,12 @@ class ActivationCheckpointingCodemod(RuleCodemod):
         return _wrapped(segments, reference(self.context, self._module, CHECKPOINT_SEQUENTIAL))
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        for target in self.targets or []:
-            if target not in self._done:
-                self.skipped.append(self._unmatched(target))
+        self.note_unreached(self._unmatched)
         return updated_node
 
-    def _unmatched(self, target: Target) -> Note:
+    def _unmatched(self, target: Target) -> str:
         where = _shown(container_of(_facts(target).modules))
-        return Note(
-            target.line, f"no call of {where} on these lines to wrap (call them from a loop over {where})"
-        )
+        return f"no call of {where} on these lines to wrap (call them from a loop over {where})"
 
     # ---- matching ------------------------------------------------------------------------------------------
     def _calls_the_blocks(self, call: cst.Call, target: Target) -> bool:

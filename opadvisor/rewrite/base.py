@@ -9,7 +9,7 @@ be rewritten safely is left alone and reported with `self.skip(node, reason)`; a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,6 +54,7 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         self.changes: list[Note] = []
         self.skipped: list[Note] = []
         self.notes: list[Note] = []  # display-only suggestions (`note`): printed, never written
+        self.reached: set[Target] = set()  # the targets a rewrite served (`note_unreached` names the rest)
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -62,13 +63,7 @@ class RuleCodemod(VisitorBasedCodemodCommand):
 
     def targeted(self, node: cst.CSTNode) -> Target | None:
         """The target this node overlaps, a catch-all Target in static mode, None if not targeted."""
-        start, end = self.lines_of(node)
-        if self.targets is None:
-            return Target(start, end)
-        for t in self.targets:
-            if start <= t.end_line and t.line <= end:
-                return t
-        return None
+        return self.target_for_lines(*self.lines_of(node))
 
     def skip(self, node: cst.CSTNode, reason: str) -> None:
         self.skipped.append(Note(self.lines_of(node)[0], reason))
@@ -85,6 +80,14 @@ class RuleCodemod(VisitorBasedCodemodCommand):
             if start <= t.end_line and t.line <= end:
                 return t
         return None
+
+    def note_unreached(self, why: Callable[[Target], str | None]) -> None:
+        """In profile mode, a skip for every target that no rewrite reached (`reached`), saying `why` it
+        was left (None: nothing to say)."""
+        for target in self.targets or []:
+            reason = why(target) if target not in self.reached else None
+            if reason is not None:
+                self.skipped.append(Note(target.line, reason))
 
     def note(self, node: cst.CSTNode, message: str) -> None:
         """A display-only suggestion (it would change the model, so it is never written): shown to the user."""

@@ -34,7 +34,7 @@ import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
 from opadvisor.rewrite._match import code
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.cudnn_rnn import CudnnRnnFacts
 
 
@@ -46,10 +46,6 @@ class CudnnRnnCodemod(RuleCodemod):
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
 
-    def visit_Module(self, node: cst.Module) -> bool:
-        self._done: set[Target] = set()
-        return True
-
     def leave_IndentedBlock(
         self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
     ) -> cst.IndentedBlock:
@@ -59,11 +55,7 @@ class CudnnRnnCodemod(RuleCodemod):
         updated_node = updated_node.with_changes(
             body=self._with_flattening(original_node.body, updated_node.body)
         )
-        for target in self.targets or []:
-            facts = _facts(target)
-            if target not in self._done and "not_flat" in facts.problems:
-                module = facts.module or "the layer"
-                self.skipped.append(Note(target.line, f"no statement calling {module} on these lines"))
+        self.note_unreached(_unreached)
         return updated_node
 
     def _with_flattening(self, original: tuple, updated: tuple) -> list:
@@ -92,18 +84,25 @@ class CudnnRnnCodemod(RuleCodemod):
             return None
         name = _facts(target).module.rpartition(".")[2]
         for call in m.findall(stmt, m.Call(func=m.Attribute(attr=m.Name(name)) | m.Name(name))):
-            self._done.add(target)
+            self.reached.add(target)
             return call.func  # type: ignore[attr-defined]
         return None
 
     def _note_done(self, stmt: cst.CSTNode) -> None:
         target = self.targeted(stmt)
         if target is not None:
-            self._done.add(target)
+            self.reached.add(target)
 
 
 def _facts(target: Target) -> CudnnRnnFacts:
     return CudnnRnnFacts.from_details(target.details) or CudnnRnnFacts()
+
+
+def _unreached(target: Target) -> str | None:
+    facts = _facts(target)
+    if "not_flat" not in facts.problems:
+        return None  # float32-only advice: nothing to rewrite there
+    return f"no statement calling {facts.module or 'the layer'} on these lines"
 
 
 def _flattens(stmt: cst.CSTNode | None, layer: cst.BaseExpression) -> bool:

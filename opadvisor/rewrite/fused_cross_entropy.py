@@ -33,7 +33,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite._match import resolves_to
 from opadvisor.rewrite._names import reference
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target
 
 KERNEL = "opadvisor.kernels.cross_entropy"
 CROSS_ENTROPY_FUNCS = frozenset({"torch.nn.functional.cross_entropy"})
@@ -48,7 +48,6 @@ class FusedCrossEntropyCodemod(RuleCodemod):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self._module = node
-        self._done: set[Target] = set()
         self._loss_module_line: int | None = None
         return True
 
@@ -58,7 +57,7 @@ class FusedCrossEntropyCodemod(RuleCodemod):
         if resolves_to(self, node.func, {KERNEL}):  # rewritten before: nothing to say about its line
             target = self.targeted(node)
             if target is not None:
-                self._done.add(target)
+                self.reached.add(target)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not resolves_to(self, original_node.func, CROSS_ENTROPY_FUNCS):
@@ -66,23 +65,20 @@ class FusedCrossEntropyCodemod(RuleCodemod):
         target = self.targeted(original_node)
         if target is None:
             return updated_node
-        self._done.add(target)
+        self.reached.add(target)
         self.record_change(
             original_node, "F.cross_entropy -> opadvisor.kernels.cross_entropy (one pass over the logits)"
         )
         return updated_node.with_changes(func=reference(self.context, self._module, KERNEL))
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        for target in self.targets or []:
-            if target not in self._done:
-                self.skipped.append(self._unmatched(target))
+        self.note_unreached(self._unmatched)
         return updated_node
 
-    def _unmatched(self, target: Target) -> Note:
+    def _unmatched(self, target: Target) -> str:
         if self._loss_module_line is not None:
-            return Note(
-                target.line,
+            return (
                 "the loss here is not an F.cross_entropy call (the file builds nn.CrossEntropyLoss at line "
-                f"{self._loss_module_line}): call opadvisor.kernels.cross_entropy(logits, target, ...) instead",
+                f"{self._loss_module_line}): call opadvisor.kernels.cross_entropy(logits, target, ...) instead"
             )
-        return Note(target.line, "no F.cross_entropy call on this line to rewrite")
+        return "no F.cross_entropy call on this line to rewrite"

@@ -58,7 +58,7 @@ from opadvisor.rewrite._match import (
     self_attr,
 )
 from opadvisor.rewrite._names import reference
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.rnn_cell_loop import CellLoopFacts
 
 KERNEL = "opadvisor.kernels.cell_sequence"
@@ -97,7 +97,6 @@ class RnnCellLoopCodemod(RuleCodemod):
 
     def visit_Module(self, node: cst.Module) -> bool:
         self._module = node
-        self._done: set[Target] = set()
         return True
 
     def leave_For(
@@ -110,10 +109,10 @@ class RnnCellLoopCodemod(RuleCodemod):
             kind, plan = self._plan(original_node, target)
         except Refused as why:
             if self.targets is not None:
-                self._done.add(target)
+                self.reached.add(target)
                 self.skip(original_node, str(why))
             return updated_node
-        self._done.add(target)
+        self.reached.add(target)
         self.record_change(
             original_node,
             f"the loop over {code(plan.cell)} ({kind}) -> one cell_sequence call (the fused recurrence)",
@@ -121,9 +120,7 @@ class RnnCellLoopCodemod(RuleCodemod):
         return cst.FlattenSentinel(self._statements(original_node, plan))
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
-        for target in self.targets or []:
-            if target not in self._done:
-                self.skipped.append(Note(target.line, "no loop stepping the cell on these lines"))
+        self.note_unreached(lambda target: "no loop stepping the cell on these lines")
         return updated_node
 
     def _target(self, loop: cst.For) -> Target | None:

@@ -182,17 +182,20 @@ def source_fingerprint(function: Callable[..., Any], prefix: str | None = None) 
     except (OSError, TypeError):
         return None
     tree = _Normalise(prefix).visit(ast.parse(source))
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+    # The code as text, not `ast.dump`: the dump's fields differ between Python versions (3.12 added
+    # `type_params` to every function), so the same source hashed differently on 3.11 and 3.12.
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]
 
 
-# The forwards the replacements reproduce (transformers 5.17 and 5.23 agree on these).
+# The forwards the replacements reproduce (transformers 5.17 and 5.23 agree on these; the same on Python
+# 3.11 and 3.12).
 _FINGERPRINTS: dict[str, frozenset[str]] = {
-    "BertSelfAttention.forward": frozenset({"d6e9993a5bff1cc1"}),
-    "BertSelfAttention.eager": frozenset({"326ea056ea955706"}),  # modeling_bert.eager_attention_forward
-    "BertOutput.forward": frozenset({"ed513d298e29767a"}),  # BertSelfOutput.forward is the same code
-    "GPT2Attention.forward": frozenset({"f64ca7673812edad"}),
-    "GPT2Attention.eager": frozenset({"3315a8ce884c5e69"}),  # modeling_gpt2.eager_attention_forward
-    "NewGELUActivation.forward": frozenset({"9981d4ae67e11be2"}),
+    "BertSelfAttention.forward": frozenset({"c9aff623cb3bee7b"}),
+    "BertSelfAttention.eager": frozenset({"7e3246ffb0cd92ec"}),  # modeling_bert.eager_attention_forward
+    "BertOutput.forward": frozenset({"3799d79263d3217e"}),  # BertSelfOutput.forward is the same code
+    "GPT2Attention.forward": frozenset({"9776498c57bbfab9"}),
+    "GPT2Attention.eager": frozenset({"129ae75c51935f73"}),  # modeling_gpt2.eager_attention_forward
+    "NewGELUActivation.forward": frozenset({"9d0b9dd7175386e1"}),
 }
 
 

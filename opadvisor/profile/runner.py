@@ -233,9 +233,7 @@ def write_run(
         profile.run_id = final.name
         save_profile(profile, staging / runs.PROFILE_FILE)
         _export_trace(recording, staging / runs.TRACE_FILE)
-        staging.chmod(
-            0o777 & ~current_umask()
-        )  # mkdtemp makes it private; a run folder is an ordinary folder
+        staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; a run folder is ordinary
         if final.exists():
             final.rmdir()  # an empty --out folder (checked before the run)
         staging.rename(final)

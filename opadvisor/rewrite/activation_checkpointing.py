@@ -112,7 +112,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
             return self._sequential(original_node, updated_node, target)
         if not self._calls_the_blocks(original_node, target):
             return updated_node
-        self.reached.add(target)
+        self.answered.add(target)
         clash = next((k for k in OWN_KEYWORDS if keyword(original_node, k) is not None), None)
         if clash is not None:
             self.skip(original_node, f"the block is called with {clash}=..., which checkpoint takes itself")
@@ -129,7 +129,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
         container = container_of(_facts(target).modules)
         if container is None or not names_container(original.func, container):
             return updated
-        self.reached.add(target)
+        self.answered.add(target)
         seq = code(original.func)
         if len(original.args) != 1 or original.args[0].keyword is not None or original.args[0].star:
             self.skip(original, f"{seq}(...) takes one positional input where checkpoint_sequential does")

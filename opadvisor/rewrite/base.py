@@ -54,7 +54,8 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         self.changes: list[Note] = []
         self.skipped: list[Note] = []
         self.notes: list[Note] = []  # display-only suggestions (`note`): printed, never written
-        self.reached: set[Target] = set()  # the targets a rewrite served (`note_unreached` names the rest)
+        # the targets a rewrite answered (`note_unreached` names the rest); not `reached`: BlockRewriter's method
+        self.answered: set[Target] = set()
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -82,10 +83,10 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         return None
 
     def note_unreached(self, why: Callable[[Target], str | None]) -> None:
-        """In profile mode, a skip for every target that no rewrite reached (`reached`), saying `why` it
+        """In profile mode, a skip for every target that no rewrite answered (`answered`), saying `why` it
         was left (None: nothing to say)."""
         for target in self.targets or []:
-            reason = why(target) if target not in self.reached else None
+            reason = why(target) if target not in self.answered else None
             if reason is not None:
                 self.skipped.append(Note(target.line, reason))
 

@@ -84,14 +84,14 @@ class CudnnRnnCodemod(RuleCodemod):
             return None
         name = _facts(target).module.rpartition(".")[2]
         for call in m.findall(stmt, m.Call(func=m.Attribute(attr=m.Name(name)) | m.Name(name))):
-            self.reached.add(target)
+            self.answered.add(target)
             return call.func  # type: ignore[attr-defined]
         return None
 
     def _note_done(self, stmt: cst.CSTNode) -> None:
         target = self.targeted(stmt)
         if target is not None:
-            self.reached.add(target)
+            self.answered.add(target)
 
 
 def _facts(target: Target) -> CudnnRnnFacts:

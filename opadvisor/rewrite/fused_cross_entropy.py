@@ -57,7 +57,7 @@ class FusedCrossEntropyCodemod(RuleCodemod):
         if resolves_to(self, node.func, {KERNEL}):  # rewritten before: nothing to say about its line
             target = self.targeted(node)
             if target is not None:
-                self.reached.add(target)
+                self.answered.add(target)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if not resolves_to(self, original_node.func, CROSS_ENTROPY_FUNCS):
@@ -65,7 +65,7 @@ class FusedCrossEntropyCodemod(RuleCodemod):
         target = self.targeted(original_node)
         if target is None:
             return updated_node
-        self.reached.add(target)
+        self.answered.add(target)
         self.record_change(
             original_node, "F.cross_entropy -> opadvisor.kernels.cross_entropy (one pass over the logits)"
         )

@@ -109,10 +109,10 @@ class RnnCellLoopCodemod(RuleCodemod):
             kind, plan = self._plan(original_node, target)
         except Refused as why:
             if self.targets is not None:
-                self.reached.add(target)
+                self.answered.add(target)
                 self.skip(original_node, str(why))
             return updated_node
-        self.reached.add(target)
+        self.answered.add(target)
         self.record_change(
             original_node,
             f"the loop over {code(plan.cell)} ({kind}) -> one cell_sequence call (the fused recurrence)",

@@ -39,9 +39,14 @@ graph's memory and are overwritten by the next graphed call (keep `.detach().clo
 need after the next step); Python side effects inside forward (prints, counters, Python-side randomness)
 happen only during capture; dropout draws different (but equally distributed) masks than the eager run;
 the capture itself runs the forward and backward 4 extra times once per input signature (buffers such as
-BatchNorm statistics are restored afterwards). A capture that fails (a host synchronisation or a data-
-dependent shape in forward) warns once and leaves the module eager, with the device's random generator
-taken out of the capture mode the failed capture left it in and the caller's stream restored (below).
+BatchNorm statistics are restored afterwards). A capture that fails (a host synchronisation, a copy from
+the host such as `torch.tensor(3).type_as(x)`, a data-dependent shape in forward) warns once, naming the
+line it stopped at, and leaves the module eager for good: no signature is captured again, and every later
+call runs the original forward with nothing added but one attribute check. What the attempt left behind
+is freed (memory cached by its warm-up stream, the autograd nodes of its passes), the device's random
+generator is taken out of the capture mode the failed capture left it in and the caller's stream restored
+(below). `opadvisor suggest` names such lines from the profile and does not offer `cuda_graphed` while one
+is left (see opadvisor/rules/sparse_launch.py).
 
 A failed capture leaves nothing behind for later ones: `torch.cuda.graph` leaves the calling thread on its
 capture stream when the capture cannot end (its `__exit__` raises before it restores the stream), so every
@@ -57,6 +62,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import linecache
+import os
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping
@@ -220,9 +229,12 @@ class GraphedForward:
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, _Graph] = {}
         self.disabled_reason: str | None = None
+        self.failed = False  # a capture failed: every later call runs the original forward directly
         self.warned: set[str] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failed:  # a capture failed (warned once): the plain forward, with nothing else per call
+            return self.original(*args, **kwargs)
         if torch.compiler.is_compiling():
             return self.original(*args, **kwargs)  # torch.compile traces the original forward
         reason = _eager_reason(args, kwargs)
@@ -287,17 +299,51 @@ class GraphedForward:
         except NotGraphable as exc:  # found while warming up, before any capture began
             self.disabled_reason = str(exc)
             return None
-        except Exception as exc:  # the forward cannot be captured: stay eager
+        except Exception as exc:  # the forward cannot be captured: stay eager, for good
             torch.cuda.set_stream(stream)  # torch.cuda.graph's __exit__ raised before restoring it
             _release_rng_capture(device)
-            self.disabled_reason = f"capture failed ({type(exc).__name__}: {exc})"
-            return None
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self.disabled_reason = f"capture failed ({type(exc).__name__}: {first}){blocking_frame(exc)}"
+            self.failed = True
         finally:
             with torch.no_grad():
                 for buf, saved in zip(module.buffers(), buffers, strict=True):
                     buf.copy_(saved)
+        if self.failed:
+            del surface, sample, buffers
+            _leave_no_trace(device)
+            return None
         graph = self.graphs[key] = _Graph(graphed.forward, params, surface.output_spec)
         return graph
+
+
+def blocking_frame(exc: BaseException) -> str:
+    """ " at FILE:LINE in FUNCTION: SOURCE" for the innermost frame of `exc`'s traceback outside torch and
+    this module (the user's or a library's line that the capture stopped at), or "" when there is none."""
+    skip = (os.path.dirname(torch.__file__) + os.sep, __file__)
+    found = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        path = frame.f_code.co_filename
+        if not path.startswith(skip[0]) and path != skip[1]:
+            found = (path, line, frame.f_code.co_name)
+    if found is None:
+        return ""
+    path, line, function = found
+    source = linecache.getline(path, line).strip()
+    return f" at {path}:{line} in {function}" + (f": {source}" if source else "")
+
+
+def _leave_no_trace(device: torch.device) -> None:
+    """After a failed capture: free what the warm-up passes and the partial capture left behind, so the
+    eager forward that runs from now on finds the process as it was before the attempt.
+
+    make_graphed_callables warms up on a side stream of its own: the memory its passes cached belongs to
+    that stream (the caller's stream never reuses it), and the autograd nodes those passes created for the
+    parameters (AccumulateGrad, bound to that stream) live on while anything reaches them. A collection
+    drops the cycles that still hold them, and the caching allocator gives the side stream's blocks back."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
 
 
 def _release_rng_capture(device: torch.device) -> None:

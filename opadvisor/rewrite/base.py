@@ -40,6 +40,10 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     # keyword): a target whose lines an earlier rule changed is still passed on (mapped onto the new text)
     # instead of being refused as "already rewritten".
     COMPOSES: ClassVar[bool] = False
+    # True when one rewrite serves every target in the file (sparse_launch wraps the model once, wherever
+    # its findings point): a change anywhere satisfies all targets, and a refusal anywhere is each one's
+    # reason
+    FILE_LEVEL: ClassVar[bool] = False
     # the `opadvisor.kernels` op the rewrite calls, by its name in `dispatch_counts()` (verify checks that
     # the rewritten program ran its kernel); a tuple when each form the codemod rewrites calls its own op
     # (verify then expects those whose name the rule's rewrite added to the file); None when the fix calls
@@ -56,6 +60,9 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         self.notes: list[Note] = []  # display-only suggestions (`note`): printed, never written
         # the targets a rewrite answered (`note_unreached` names the rest); not `reached`: BlockRewriter's method
         self.answered: set[Target] = set()
+        # set by a codemod that finds its own fix already in place (say why, one line): apply then says
+        # "already applied" once instead of "found no code" per target
+        self.already: str | None = None
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:

@@ -42,6 +42,13 @@ def dry_run(
     except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
         return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
     line_map = LineMap(source, after)
+    if result.already is not None:
+        return [f"already applied: {result.already}"] * len(targets)
+    if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
+        if result.changes:
+            return [None] * len(targets)
+        reason = _sentence(result.skipped[0].message) if result.skipped else None
+        return [reason or f"the {rule} rewrite found no code it can rewrite in this file"] * len(targets)
     out: list[str | None] = []
     for target in targets:
         if line_map.map(target.line, target.end_line)[2]:

@@ -69,6 +69,7 @@ class RuleResult:
     changes: list[Note] = field(default_factory=list)
     skipped: list[Note] = field(default_factory=list)  # matched sites left alone, with the reason
     notes: list[Note] = field(default_factory=list)  # display-only suggestions
+    already: str | None = None  # the codemod found its own fix in place (why it says so)
     before: bytes = b""  # the file before and after this rule's pass
     after: bytes = b""
 
@@ -215,7 +216,11 @@ def rewrite_source(
     module = _parse(source, path)
     new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options)
     result = RuleResult(
-        rule, list(codemod.changes), list(codemod.skipped), list(getattr(codemod, "notes", []))
+        rule,
+        list(codemod.changes),
+        list(codemod.skipped),
+        list(getattr(codemod, "notes", [])),
+        getattr(codemod, "already", None),
     )
     new_source = new_module.bytes
     result.before, result.after = source, new_source
@@ -312,6 +317,9 @@ class FileJob:
     targets: dict[str, list[Target]] | None  # rule -> targets; None: static mode
     rules: list[str] = field(default_factory=list)
     earlier: str = ""  # who made `current` differ from `original` ("an earlier apply (fused_softmax)")
+    earlier_rules: tuple[
+        str, ...
+    ] = ()  # the rules whose rewrites an earlier apply of this run left in `current`
     allow_unsafe: bool = False
     keep_going: bool = False  # `--rule all`: a rule whose rewrite fails is reported and the others go on
 
@@ -329,6 +337,15 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
             targets: list[Target] | None = None
             covered: list[tuple[Target, str]] = []
             composes = registry.get_codemod(rule).COMPOSES
+            if job.targets is not None and rule in job.earlier_rules:
+                # the same findings, already applied to this file by an earlier apply: one line, not one
+                # "already rewritten" / "found no code" per finding
+                n = len(job.targets.get(rule, []))
+                messages.append(
+                    f"{display_path(job.path, root)}: {rule}: already applied by an earlier apply "
+                    f"({n} finding{'s' if n != 1 else ''}); nothing more to do"
+                )
+                continue
             if job.targets is not None:
                 targets = []
                 for target in job.targets.get(rule, []):
@@ -338,11 +355,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                     else:
                         targets.append(mapped)
                 if not targets:
-                    for target, by in covered:
-                        messages.append(
-                            f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
-                            f"those lines were already rewritten by {by}"
-                        )
+                    _say_covered(job.path, rule, covered, messages, root)
                     continue
             try:
                 new_text, rule_result = rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
@@ -353,11 +366,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 continue
             if targets:
                 _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
-            for target, by in covered:
-                messages.append(
-                    f"{display_path(job.path, root)}:{target.line}: {rule}: not applied: "
-                    f"those lines were already rewritten by {by}"
-                )
+            _say_covered(job.path, rule, covered, messages, root)
             file_result.rules.append(rule_result)
             if new_text != text:
                 maps.append((rule, LineMap(text, new_text)))
@@ -387,6 +396,22 @@ def _parity_original(job: FileJob) -> bytes | None:
     return text if text != job.original else None
 
 
+def _say_covered(
+    path: Path, rule: str, covered: Sequence[tuple[Target, str]], messages: list[str], root: Path
+) -> None:
+    """One line per rule (and per rewrite that got there first) for findings whose lines another rewrite
+    already changed."""
+    by_whom: dict[str, list[int]] = {}
+    for target, by in covered:
+        by_whom.setdefault(by, []).append(target.line)
+    for by, lines in by_whom.items():
+        at = ", ".join(str(n) for n in sorted(set(lines)))
+        messages.append(
+            f"{display_path(path, root)}:{lines[0]}: {rule}: not applied at line{'s' if len(lines) > 1 else ''} "
+            f"{at}: those lines were already rewritten by {by}"
+        )
+
+
 def _unmatched(
     path: Path,
     rule: str,
@@ -397,6 +422,16 @@ def _unmatched(
     root: Path,
 ) -> None:
     """Say which findings the codemod found nothing to do at (so no finding is silently dropped)."""
+    if result.already is not None:
+        messages.append(f"{display_path(path, root)}: {rule}: already applied: {result.already}")
+        return
+    if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
+        if not result.changes and not result.skipped:
+            messages.append(
+                f"{display_path(path, root)}: {rule}: not applied: the {rule} rewrite found no code it can "
+                "rewrite in this file"
+            )
+        return
     lines = [n.line for n in (*result.changes, *result.skipped)]
     for target in targets:
         if line_map.map(target.line, target.end_line)[2]:
@@ -610,7 +645,10 @@ def apply_findings(
                 )
         _check_writable(path)
         ordered = codemod_order(targets)
-        earlier = ", ".join(dict.fromkeys(str(e.get("rule")) for e in entries))
+        earlier_rules = tuple(dict.fromkeys(str(e.get("rule")) for e in entries))
+        earlier = ", ".join(earlier_rules)
+        if original == current:
+            earlier_rules = ()  # the file is not the earlier apply's result (restored, or another file)
         jobs.append(
             FileJob(
                 path,
@@ -619,6 +657,7 @@ def apply_findings(
                 targets,
                 ordered,
                 f"an earlier apply ({earlier})",
+                earlier_rules,
                 allow_unsafe,
                 keep_going=explicit_rule is None,
             )

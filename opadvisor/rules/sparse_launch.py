@@ -27,22 +27,33 @@ Fix and its safety
     captures its forward and backward once per input shape and replays them: the same values, but outputs
     are overwritten by the next call and Python side effects in forward run only at capture; see
     opadvisor/rewrite/sparse_launch.py). When the tiny kernels are an optimizer's, the fix is
-    `fused_optimizer`'s and this finding has none; `torch.compile` (mode="reduce-overhead" adds CUDA graphs)
-    is the other remedy the advice names.
+    `fused_optimizer`'s and this finding has none; `torch.compile` (mode="reduce-overhead") is the other
+    remedy the advice names.
+
+    Capture blockers. A forward that copies between host and device (`torch.tensor(3).type_as(x)`,
+    `.to(device)` of a CPU tensor, `.cpu()`), reads a value on the host (`.item()`, `if tensor:`) or makes
+    an output whose size depends on the data (`nonzero`, boolean-mask indexing, `unique`) cannot be
+    captured: cuda_graphed would fall back to the eager forward after paying for the attempt. The profile
+    shows those ops inside the model's forward; the finding carries them (`GraphFacts`: op, why, the user
+    line and the library line). A Python number copied to the device (`torch.tensor(c)` then `.type_as(t)`,
+    `.to(t.device)`, or with `device=`) has an exact capture-safe form, `torch.full((), c, ...)`, which the
+    fix writes first; any other blocker means the fix is not offered (`fix_blocked` names the line and why).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._calibration import calibration_words
+from opadvisor.rules._chains import norm_dtype
 from opadvisor.rules._findings import fmt_ms, fmt_share, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "sparse_launch"
@@ -55,6 +66,142 @@ FUNCTION_SHARE_MIN = 0.02  # ... and per function, when it causes at least this 
 MAX_FINDINGS = 5
 DATALOADER_MARK = "DataLoader"
 OPTIMIZER_MARK = "Optimizer.step"
+
+
+# Ops inside the graphed forward that a CUDA graph cannot capture, and why (a copy between host and device
+# is found from the profile's memcpy events instead, whatever op made it).
+BLOCKING_OPS = {
+    "aten::_local_scalar_dense": "reads a value on the host (.item(), float(t), int(t))",
+    "aten::item": "reads a value on the host (.item(), float(t), int(t))",
+    "aten::is_nonzero": "reads a value on the host (`if tensor:`, bool(tensor))",
+    "aten::nonzero": "makes an output whose size depends on the data (nonzero, boolean-mask indexing)",
+    "aten::masked_select": "makes an output whose size depends on the data (masked_select)",
+    "aten::unique": "makes an output whose size depends on the data (unique)",
+    "aten::_unique2": "makes an output whose size depends on the data (unique)",
+    "aten::unique_consecutive": "makes an output whose size depends on the data (unique_consecutive)",
+    "aten::unique_dim": "makes an output whose size depends on the data (unique)",
+}
+SCALAR_TENSOR = "scalar_tensor"  # the rewrite of a Python number copied to the device: torch.full((), c, ...)
+
+
+@dataclass
+class CaptureBlocker:
+    """One op in the model's forward that a CUDA graph capture cannot take.
+
+    path/line/function: the user's frame (the line that calls into a library, for library code);
+    library_file/library_line: the innermost library frame, when the op ran in installed code.
+    rewrite: SCALAR_TENSOR where the op copies a Python number to the device (an exact capture-safe form
+    exists), else None. src_dtype/dst_dtype: the copy's dtypes (a copy that casts keeps its cast)."""
+
+    op: str
+    why: str
+    path: str | None = None
+    line: int | None = None
+    function: str | None = None
+    library_file: str | None = None
+    library_line: int | None = None
+    source: str | None = None
+    rewrite: str | None = None
+    src_dtype: str | None = None
+    dst_dtype: str | None = None
+
+    def where(self) -> str:
+        at = f"{self.path}:{self.line}" if self.path else "an unknown line"
+        if self.library_file:
+            at = f"{self.library_file}:{self.library_line} (called from {at})"
+        return at + (f" `{self.source}`" if self.source and not self.library_file else "")
+
+
+@dataclass
+class GraphFacts(Facts):
+    """What the profile proved about capturing the model's forward: the ops that block a capture."""
+
+    blockers: list[CaptureBlocker] = field(default_factory=list)
+    # "blocker I" -> [line, line]: blocker I's line, which apply moves onto the text earlier rewrites left
+    lines: dict[str, list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, blockers: list[CaptureBlocker]) -> GraphFacts:
+        lines = {f"blocker {i}": [b.line, b.line] for i, b in enumerate(blockers) if b.line is not None}
+        return cls(blockers, lines)
+
+    def current_line(self, i: int) -> int | None:
+        """Blocker i's line in the text being rewritten (moved by earlier rewrites; the profiled one else)."""
+        span = self.lines.get(f"blocker {i}")
+        return int(span[0]) if span else self.blockers[i].line
+
+    @classmethod
+    def from_details(cls, details):  # type: ignore[override]
+        facts = super().from_details(details)
+        if facts is None:
+            return None
+        known = {f.name for f in fields(CaptureBlocker)}
+        try:
+            facts.blockers = [
+                b
+                if isinstance(b, CaptureBlocker)
+                else CaptureBlocker(**{k: v for k, v in b.items() if k in known})
+                for b in facts.blockers
+            ]
+        except (TypeError, AttributeError):
+            return None
+        return facts
+
+    def unfixable(self) -> list[CaptureBlocker]:
+        return [b for b in self.blockers if b.rewrite is None]
+
+
+def capture_blockers(profile: Profile, ix: ProfileIndex) -> list[CaptureBlocker]:
+    """The ops inside the model's forward (recorded steps) that a CUDA graph capture cannot take, one per
+    user line and op: host<->device copies (memcpy events), host reads and data-dependent shapes."""
+    found: dict[tuple, CaptureBlocker] = {}
+    ops = profile.ops
+    for op in ops:  # first: their reason is the more precise one (.item() copies to the host too)
+        why = BLOCKING_OPS.get(op.name)
+        if why is not None:
+            _add(found, ix, op, why, None)
+    for copy in profile.memcpys:
+        if copy.op is None or "DtoD" in copy.name or not 0 <= copy.op < len(ops):
+            continue
+        op = ops[copy.op]
+        to_device = "HtoD" in copy.name
+        scalar = to_device and len(op.input_shapes) > 1 and op.input_shapes[1] == []
+        why = (
+            "copies a Python number to the GPU (torch.tensor(...) of a number, then moved)"
+            if scalar
+            else (
+                "copies a CPU tensor to the GPU" if to_device else "copies a GPU tensor to the host (.cpu())"
+            )
+        )
+        _add(found, ix, op, why, SCALAR_TENSOR if scalar else None)
+    return sorted(found.values(), key=lambda b: (b.path or "", b.line or 0, b.op))
+
+
+def _add(found: dict[tuple, CaptureBlocker], ix: ProfileIndex, op: Op, why: str, rewrite: str | None) -> None:
+    if op.is_backward or not ix.in_window(op):
+        return
+    root = ix.root(op)
+    if op.module is None and root.module is None:
+        return  # not inside a module's forward: outside what cuda_graphed captures
+    lib_file, lib_line = (op.lib_file, op.lib_line) if op.lib_file else (root.lib_file, root.lib_line)
+    key = (root.file, root.line, lib_file, lib_line, root.name)  # one blocker per call at a line
+    if key in found or root.file is None:
+        return
+    src = load_profiled_source(ix.profile, root.file) if root.line else None
+    dtypes = [norm_dtype(d) for d in op.input_dtypes[:2]] if op.name == "aten::copy_" else []
+    found[key] = CaptureBlocker(
+        op=root.name,
+        why=why,
+        path=root.file,
+        line=root.line,
+        function=root.function,
+        library_file=lib_file,
+        library_line=lib_line,
+        source=src.line_text(root.line).strip() if src is not None and root.line else None,
+        rewrite=rewrite if lib_file is None else None,
+        dst_dtype=dtypes[0] if dtypes else None,
+        src_dtype=dtypes[1] if len(dtypes) > 1 else None,
+    )
 
 
 @dataclass
@@ -154,6 +301,7 @@ def detect(profile: Profile) -> list[Finding]:
     step_ms = cal.share_base_ms or 0.0
     findings: list[Finding] = []
     ranked = sorted(sites.values(), key=lambda s: -s.idle_us)
+    graph_facts = GraphFacts.of(capture_blockers(profile, ix))
     for site in ranked[:MAX_FINDINGS]:
         profiled_ms = ix.per_step_ms(site.idle_us)
         ms, share, cost = idle_cost(ix, profiled_ms)
@@ -162,8 +310,8 @@ def detect(profile: Profile) -> list[Finding]:
         line, end = _lines(profile, site)
         tiny_per_step = round(site.tiny / ix.steps_recorded)
         kernels_per_step = round(site.kernels / ix.steps_recorded)
-        remedies = _remedies(site)
         fix = "none" if _optimizer_bound(site) else FIX
+        remedies = _remedies(site, graph_facts if fix != "none" else None)
         where = site.function or "this code"
         message = (
             f"GPU idle while {where} launches kernels: {tiny_per_step} of its {kernels_per_step} kernels/step are "
@@ -205,6 +353,7 @@ def detect(profile: Profile) -> list[Finding]:
                     "remedies": remedies,
                     "upper_bound": not cal.calibrated,
                     "profiled_idle_ms_per_step": profiled_ms,
+                    **(graph_facts.to_details() if fix != "none" else {}),
                 },
             )
         )
@@ -270,14 +419,28 @@ def _optimizer_bound(site: _Site) -> bool:
     return bool(site.in_optimizer) and site.in_optimizer >= site.tiny / 2
 
 
-def _remedies(site: _Site) -> list[str]:
+def _remedies(site: _Site, graph_facts: GraphFacts | None) -> list[str]:
     if _optimizer_bound(site):
         return [
             "fused optimizer: pass fused=True to the torch.optim constructor (see fused_optimizer)",
             'CUDA graphs: torch.compile(mode="reduce-overhead") or torch.cuda.graphs on the step',
         ]
-    return [
+    fuse = f"or fuse the chain of small ops in {site.function or 'this code'} (or torch.compile it)"
+    blocked = graph_facts.unfixable() if graph_facts is not None else []
+    if blocked:
+        first = blocked[0]
+        more = f" (and {len(blocked) - 1} more)" if len(blocked) > 1 else ""
+        return [
+            f"CUDA graphs once the forward can be captured: {first.where()} {first.why}{more}; move it out of "
+            "the forward or keep it on the device, then `opadvisor apply --rule sparse_launch --unsafe`",
+            fuse,
+        ]
+    graphs = (
         "CUDA graphs over the model's forward and backward: `opadvisor apply --rule sparse_launch --unsafe` "
-        "wraps it in opadvisor.kernels.cuda_graphed",
-        f"or fuse the chain of small ops in {site.function or 'this code'} (or torch.compile it)",
-    ]
+        "wraps it in opadvisor.kernels.cuda_graphed"
+    )
+    fixable = graph_facts.blockers if graph_facts is not None else []
+    if fixable:
+        lines = ", ".join(f"{b.path}:{b.line}" for b in fixable[:3])
+        graphs += f", after rewriting the copies of Python numbers that would stop its capture ({lines})"
+    return [graphs, fuse]

@@ -218,6 +218,104 @@ def test_uncapturable_forward_warns_and_stays_correct():
     F.dropout(x, 0.5)
 
 
+class CopiesANumber(nn.Module):
+    """DeBERTa's make_log_bucket_position in small: a Python number copied to the GPU inside forward."""
+
+    def __init__(self, rewritten: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.rewritten = rewritten
+
+    def forward(self, x):
+        if self.rewritten:  # what `opadvisor apply --rule sparse_launch --unsafe` writes for it
+            three = torch.full((), 3, device=x.device).type_as(x)
+        else:
+            three = torch.tensor(3).type_as(x)
+        return self.lin(x) * three
+
+
+def _forbid_graph_bookkeeping(monkeypatch) -> None:
+    """After a failed capture a call must not split its arguments or build a signature again."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("cuda_graphed did graph bookkeeping on a call after its capture failed")
+
+    monkeypatch.setattr(graphs, "split_call", forbidden)
+    monkeypatch.setattr(graphs, "_signature", forbidden)
+    monkeypatch.setattr(graphs, "_eager_reason", forbidden)
+
+
+@pytest.mark.gpu
+def test_a_host_copy_fails_capture_once_and_then_costs_nothing(monkeypatch):
+    """The capture stops at `torch.tensor(3).type_as(x)`: one warning that names the line, no second
+    attempt, and every later call is the plain forward (nothing else per call), with eager's results."""
+    torch.manual_seed(0)
+    plain, model = CopiesANumber().cuda(), CopiesANumber().cuda()
+    model.load_state_dict(plain.state_dict())
+    cuda_graphed(model)
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    with pytest.warns(RuntimeWarning, match=r"capture failed .*test_kernels_graphs.py:\d+ in forward: "
+                      r"three = torch.tensor\(3\).type_as\(x\)") as caught:  # fmt: skip
+        model(x).sum().backward()
+    assert len([w for w in caught if "cuda_graphed" in str(w.message)]) == 1
+    assert model.forward.failed and model.forward.graphs == {}
+    _forbid_graph_bookkeeping(monkeypatch)
+    x2 = torch.randn(6, 8, device="cuda")  # another signature: not captured either
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for inp in (x, x2):
+            torch.testing.assert_close(model(inp), plain(inp))
+    torch.randn(4, device="cuda")  # the device's generator left usable
+
+
+@pytest.mark.gpu
+def test_the_rewritten_host_copy_captures():
+    torch.manual_seed(0)
+    plain, model = CopiesANumber(rewritten=True).cuda(), CopiesANumber(rewritten=True).cuda()
+    model.load_state_dict(plain.state_dict())
+    cuda_graphed(model)
+    x = torch.randn(4, 8, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(3):
+            out = model(x)
+            out.sum().backward()
+    assert not model.forward.failed and len(model.forward.graphs) == 1
+    torch.testing.assert_close(out, plain(x))
+    original = CopiesANumber().cuda()  # the form before the rewrite, eagerly: the same values
+    original.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(out, original(x))
+
+
+def test_after_a_failed_capture_a_call_is_the_plain_forward(monkeypatch):
+    """CPU: once `failed` is set, a call goes straight to the original forward."""
+    torch.manual_seed(0)
+    model = cuda_graphed(CopiesANumber())
+    x = torch.randn(4, 8)
+    expected = model.forward.original(x)
+    model.forward.failed = True
+    _forbid_graph_bookkeeping(monkeypatch)
+    torch.testing.assert_close(model(x), expected)
+
+
+def _user_line_that_fails():
+    return torch.zeros(4).view(3)  # raises inside torch
+
+
+def test_blocking_frame_names_the_innermost_line_outside_torch():
+    try:
+        _user_line_that_fails()
+    except RuntimeError as exc:
+        where = graphs.blocking_frame(exc)
+    line = next(
+        i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1) if "view(3)  # raises" in t
+    )
+    assert (
+        where
+        == f" at {__file__}:{line} in _user_line_that_fails: return torch.zeros(4).view(3)  # raises inside torch"
+    )
+
+
 def compiled_parity() -> None:
     torch.manual_seed(0)
     a = Tiny().cuda()

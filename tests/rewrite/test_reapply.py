@@ -29,7 +29,7 @@ def main(device="cpu"):
         optimizer.step()
 """
 )
-MAIN_LINES = (26, 35)
+MAIN_LINES = (26, 34)
 FORWARD_LINES = (16, 23)
 
 

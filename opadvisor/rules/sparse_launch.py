@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._calibration import calibration_words
@@ -131,7 +133,7 @@ class GraphFacts(Facts):
         return int(span[0]) if span else self.blockers[i].line
 
     @classmethod
-    def from_details(cls, details):  # type: ignore[override]
+    def from_details(cls, details: Mapping[str, Any] | None) -> GraphFacts | None:  # type: ignore[override]
         facts = super().from_details(details)
         if facts is None:
             return None

@@ -18,7 +18,11 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   `bias_dropout_add`; `nn.MultiheadAttention` called for weights it is not asked to give back
   (`need_weights=False`: unsafe, the weights become None);
 - `nn.Linear` whose in/out features are not multiples of 8 (an LM head over a 30522- or 50257-word
-  vocabulary): the GEMM on padded sizes (`opadvisor.kernels.padded_linear`), on CUDA.
+  vocabulary): the GEMM on padded sizes (`opadvisor.kernels.padded_linear`), on CUDA;
+- the LM heads' loss (BertForMaskedLM's masked-LM loss, GPT2LMHeadModel's ForCausalLMLoss): the model's
+  forward runs as written with labels=None, then the loss it would have computed from those logits is
+  `opadvisor.kernels.cross_entropy` over the 16-bit logits where they lie (no float32 copy of the
+  [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept).
 
 How it stays honest:
 
@@ -34,7 +38,8 @@ How it stays honest:
   module not yet checked runs its original forward (patch before compiling, and run one eager step).
 - The source the replacements were written against is recognised, not assumed: a transformers class is
   patched only when its forward is, statement for statement, the one opadvisor's replacement reproduces
-  (`_FINGERPRINTS`); a release that changed it is reported by name, never patched blindly.
+  (`_FINGERPRINTS`, read the same on every Python version); a release that changed it is reported by
+  name, never patched blindly.
 - Said out loud: `patch` prints what it patched and what it left, and why (`quiet=True` to silence it;
   `patch_report(model)` returns it). A model with nothing opadvisor knows gets that message, never a
   silent nothing.
@@ -49,6 +54,7 @@ from __future__ import annotations
 
 import ast
 import copy as copy_module
+import functools
 import hashlib
 import inspect
 import sys
@@ -140,8 +146,9 @@ def _short(cls: str) -> str:
 def _known() -> str:
     return (
         "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
-        "...), GPT-2's attention and tanh GELU, nn.MultiheadAttention, nn.TransformerEncoderLayer, and "
-        "nn.Linear layers with sizes that are not multiples of 8"
+        "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, "
+        "nn.MultiheadAttention, nn.TransformerEncoderLayer, and nn.Linear layers with sizes that are not "
+        "multiples of 8"
     )
 
 
@@ -196,6 +203,11 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "GPT2Attention.forward": frozenset({"9776498c57bbfab9"}),
     "GPT2Attention.eager": frozenset({"129ae75c51935f73"}),  # modeling_gpt2.eager_attention_forward
     "NewGELUActivation.forward": frozenset({"9d0b9dd7175386e1"}),
+    "BertForMaskedLM.forward": frozenset({"9b5ba72bf54eebe4"}),
+    # 5.17 and 5.23 differ in how the hidden states are sliced for logits_to_keep, not in the loss
+    "GPT2LMHeadModel.forward": frozenset({"a598ab66858c87fb", "6e1be7c84478d45d"}),
+    "ForCausalLMLoss": frozenset({"0637640fcbd0cbda"}),  # transformers.loss.loss_utils
+    "fixed_cross_entropy": frozenset({"7c2fdd59ca33bb6a"}),
 }
 
 
@@ -512,6 +524,102 @@ def _padded_linear(module: nn.Module, state: _State, input):
     return padded_linear(input, module.weight, module.bias)
 
 
+# -- LM heads' loss (BertForMaskedLM, GPT2LMHeadModel) -------------------------------------------------------
+# The model's forward runs as written with labels=None (it returns the logits and computes no loss); the loss
+# it would have computed from those logits is then computed by opadvisor.kernels.cross_entropy, which reads
+# the 16-bit logits in place (a column slice of a padded LM head included) instead of eager's float32 copies.
+def _check_bert_mlm(module: nn.Module) -> str | None:
+    cls = type(module)
+    return _fingerprint_problem(cls, "BertForMaskedLM.forward", cls.forward, None) or _no_hooks(module)
+
+
+def _check_causal_lm(module: nn.Module) -> str | None:
+    cls = type(module)
+    problem = _fingerprint_problem(cls, "GPT2LMHeadModel.forward", cls.forward, None)
+    if problem is None and "_loss_function" in module.__dict__:
+        return "its loss_function was replaced (the patch reproduces transformers' ForCausalLMLoss)"
+    if problem is None:
+        loss = getattr(module, "loss_function", None)
+        if getattr(loss, "__name__", None) != "ForCausalLMLoss":
+            return f"its loss_function is {getattr(loss, '__name__', loss)!r}, not ForCausalLMLoss"
+        fixed = getattr(sys.modules.get(loss.__module__), "fixed_cross_entropy", None)
+        problem = _fingerprint_problem(cls, "ForCausalLMLoss", loss, None) or _fingerprint_problem(
+            cls, "fixed_cross_entropy", fixed, None
+        )
+    return problem or _no_hooks(module)
+
+
+@functools.cache
+def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds)
+
+
+def _labels_out(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:
+    """(args, kwargs with labels=None, labels): the call without its labels, wherever they were passed."""
+    names = _named_parameters(type(module).forward)[1:]  # without self
+    index = names.index("labels")
+    if len(args) > index:
+        return (*args[:index], None, *args[index + 1 :]), kwargs, args[index]
+    return args, {**kwargs, "labels": None}, kwargs.get("labels")
+
+
+def _with_loss(out: Any, loss: torch.Tensor) -> Any:
+    """The model's output (computed without labels) with the loss in front, as the original returns it."""
+    if isinstance(out, tuple):  # return_dict=False: the loss is the first element
+        return (loss, *out)
+    return type(out)(loss=loss, **out)
+
+
+def _bert_mlm(module: nn.Module, state: _State, *args, **kwargs):
+    args, kwargs, labels = _labels_out(module, args, kwargs)
+    out = state.original(*args, **kwargs)
+    if labels is None:
+        return out
+    from . import cross_entropy  # looked up at call time, as bias_dropout_add
+
+    logits = out[0]
+    loss = cross_entropy(logits.view(-1, module.config.vocab_size), labels.view(-1))
+    return _with_loss(out, loss)
+
+
+def _causal_lm(module: nn.Module, state: _State, *args, **kwargs):
+    args, kwargs, labels = _labels_out(module, args, kwargs)
+    out = state.original(*args, **kwargs)
+    if labels is None:
+        return out
+    named = _named_parameters(type(module).forward)
+    extra = {k: v for k, v in kwargs.items() if k not in named}  # what the forward hands its loss_function
+    return _with_loss(out, _causal_lm_loss(out[0], labels, module.config.vocab_size, **extra))
+
+
+def _causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (labels shifted left, -100 ignored, a sum over num_items_in_batch when
+    given) without its float32 copy of the logits: the kernel computes in float32 from the 16-bit values."""
+    from . import cross_entropy
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    target = shift_labels.reshape(-1).to(logits.device)
+    loss = cross_entropy(logits.view(-1, vocab_size), target, ignore_index=ignore_index, reduction=reduction)
+    loss = loss.float()  # the original computes on logits.float(): its loss is float32
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
 def _first(out: Any) -> torch.Tensor:
     return out[0]
 
@@ -524,6 +632,8 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("transformer_encoder_layer"), _check_encoder_layer, _encoder_layer),
     _Patcher(fix_by_name("mha_weights_off"), _check_mha, _mha_weights_off, _first),
     _Patcher(fix_by_name("padded_linear"), _check_linear, _padded_linear),
+    _Patcher(fix_by_name("hf_mlm_loss"), _check_bert_mlm, _bert_mlm, _first),
+    _Patcher(fix_by_name("hf_causal_lm_loss"), _check_causal_lm, _causal_lm, _first),
 )
 assert {p.fix.name for p in _PATCHERS} == {f.name for f in FIXES if f.kind == "patch"}
 

@@ -159,6 +159,25 @@ FIXES: tuple[LibraryFix, ...] = (
         where="call",
     ),
     LibraryFix(
+        "hf_mlm_loss",
+        "patch",
+        ("transformers.models.bert.modeling_bert.BertForMaskedLM",),
+        ("fused_cross_entropy",),
+        "safe",
+        "the masked-LM loss over the vocabulary as opadvisor.kernels.cross_entropy (the model's forward "
+        "runs with labels=None, then one pass over the 16-bit logits each way instead of eager's float32 "
+        "copies; -100 labels ignored as before)",
+    ),
+    LibraryFix(
+        "hf_causal_lm_loss",
+        "patch",
+        ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel",),
+        ("fused_cross_entropy",),
+        "safe",
+        "the causal-LM loss (transformers' ForCausalLMLoss: labels shifted, -100 ignored) as "
+        "opadvisor.kernels.cross_entropy over the 16-bit logits, without the float32 copy of them",
+    ),
+    LibraryFix(
         "padded_linear",
         "patch",
         (LINEAR,),

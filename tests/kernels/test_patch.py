@@ -8,6 +8,8 @@ path and through Triton's interpreter, and come back exactly after unpatch.
 from __future__ import annotations
 
 import copy
+import importlib
+import importlib.util
 import subprocess
 import sys
 import warnings
@@ -70,6 +72,10 @@ def losses(model: nn.Module, steps: int = 3) -> list[float]:
 @pytest.fixture(params=["reference", "interpreter"])
 def kernel_path(request, monkeypatch):
     """The CPU reference implementation, or the Triton kernels through the interpreter (conftest sets it)."""
+    # Triton picks interpreting or compiling when it is first imported: import it while TRITON_INTERPRET=1
+    # holds, so that a reference test running first in a worker does not leave it compiling for the rest.
+    if importlib.util.find_spec("triton") is not None:
+        importlib.import_module("triton")
     if request.param == "reference":
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     else:
@@ -91,7 +97,7 @@ def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
         before = model(**batch()).logits
     assert opadvisor.patch(model) is model
     report = capsys.readouterr().err
-    assert "patched 7 modules" in report and "BertSelfAttention x2 (hf_bert_self_attention" in report
+    assert "patched 8 modules" in report and "BertSelfAttention x2 (hf_bert_self_attention" in report
     assert (
         "BertOutput x2 (hf_bert_output" in report
         and "Linear x1 (padded_linear: cls.predictions.decoder)" in report
@@ -118,7 +124,8 @@ def test_patched_gpt2_trains_with_the_originals_losses(kernel_path) -> None:
     original = tiny_gpt2()
     patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
     report = P.patch_report(patched)
-    assert {fix for _, _, fix in report.patched} == {"hf_gpt2_attention", "hf_gelu_tanh", "padded_linear"}
+    fixes = {fix for _, _, fix in report.patched}
+    assert fixes == {"hf_gpt2_attention", "hf_gelu_tanh", "padded_linear", "hf_causal_lm_loss"}
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
 
 
@@ -206,7 +213,7 @@ def test_a_replacement_that_differs_falls_back_with_a_warning(monkeypatch) -> No
 
 def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
     """Fail loudly when a transformers release changes a forward a patch replaces (see _FINGERPRINTS)."""
-    import importlib
+    from transformers.loss.loss_utils import LOSS_MAPPING, fixed_cross_entropy
 
     from opadvisor.libraries import FIXES
 
@@ -231,6 +238,12 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 ],
                 "hf_gpt2_attention": [("GPT2Attention.forward", cls.forward, None)],
                 "hf_gelu_tanh": [("NewGELUActivation.forward", cls.forward, None)],
+                "hf_mlm_loss": [("BertForMaskedLM.forward", cls.forward, None)],
+                "hf_causal_lm_loss": [
+                    ("GPT2LMHeadModel.forward", cls.forward, None),
+                    ("ForCausalLMLoss", LOSS_MAPPING["ForCausalLM"], None),
+                    ("fixed_cross_entropy", fixed_cross_entropy, None),
+                ],
                 "hf_attn_implementation": [],
             }[fix.name]
             for key, function, prefix in checks:
@@ -253,3 +266,67 @@ def test_first_call_checks_pass_under_bf16_autocast(build, kernel_path) -> None:
             loss = model(**batch()).loss
         loss.backward()
     assert not P.patch_report(model).left and len(P.patch_report(model).patched) >= 5
+
+
+# ---- the LM heads' loss (hf_mlm_loss, hf_causal_lm_loss) ---------------------------------------------------
+def _labels_with_ignored(ids: torch.Tensor) -> torch.Tensor:
+    labels = ids.clone()
+    labels[0, ::3] = -100  # the masked-LM convention: only some positions carry a label
+    labels[1, 10:] = -100
+    return labels
+
+
+def _loss_and_grads(model: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    out = model(*args, **kwargs)
+    loss = out[0]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [tiny_bert, tiny_gpt2])
+def test_lm_loss_patch_gives_the_loss_and_gradients_of_the_original(build, kernel_path) -> None:
+    """Labels with -100 (ignored), passed by keyword, positionally and with return_dict=False; the loss
+    and every parameter's gradient are the original's, and unpatch gives back the original forward."""
+    rule = ["fused_cross_entropy"]
+    original = build()
+    patched = opadvisor.patch(copy.deepcopy(original), rules=rule, quiet=True)
+    fix = "hf_mlm_loss" if isinstance(original, transformers.BertForMaskedLM) else "hf_causal_lm_loss"
+    assert P.patch_report(patched).patched == [("", P._qualified(type(original)), fix)]
+    data = batch()
+    data["labels"] = _labels_with_ignored(data["input_ids"])
+    labels_at = P._named_parameters(type(original).forward).index("labels") - 1  # without self
+    positional = [None] * labels_at + [data["labels"]]
+    positional[0] = data["input_ids"]
+    calls = [((), data), ((), {**data, "return_dict": False}), (tuple(positional), {})]
+    for args, kwargs in calls:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # the first-call check must pass
+            want, want_grads = _loss_and_grads(original, *args, **kwargs)
+            got, got_grads = _loss_and_grads(patched, *args, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got_grads.keys() == want_grads.keys()
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    without_labels = {k: v for k, v in data.items() if k != "labels"}
+    assert patched(**without_labels).loss is None
+    assert "forward" in patched.__dict__ and opadvisor.unpatch(patched) is patched
+    assert "forward" not in patched.__dict__
+
+
+def test_causal_lm_loss_keeps_num_items_in_batch() -> None:
+    """GPT-2 hands **kwargs such as num_items_in_batch (gradient accumulation) to its loss: a sum divided
+    by it, as transformers' ForCausalLMLoss computes."""
+    original = tiny_gpt2()
+    patched = opadvisor.patch(copy.deepcopy(original), rules=["fused_cross_entropy"], quiet=True)
+    data = {**batch(), "num_items_in_batch": torch.tensor(40)}
+    torch.testing.assert_close(patched(**data).loss, original(**data).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_lm_loss_patch_leaves_a_replaced_loss_function_alone(capsys) -> None:
+    model = tiny_gpt2()
+    model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
+    opadvisor.patch(model, rules=["fused_cross_entropy"], quiet=True)
+    (left,) = [entry for entry in P.patch_report(model).left if entry[0] == ""]
+    assert left[2].startswith("its loss_function was replaced") and not P.patch_report(model).patched
+    assert "forward" not in model.__dict__

@@ -148,3 +148,40 @@ def test_cuda_graphs_for_launches_in_library_code_go_into_the_users_script(
     sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
     apply_findings([f], ["sparse_launch"], run_dir, sources, allow_unsafe=True)
     assert "model = cuda_graphed(model)\nopt = torch.optim.AdamW(" in script.read_text()
+
+
+def test_the_lm_loss_in_library_code_gets_the_loss_patch(project_copy, tmp_path, monkeypatch) -> None:
+    """fused_cross_entropy needs a GPU profile; its finding at BertForMaskedLM's loss line is built here on
+    the CPU profile's view and goes through the same description and apply as a real one: the fix is the
+    hf_mlm_loss patch (safe), written as `opadvisor.patch(model, rules=["fused_cross_entropy"])`."""
+    import hashlib
+
+    from opadvisor.profile.runs import load_run
+    from opadvisor.rewrite.engine import apply_findings, library_target
+    from opadvisor.rules._library import describe_library, pattern_view
+    from opadvisor.rules.finding import Finding
+
+    project = project_copy("hf_bert", tmp_path / "p")
+    monkeypatch.chdir(project)
+    run_dir, profiles = load_run(None)
+    view = pattern_view(profiles[0])
+    loss = next(o for o in view.ops if o.name == "aten::cross_entropy_loss" and not o.is_backward)
+    assert loss.file.endswith("transformers/models/bert/modeling_bert.py")
+    f = Finding(
+        "fused_cross_entropy",
+        loss.file,
+        loss.line,
+        loss.line,
+        "cross_entropy over ...",
+        "safe",
+        loss.function,
+    )
+    describe_library(f, view)
+    assert f.library["module_class"] == "transformers.models.bert.modeling_bert.BertForMaskedLM"
+    assert f.library["fix"]["name"] == "hf_mlm_loss" and f.fix == "safe"
+    script = project / "hf_bert.py"
+    key, path, target = library_target(f)
+    assert (key, path, target.line) == ("library_patch", str(script.resolve()), line_of(script, "model"))
+    sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
+    apply_findings([f], ["fused_cross_entropy"], run_dir, sources, allow_unsafe=False)
+    assert 'model = opadvisor.patch(model, rules=["fused_cross_entropy"])' in script.read_text()

@@ -119,34 +119,50 @@ def test_need_weights_only_where_the_weights_are_dropped() -> None:
     assert _rewrite(src, "mha_need_weights", 1)[0] == "out, _w = attn(q, k, v, need_weights=False)\n"
 
 
+def _library_view(project: Path, monkeypatch):
+    """(run folder, profiles, pattern view) of a profiled project's CPU run."""
+    from opadvisor.profile.runs import load_run
+    from opadvisor.rules._library import pattern_view
+
+    monkeypatch.chdir(project)
+    run_dir, profiles = load_run(None)
+    return run_dir, profiles, pattern_view(profiles[0])
+
+
+def _describe_and_apply(finding, view, run_dir: Path, script: Path, unsafe: bool) -> tuple[str, int]:
+    """A finding built by hand (its rule needs a GPU profile) described as library code and applied as
+    a real one is: returns (the codemod the engine targets, the script line it targets)."""
+    import hashlib
+
+    from opadvisor.rewrite.engine import apply_findings, library_target
+    from opadvisor.rules._library import describe_library
+
+    describe_library(finding, view)
+    key, path, target = library_target(finding)
+    assert path == str(script.resolve())
+    sources = {path: hashlib.sha256(script.read_bytes()).hexdigest()}
+    apply_findings([finding], [finding.rule], run_dir, sources, allow_unsafe=unsafe)
+    return key, target.line
+
+
 def test_cuda_graphs_for_launches_in_library_code_go_into_the_users_script(
     project_copy, tmp_path, monkeypatch
 ):
     """sparse_launch needs a GPU profile; its finding in library code is built here on the CPU profile's
     view, at the attention's lines, and goes through the same description and apply as a real one."""
-    import hashlib
-
-    from opadvisor.profile.runs import load_run
-    from opadvisor.rewrite.engine import apply_findings, library_target
-    from opadvisor.rules._library import describe_library, pattern_view
     from opadvisor.rules.engine import analyse
     from opadvisor.rules.finding import Finding
 
     project = project_copy("hf_bert", tmp_path / "p")
-    monkeypatch.chdir(project)
-    run_dir, profiles = load_run(None)
-    view = pattern_view(profiles[0])
+    run_dir, profiles, view = _library_view(project, monkeypatch)
     sdpa = next(f for f in analyse(profiles).findings if f.rule == "sdpa_attention")
     f = Finding(
         "sparse_launch", sdpa.path, sdpa.line, sdpa.end_line, "GPU idle while ...", "unsafe", sdpa.function
     )
-    describe_library(f, view)
-    assert f.library["fix"]["kind"] == "rule" and f.fix == "unsafe"
     script = project / "hf_bert.py"
-    key, path, target = library_target(f)
-    assert (key, path, target.line) == ("sparse_launch", str(script.resolve()), line_of(script, "call"))
-    sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
-    apply_findings([f], ["sparse_launch"], run_dir, sources, allow_unsafe=True)
+    call = line_of(script, "call")
+    assert _describe_and_apply(f, view, run_dir, script, unsafe=True) == ("sparse_launch", call)
+    assert f.library["fix"]["kind"] == "rule" and f.fix == "unsafe"
     assert "model = cuda_graphed(model)\nopt = torch.optim.AdamW(" in script.read_text()
 
 
@@ -154,34 +170,18 @@ def test_the_lm_loss_in_library_code_gets_the_loss_patch(project_copy, tmp_path,
     """fused_cross_entropy needs a GPU profile; its finding at BertForMaskedLM's loss line is built here on
     the CPU profile's view and goes through the same description and apply as a real one: the fix is the
     hf_mlm_loss patch (safe), written as `opadvisor.patch(model, rules=["fused_cross_entropy"])`."""
-    import hashlib
-
-    from opadvisor.profile.runs import load_run
-    from opadvisor.rewrite.engine import apply_findings, library_target
-    from opadvisor.rules._library import describe_library, pattern_view
     from opadvisor.rules.finding import Finding
 
     project = project_copy("hf_bert", tmp_path / "p")
-    monkeypatch.chdir(project)
-    run_dir, profiles = load_run(None)
-    view = pattern_view(profiles[0])
+    run_dir, _, view = _library_view(project, monkeypatch)
     loss = next(o for o in view.ops if o.name == "aten::cross_entropy_loss" and not o.is_backward)
     assert loss.file.endswith("transformers/models/bert/modeling_bert.py")
     f = Finding(
-        "fused_cross_entropy",
-        loss.file,
-        loss.line,
-        loss.line,
-        "cross_entropy over ...",
-        "safe",
-        loss.function,
+        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function
     )
-    describe_library(f, view)
+    script = project / "hf_bert.py"
+    model = line_of(script, "model")
+    assert _describe_and_apply(f, view, run_dir, script, unsafe=False) == ("library_patch", model)
     assert f.library["module_class"] == "transformers.models.bert.modeling_bert.BertForMaskedLM"
     assert f.library["fix"]["name"] == "hf_mlm_loss" and f.fix == "safe"
-    script = project / "hf_bert.py"
-    key, path, target = library_target(f)
-    assert (key, path, target.line) == ("library_patch", str(script.resolve()), line_of(script, "model"))
-    sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
-    apply_findings([f], ["fused_cross_entropy"], run_dir, sources, allow_unsafe=False)
     assert 'model = opadvisor.patch(model, rules=["fused_cross_entropy"])' in script.read_text()

@@ -83,9 +83,9 @@ class Logits(nn.Module):
 
 
 def test_patch_then_cuda_graphed_replays_the_patched_forwards() -> None:
-    # SDPA attention: transformers' eager-attention mask code copies a CPU scalar to the GPU in every
-    # forward, which no CUDA graph can capture (sparse_launch's capture blockers name it); the patched
-    # output blocks and LM head are the same either way.
+    # SDPA attention: with attn_implementation="eager" the capture failed on the H200 ("Cannot copy
+    # between CPU and CUDA tensors during CUDA graph capture", transformers 5.17), a host-to-device copy
+    # on transformers' eager path; the patched output blocks and LM head are the same either way.
     model = Logits(opadvisor.patch(bert("sdpa"), quiet=True))
     reference = Logits(bert("sdpa"))  # the same seed: the same weights, never patched
     graphed = cuda_graphed(model)

@@ -5,8 +5,9 @@ fix, `apply` to write it, and `opadvisor.kernels.patch` (the runtime side) to kn
 swap. Three kinds of fix:
 
 - a *switch* the library already has, written by `opadvisor apply` into the user's code: HuggingFace's
-  `attn_implementation="sdpa"` where the model is built or loaded, `need_weights=False` at a call of an
-  `nn.MultiheadAttention` whose weights the caller drops;
+  `attn_implementation="sdpa"` where the model is built or loaded, timm's `set_fused_attn(True)` before
+  the model is built, `need_weights=False` at a call of an `nn.MultiheadAttention` whose weights the
+  caller drops;
 - a *patch*: `opadvisor.patch(model)` swaps, per module instance, the forward of a recognised module for
   a fused equivalent (opadvisor.kernels and PyTorch), checked against the original on its first call;
   `opadvisor apply` inserts `model = opadvisor.patch(model, rules=[...])` after the line that built the
@@ -15,7 +16,8 @@ swap. Three kinds of fix:
   whole model (`sparse_launch`) go into the user's script whatever library its modules come from.
 
 Each fix names the module classes whose code holds the pattern (qualified: `transformers.models.bert.
-modeling_bert.BertSelfAttention`), the rules whose findings it fixes, and its safety, as every fix does.
+modeling_bert.BertSelfAttention`; `timm.*`: every class of the package, each checked where the fix is
+chosen), the rules whose findings it fixes, and its safety, as every fix does.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ HF_ATTENTION_CLASSES = (
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
 )
 MHA = "torch.nn.modules.activation.MultiheadAttention"
+TIMM = "timm.*"  # any timm class: the switch applies where the class's __init__ reads it (rules/_library.py)
 ENCODER_LAYER = "torch.nn.modules.transformer.TransformerEncoderLayer"
 LINEAR = "torch.nn.modules.linear.Linear"
 ATTENTION_RULES = ("sdpa_attention", "fused_softmax")
@@ -86,6 +89,24 @@ FIXES: tuple[LibraryFix, ...] = (
         "safe",
         'attn_implementation="sdpa" where the model is built: transformers\' own fused attention '
         "(torch's scaled_dot_product_attention)",
+    ),
+    LibraryFix(
+        "timm_fused_attn",
+        "switch",
+        (TIMM,),
+        ATTENTION_RULES,
+        "safe",
+        "timm.layers.set_fused_attn(True) before the model is built: timm's own fused attention "
+        "(torch's scaled_dot_product_attention), the same function",
+    ),
+    LibraryFix(
+        "timm_fused_attn_experimental",
+        "switch",
+        (TIMM,),
+        ATTENTION_RULES,
+        "unsafe",
+        "timm.layers.set_fused_attn(True, experimental=True) before the model is built: timm's fused "
+        "attention for a module timm marks experimental (off by default; unsafe: timm does not vouch for it)",
     ),
     LibraryFix(
         "mha_need_weights",
@@ -191,8 +212,18 @@ FIXES: tuple[LibraryFix, ...] = (
 
 def fixes_for(module_class: str | None, rule: str) -> list[LibraryFix]:
     """The fixes for a finding of `rule` in the code of `module_class` (None: unknown), switches first."""
-    found = [f for f in FIXES if (module_class in f.classes or "*" in f.classes) and rule in f.rules]
+    found = [f for f in FIXES if _covers(f, module_class) and rule in f.rules]
     return sorted(found, key=lambda f: f.kind == "patch")
+
+
+def _covers(fix: LibraryFix, module_class: str | None) -> bool:
+    """Whether `fix` is for `module_class`: named, "*" (any), or "package.*" (any class of the package)."""
+    for cls in fix.classes:
+        if cls == "*" or cls == module_class:
+            return True
+        if cls.endswith(".*") and module_class is not None and module_class.startswith(cls[:-1]):
+            return True
+    return False
 
 
 def fix_by_name(name: str) -> LibraryFix:

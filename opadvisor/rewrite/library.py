@@ -23,7 +23,16 @@ the user's line it goes to; the engine targets that line:
   `scaled_dot_product_attention` instead of materialising the weights. Refused where the weights are kept
   (`out, w = ...`). Safe: the output is the same function.
 
-All three compose with the rules' own rewrites of the same lines (`COMPOSES`): they insert after a line or
+- `TimmFusedAttnCodemod` ("timm_fused_attn", and "timm_fused_attn_experimental" for the modules timm
+  marks experimental): `timm.layers.set_fused_attn(True)` (`, experimental=True`) on the line before the
+  model's construction, with `import timm`. timm's attention modules read the switch once, in their
+  __init__, so it goes before the model is built: one line that holds for every module the model builds
+  (a per-module `m.fused_attn = True` after the construction would be a loop in the user's script, and
+  `fused_attn` is a TorchScript `Final`). Idempotent: the line before already setting it is left alone;
+  `set_fused_attn(True)` there becomes the experimental form when that is needed. Safe for the tested
+  modules (timm's SDPA branch computes the same function); unsafe for the experimental ones.
+
+All of them compose with the rules' own rewrites of the same lines (`COMPOSES`): they insert after a line or
 add a keyword, and a line another rule rewrote (`fused=True` on an optimizer) still takes them.
 """
 
@@ -88,6 +97,7 @@ class _AtStatement(RuleCodemod):
 
     COMPOSES: ClassVar[bool] = True
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
+    previous: cst.BaseStatement | None = None  # the statement before the one `statement` is handling
 
     def _targets_at(self, node: cst.CSTNode) -> list[Target]:
         if self.targets is None:
@@ -111,7 +121,10 @@ class _AtStatement(RuleCodemod):
             if not targets:
                 out.append(body[i])
                 continue
+            self.previous = out[-1] if out else None
             emitted, later = self.statement(orig, body[i], body[i + 1 :], targets)  # type: ignore[arg-type]
+            if -1 in later and out:  # the statement before the target, replaced
+                out[-1] = later.pop(-1)
             out.extend(emitted)
             for offset, stmt in later.items():
                 body[i + 1 + offset] = stmt
@@ -125,7 +138,7 @@ class _AtStatement(RuleCodemod):
         targets: list[Target],
     ) -> tuple[list[cst.BaseStatement], dict[int, cst.BaseStatement]]:
         """The statements that replace a targeted one, and replacements for statements after it (by their
-        index in `rest`)."""
+        index in `rest`; -1: the statement before it, `self.previous`)."""
         raise NotImplementedError
 
 
@@ -383,3 +396,68 @@ def _dropped_weights_call(stmt: cst.BaseSmallStatement | None) -> cst.Call | Non
     ):
         return value.value
     return None
+
+
+class TimmFusedAttnCodemod(_AtStatement):
+    """timm's fused attention switch, `timm.layers.set_fused_attn(True)`, on the line before the model is
+    built: timm modules read it in their __init__ (`self.fused_attn = use_fused_attn()`), so it must come
+    first; it overrides TIMM_FUSED_ATTN=0 and an earlier set_fused_attn(False)."""
+
+    RULE: ClassVar[str] = "timm_fused_attn"
+    SAFETY: ClassVar[str] = "safe"
+    EXPERIMENTAL: ClassVar[bool] = False
+    _timm_imported: bool = False
+
+    def visit_Module(self, node: cst.Module) -> None:
+        self._timm_imported = any(
+            code(alias.name) == "timm" and alias.asname is None
+            for imp in m.findall(node, m.Import())
+            for alias in imp.names  # type: ignore[attr-defined]
+        )
+
+    def statement(self, original, updated, rest, targets):
+        have = _fused_attn_switch(self.previous)
+        if have is not None and (have or not self.EXPERIMENTAL):
+            self.skip(original, "already done: timm.layers.set_fused_attn(True) comes before the model is built")
+            return [updated], {}
+        if not self._timm_imported:  # an `import timm` after other statements (an env var first) stays put
+            AddImportsVisitor.add_needed_import(self.context, "timm")
+        line = cst.parse_statement(f"timm.layers.set_fused_attn({_switch_args(self.EXPERIMENTAL)})")
+        self.record_change(
+            original,
+            f"timm.layers.set_fused_attn({_switch_args(self.EXPERIMENTAL)}) before the model is built: "
+            "timm's fused attention (SDPA)",
+        )
+        if have is not None:  # set_fused_attn(True) before: the experimental modules need more
+            return [updated], {-1: line}
+        return [line, updated], {}
+
+
+class TimmFusedAttnExperimentalCodemod(TimmFusedAttnCodemod):
+    """The same switch for the modules timm marks experimental: `set_fused_attn(True, experimental=True)`
+    (which turns on the tested ones too)."""
+
+    RULE: ClassVar[str] = "timm_fused_attn_experimental"
+    SAFETY: ClassVar[str] = "unsafe"
+    EXPERIMENTAL: ClassVar[bool] = True
+
+
+def _switch_args(experimental: bool) -> str:
+    return "True, experimental=True" if experimental else "True"
+
+
+def _fused_attn_switch(stmt: cst.BaseStatement | None) -> bool | None:
+    """For a statement `timm.layers.set_fused_attn(True[, experimental=True])` (any spelling of the module
+    path): whether it turns on the experimental modules too; None for any other statement."""
+    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+        return None
+    expr = stmt.body[0]
+    if not (isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Call)):
+        return None
+    call = expr.value
+    if not code(call.func).endswith("set_fused_attn") or not call.args or code(call.args[0].value) != "True":
+        return None
+    flag = keyword(call, "experimental")
+    positional = call.args[1].value if len(call.args) > 1 and call.args[1].keyword is None else None
+    value = flag.value if flag is not None else positional
+    return value is not None and code(value) == "True"

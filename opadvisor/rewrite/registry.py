@@ -24,6 +24,8 @@ LIBRARY_CODEMODS: dict[str, str] = {
     "library_patch": "opadvisor.rewrite.library:LibraryPatchCodemod",
     "hf_attn_implementation": "opadvisor.rewrite.library:HfAttnImplementationCodemod",
     "mha_need_weights": "opadvisor.rewrite.library:MhaNeedWeightsCodemod",
+    "timm_fused_attn": "opadvisor.rewrite.library:TimmFusedAttnCodemod",
+    "timm_fused_attn_experimental": "opadvisor.rewrite.library:TimmFusedAttnExperimentalCodemod",
 }
 
 

@@ -20,6 +20,7 @@ that applies (opadvisor/libraries.py: a library switch or `opadvisor.patch`), or
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 from collections import Counter, defaultdict
@@ -109,8 +110,22 @@ def _located(op: Op, paths: dict[str, str]) -> Op:
         file=paths[op.lib_file],
         line=op.lib_line,
         line_exact=op.lib_line_exact,
-        function=op.lib_function,
+        function=_pattern_function(op.lib_function),
     )
+
+
+def _pattern_function(function: str | None) -> str | None:
+    """The function a library op's pattern is read in: a private helper method of a library class
+    (`TransformerEncoderLayer._ff_block`, whose dropout the caller's `forward` adds to the residual) counts
+    as part of that class's `forward`. A library pattern is fixed by replacing the module's forward (a
+    patch), never by editing the helper, so a chain that crosses into the helper is one pattern; the
+    op keeps its own line."""
+    if not function or "." not in function:
+        return function
+    cls, _, method = function.rpartition(".")
+    if method.startswith("_") and not method.startswith("__"):
+        return f"{cls}.forward"
+    return function
 
 
 def _located_construction(c: Construction, paths: dict[str, str]) -> Construction:
@@ -178,7 +193,7 @@ def describe_library(finding: Finding, view: Profile) -> None:
     owner = owners.most_common(1)[0][0] if owners else _module_class(view, finding)
     call = calls.most_common(1)[0][0] if calls else None
     model = index.models[0] if index.models else None
-    fix = _choose_fix(finding, owner, model, call)
+    fix = _choose_fix(finding, owner, model, call, _timm_switch(finding.path, owner))
     finding.library = {
         "package": package,
         "version": (view.libraries.get(package) or {}).get("version"),
@@ -226,12 +241,16 @@ def _where_words(finding: Finding, rel: str, owner: str | None, call: tuple[str,
 
 
 def _choose_fix(
-    finding: Finding, owner: str | None, model: Construction | None, call: tuple[str, int] | None
+    finding: Finding,
+    owner: str | None,
+    model: Construction | None,
+    call: tuple[str, int] | None,
+    timm: str | None = None,
 ) -> dict[str, Any]:
     """The fix for library code that applies to this finding, or kind "none" with the reason."""
     reasons: list[str] = []
     for fix in fixes_for(owner, finding.rule):
-        reason = _not_applicable(fix, model, call)
+        reason = _not_applicable(fix, model, call, timm)
         if reason is None:
             return _fix_entry(fix, model, call)
         reasons.append(f"{fix.name}: {reason}")
@@ -248,7 +267,15 @@ def _choose_fix(
     }
 
 
-def _not_applicable(fix: LibraryFix, model: Construction | None, call: tuple[str, int] | None) -> str | None:
+def _not_applicable(
+    fix: LibraryFix, model: Construction | None, call: tuple[str, int] | None, timm: str | None = None
+) -> str | None:
+    if fix.name in TIMM_SWITCHES:
+        want = TIMM_SWITCHES[fix.name]
+        if timm is None:
+            return "the module does not read timm's fused_attn switch (timm.layers.use_fused_attn) when it is built"
+        if timm != want:
+            return f"the module's switch is timm's {timm} one"
     if fix.where == "model" and (model is None or model.file is None):
         return "the profile did not record where the script built the model"
     if fix.where == "call" and call is None:
@@ -259,6 +286,41 @@ def _not_applicable(fix: LibraryFix, model: Construction | None, call: tuple[str
             return f"the model's attn_implementation is {attn!r}, not 'eager'"
         if model is not None and model.attrs.get("package") != "transformers":
             return "the model is not a transformers model"
+    return None
+
+
+# timm's fused attention switch (timm.layers.config): a module sets `self.fused_attn = use_fused_attn()`
+# in its __init__ (on unless TIMM_FUSED_ATTN=0 or set_fused_attn(False)), or `use_fused_attn(experimental=
+# True)` for the modules timm has not vouched for (Swin's WindowAttention, XCiT, ...: off by default).
+# `set_fused_attn(True[, experimental=True])` before the model is built turns them on.
+TIMM_SWITCHES = {"timm_fused_attn": "tested", "timm_fused_attn_experimental": "experimental"}
+
+
+def _timm_switch(path: str, owner: str | None) -> str | None:
+    """"tested" / "experimental": how the __init__ of timm class `owner` (defined in the installed file
+    `path`, where the pattern is) reads timm's fused_attn switch; None when it does not, or is no timm class."""
+    if owner is None or not owner.startswith("timm."):
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+        return None
+    name = owner.rsplit(".", 1)[-1]
+    for cls in ast.walk(tree):
+        if not (isinstance(cls, ast.ClassDef) and cls.name == name):
+            continue
+        for node in ast.walk(cls):
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+                continue
+            func = node.value.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            sets = any(isinstance(t, ast.Attribute) and t.attr == "fused_attn" for t in node.targets)
+            if called == "use_fused_attn" and sets:
+                experimental = any(
+                    k.arg == "experimental" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.value.keywords
+                )
+                return "experimental" if experimental else "tested"
     return None
 
 

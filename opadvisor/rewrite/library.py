@@ -18,7 +18,8 @@ the user's line it goes to; the engine targets that line:
   (`attn_implementation=args.attn`), `**kwargs` that may set it. Safe: the same function (transformers'
   SDPA path), dropout drawing its own masks.
 - `MhaNeedWeightsCodemod` ("mha_need_weights"): at the user's call of an `nn.MultiheadAttention` whose
-  weights are dropped (`out, _ = self.attn(q, k, v)`, `self.attn(q, k, v)[0]`), adds
+  weights are dropped (`out, _ = self.attn(q, k, v)`, `self.attn(q, k, v)[0]` in an assignment, a sum or
+  a return), adds
   `need_weights=False` (an explicit `need_weights=True` becomes False), so torch runs
   `scaled_dot_product_attention` instead of materialising the weights. Refused where the weights are kept
   (`out, w = ...`). Safe: the output is the same function.
@@ -378,24 +379,26 @@ class MhaNeedWeightsCodemod(_AtStatement):
 
 
 def _dropped_weights_call(stmt: cst.BaseSmallStatement | None) -> cst.Call | None:
-    """The call in `out, _ = attn(...)` or `out = attn(...)[0]` (the weights unused), else None."""
-    if not isinstance(stmt, cst.Assign) or len(stmt.targets) != 1:
+    """The attention call whose weights the statement drops, else None: `out, _ = attn(...)` (any name
+    starting with `_`), or one `attn(...)[0]` anywhere in it (`y = attn(...)[0]`, `x = x + attn(...)[0]`,
+    `return attn(...)[0]`). Two indexed calls on one statement: None (which one the profile saw is unknown)."""
+    if isinstance(stmt, cst.Assign) and len(stmt.targets) == 1:
+        target, value = stmt.targets[0].target, stmt.value
+        if isinstance(value, cst.Call) and isinstance(target, cst.Tuple):
+            if len(target.elements) != 2:
+                return None
+            second = target.elements[1].value
+            return value if isinstance(second, cst.Name) and second.value.startswith("_") else None
+    if stmt is None:
         return None
-    target, value = stmt.targets[0].target, stmt.value
-    if isinstance(value, cst.Call) and isinstance(target, cst.Tuple) and len(target.elements) == 2:
-        second = target.elements[1].value
-        if isinstance(second, cst.Name) and second.value.startswith("_"):
-            return value
-        return None
-    if (
-        isinstance(value, cst.Subscript)
-        and isinstance(value.value, cst.Call)
-        and len(value.slice) == 1
-        and isinstance(value.slice[0].slice, cst.Index)
-        and code(value.slice[0].slice.value) == "0"
-    ):
-        return value.value
-    return None
+    indexed = [
+        node.value
+        for node in m.findall(stmt, m.Subscript(value=m.Call()))
+        if len(node.slice) == 1  # type: ignore[attr-defined]
+        and isinstance(node.slice[0].slice, cst.Index)  # type: ignore[attr-defined]
+        and code(node.slice[0].slice.value) == "0"  # type: ignore[attr-defined]
+    ]
+    return indexed[0] if len(indexed) == 1 else None  # type: ignore[return-value]
 
 
 class TimmFusedAttnCodemod(_AtStatement):
@@ -420,17 +423,15 @@ class TimmFusedAttnCodemod(_AtStatement):
         if have is not None and (have or not self.EXPERIMENTAL):
             self.skip(original, "already done: timm.layers.set_fused_attn(True) comes before the model is built")
             return [updated], {}
-        if not self._timm_imported:  # an `import timm` after other statements (an env var first) stays put
-            AddImportsVisitor.add_needed_import(self.context, "timm")
-        line = cst.parse_statement(f"timm.layers.set_fused_attn({_switch_args(self.EXPERIMENTAL)})")
+        args = _switch_args(self.EXPERIMENTAL)
         self.record_change(
-            original,
-            f"timm.layers.set_fused_attn({_switch_args(self.EXPERIMENTAL)}) before the model is built: "
-            "timm's fused attention (SDPA)",
+            original, f"timm.layers.set_fused_attn({args}) before the model is built: timm's fused attention (SDPA)"
         )
         if have is not None:  # set_fused_attn(True) before: the experimental modules need more
-            return [updated], {-1: line}
-        return [line, updated], {}
+            return [updated], {-1: _with_experimental(self.previous)}  # type: ignore[arg-type]
+        if not self._timm_imported:  # an `import timm` after other statements (an env var first) stays put
+            AddImportsVisitor.add_needed_import(self.context, "timm")
+        return [cst.parse_statement(f"timm.layers.set_fused_attn({args})"), updated], {}
 
 
 class TimmFusedAttnExperimentalCodemod(TimmFusedAttnCodemod):
@@ -444,6 +445,16 @@ class TimmFusedAttnExperimentalCodemod(TimmFusedAttnCodemod):
 
 def _switch_args(experimental: bool) -> str:
     return "True, experimental=True" if experimental else "True"
+
+
+def _with_experimental(stmt: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """`set_fused_attn(True)` as the user spelt it, with `experimental=True` added."""
+    expr = stmt.body[0]
+    call = expr.value  # type: ignore[attr-defined]
+    flag = cst.Arg(cst.Name("True"), keyword=cst.Name("experimental"), equal=_EQUAL)
+    first = call.args[0].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+    new_call = call.with_changes(args=[first, flag])
+    return stmt.with_changes(body=[expr.with_changes(value=new_call)])  # type: ignore[attr-defined]
 
 
 def _fused_attn_switch(stmt: cst.BaseStatement | None) -> bool | None:

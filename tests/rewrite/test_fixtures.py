@@ -22,7 +22,7 @@ import torch
 from fixture_cases import case_id, cases, expected_path, options
 
 from opadvisor.rewrite.engine import rewrite_source
-from opadvisor.rewrite.registry import fixable_rules
+from opadvisor.rewrite.registry import LIBRARY_CODEMODS, fixable_rules
 
 CASES = cases()
 CPU_RULES = {
@@ -42,7 +42,8 @@ def test_every_fixable_rule_has_fixtures():
     """Here (fixtures/<rule>/) or in a rule's own golden harness (a tests/rewrite/<folder>/fixtures/ whose
     test module names the rule: fuse_region's distribution checks for random rewrites)."""
     here = {p.parent.name for p in CASES}
-    assert here <= set(fixable_rules()), f"fixture folders of no fixable rule: {here - set(fixable_rules())}"
+    known = set(fixable_rules()) | set(LIBRARY_CODEMODS)  # library fixes' codemods have folders too
+    assert here <= known, f"fixture folders of no fixable rule or library fix: {here - known}"
     elsewhere = {
         rule
         for folder in Path(__file__).parent.glob("*/fixtures")
@@ -150,7 +151,10 @@ def test_numerically_equivalent_on_cuda(case: Path):
 
 
 # ---- profile mode: the rule finds the form, and its facts lead the codemod to the same rewrite -------------
-PROFILED = [p for p in CASES if b"def make_inputs" in p.read_bytes()]
+# library fixes' cases are profiled in tests/library (their findings are in an installed package's code)
+PROFILED = [
+    p for p in CASES if b"def make_inputs" in p.read_bytes() and p.parent.name not in LIBRARY_CODEMODS
+]
 
 
 def profiled_expected(case: Path) -> Path:

@@ -421,11 +421,14 @@ class TimmFusedAttnCodemod(_AtStatement):
     def statement(self, original, updated, rest, targets):
         have = _fused_attn_switch(self.previous)
         if have is not None and (have or not self.EXPERIMENTAL):
-            self.skip(original, "already done: timm.layers.set_fused_attn(True) comes before the model is built")
+            self.skip(
+                original, "already done: timm.layers.set_fused_attn(True) comes before the model is built"
+            )
             return [updated], {}
         args = _switch_args(self.EXPERIMENTAL)
         self.record_change(
-            original, f"timm.layers.set_fused_attn({args}) before the model is built: timm's fused attention (SDPA)"
+            original,
+            f"timm.layers.set_fused_attn({args}) before the model is built: timm's fused attention (SDPA)",
         )
         if have is not None:  # set_fused_attn(True) before: the experimental modules need more
             return [updated], {-1: _with_experimental(self.previous)}  # type: ignore[arg-type]

@@ -193,7 +193,7 @@ def describe_library(finding: Finding, view: Profile) -> None:
     owner = owners.most_common(1)[0][0] if owners else _module_class(view, finding)
     call = calls.most_common(1)[0][0] if calls else None
     model = index.models[0] if index.models else None
-    fix = _choose_fix(finding, owner, model, call, _timm_switch(finding.path, owner))
+    fix = _choose_fix(finding, owner, model, call, timm_switch(finding.path, owner))
     finding.library = {
         "package": package,
         "version": (view.libraries.get(package) or {}).get("version"),
@@ -296,8 +296,8 @@ def _not_applicable(
 TIMM_SWITCHES = {"timm_fused_attn": "tested", "timm_fused_attn_experimental": "experimental"}
 
 
-def _timm_switch(path: str, owner: str | None) -> str | None:
-    """"tested" / "experimental": how the __init__ of timm class `owner` (defined in the installed file
+def timm_switch(path: str, owner: str | None) -> str | None:
+    """ "tested" / "experimental": how the __init__ of timm class `owner` (defined in the installed file
     `path`, where the pattern is) reads timm's fused_attn switch; None when it does not, or is no timm class."""
     if owner is None or not owner.startswith("timm."):
         return None

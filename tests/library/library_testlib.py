@@ -8,10 +8,18 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# sitecustomize that lets torchvision (timm's dependency) import on a CPU-only torch (see its docstring)
+CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
+
+
+def process_env() -> dict[str, str]:
+    """The environment of the processes these tests start: nothing downloaded, timm importable."""
+    path = os.pathsep.join(p for p in (str(CPU_TORCHVISION), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": path}
 
 
 def run_opadvisor(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = process_env()
     done = subprocess.run(
         [sys.executable, "-m", "opadvisor", *args],
         cwd=cwd,

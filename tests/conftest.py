@@ -1,8 +1,20 @@
-"""Shared test setup: GPU tests are marked `gpu` and skipped where CUDA is not available."""
+"""Shared test setup: GPU tests are marked `gpu` and skipped where CUDA is not available; torchvision
+(which the dev extra's timm brings, and which lightning and transformers' Trainer import when it is there)
+imports on a CPU-only torch, in this process and in every process the tests start (cpu_torchvision/)."""
 
 from __future__ import annotations
 
+import os
+import runpy
+from pathlib import Path
+
 import pytest
+
+_CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(_CPU_TORCHVISION), os.environ.get("PYTHONPATH")) if p
+)
+runpy.run_path(str(_CPU_TORCHVISION / "sitecustomize.py"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

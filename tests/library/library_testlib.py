@@ -8,14 +8,12 @@ import sys
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-# sitecustomize that lets torchvision (timm's dependency) import on a CPU-only torch (see its docstring)
-CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
 
 
 def process_env() -> dict[str, str]:
-    """The environment of the processes these tests start: nothing downloaded, timm importable."""
-    path = os.pathsep.join(p for p in (str(CPU_TORCHVISION), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONPATH": path}
+    """The environment of the processes these tests start: nothing downloaded (tests/conftest.py has put
+    tests/cpu_torchvision on PYTHONPATH, so timm imports on a CPU-only torch)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def run_opadvisor(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -41,3 +39,12 @@ def line_of(path: Path, mark: str) -> int:
         if text.rstrip().endswith(f"# expect: {mark}"):
             return i
     raise AssertionError(f"{path.name} has no '# expect: {mark}'")
+
+
+def assert_verify_parity(project: Path) -> None:
+    """`opadvisor verify` (parity only: a few steps, no timing) passes on the project's applied fixes."""
+    done = run_opadvisor(
+        project, "verify", "--steps", "4", "--warmup", "1", "--no-reprofile", "--no-timing", check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "parity passed" in done.stdout

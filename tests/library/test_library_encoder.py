@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from library_testlib import line_of, run_opadvisor
+from library_testlib import assert_verify_parity, line_of, run_opadvisor
 
 from opadvisor.profile.runs import load_run
 from opadvisor.rules.engine import analyse
@@ -56,11 +56,7 @@ def test_apply_inserts_the_patch_once(project_copy, tmp_path: Path) -> None:
 def test_verify_proves_the_encoder_patch(project_copy, tmp_path: Path) -> None:
     project = project_copy("encoder", tmp_path / "p")
     run_opadvisor(project, "apply", "--rule", "fused_dropout_add")
-    done = run_opadvisor(
-        project, "verify", "--steps", "4", "--warmup", "1", "--no-reprofile", "--no-timing", check=False
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "parity passed" in done.stdout
+    assert_verify_parity(project)
 
 
 def test_an_encoder_without_dropout_has_nothing_to_fuse(library_run) -> None:

@@ -1,11 +1,13 @@
-"""Lets `import torchvision` (which timm imports) work on a CPU-only torch, for the timm tests' processes.
+"""Lets `import torchvision` work on a CPU-only torch, in the test suite's processes.
 
 PyPI has no CPU build of torchvision: its wheel's operator library links against CUDA torch, fails to load
 on the CPU build, and torchvision then fails at import registering fake kernels for operators that were
 never defined. On such a machine (this one, CI) this defines those operators' names, so torchvision
 imports; nothing here ever calls them (a ViT uses none of torchvision's detection operators). Where the
-library loads (a CUDA machine), this does nothing. The timm tests put this folder on PYTHONPATH of the
-processes they start (`opadvisor profile`, the scripts, verify's children).
+library loads (a CUDA machine), this does nothing. torchvision comes with timm (the dev extra: the timm
+tests), and lightning and transformers' Trainer import it whenever it is installed, so tests/conftest.py
+runs this in the test process and puts this folder on PYTHONPATH for every process the tests start
+(`opadvisor profile`, the scripts, verify's children).
 """
 
 import importlib.abc

@@ -408,6 +408,7 @@ class TimmFusedAttnCodemod(_AtStatement):
 
     RULE: ClassVar[str] = "timm_fused_attn"
     SAFETY: ClassVar[str] = "safe"
+    NO_KERNEL_OP: ClassVar[str] = "set_fused_attn(True) selects timm's own SDPA attention"
     EXPERIMENTAL: ClassVar[bool] = False
     _timm_imported: bool = False
 

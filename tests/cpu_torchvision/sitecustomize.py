@@ -57,4 +57,7 @@ class _BeforeTorchvision(importlib.abc.MetaPathFinder):
         return None
 
 
-sys.meta_path.insert(0, _BeforeTorchvision())
+# once per process: a worker started with this on PYTHONPATH also runs it from tests/conftest.py
+if not getattr(sys, "_opadvisor_cpu_torchvision", False):
+    sys._opadvisor_cpu_torchvision = True
+    sys.meta_path.insert(0, _BeforeTorchvision())

@@ -134,6 +134,13 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
     def _missing_product(self, stmts: Sequence[cst.BaseStatement], chain: Chain, qk: bool) -> str:
         """Why the chain does not reach q @ k^T (`qk`) or the product with v."""
         if qk:
+            source = self._made_by(stmts, chain)
+            if source is not None:
+                line, text = source
+                return (
+                    f"the scores come from line {line} (`{text}`), not straight from q @ k.transpose(-2, -1); "
+                    "scaled_dot_product_attention cannot take that step"
+                )
             return "no q @ k.transpose(-2, -1) found in the same block, next to the softmax"
         name = chain.segments[-1].target
         following = stmts[chain.last + 1] if chain.last + 1 < len(stmts) else None
@@ -145,6 +152,26 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                 "scaled_dot_product_attention cannot do that"
             )
         return "no product with v found in the same block, next to the softmax"
+
+    def _made_by(self, stmts: Sequence[cst.BaseStatement], chain: Chain) -> tuple[int, str] | None:
+        """The statement just before the chain, when it binds the scores the chain starts from (GPT-2's
+        `torch.where(causal_mask, attn_weights, mask_value)`): its line and first line of text."""
+        base = mt.unparen(chain.base)
+        before = stmts[chain.first - 1] if chain.first > 0 else None
+        if not isinstance(base, cst.Name) or before is None:
+            return None
+        small = (
+            before.body[0] if isinstance(before, cst.SimpleStatementLine) and len(before.body) == 1 else None
+        )
+        if not (
+            isinstance(small, cst.Assign)
+            and len(small.targets) == 1
+            and m.matches(small.targets[0].target, m.Name(base.value))
+        ):
+            return None
+        if _a_product(small.value):
+            return None  # a product the rewrite did not read as q @ k^T: the general words fit better
+        return self.lines_of(before)[0], mt.code(before).strip().splitlines()[0]
 
     def _is_weights(self, chain: Chain, name: str) -> bool:
         after = False
@@ -419,3 +446,17 @@ def _local_value(finder: ChainFinder, name: cst.Name) -> cst.BaseExpression | No
         if assign is not None and assign[0] == name.value:
             value = assign[1]
     return value
+
+
+def _a_product(node: cst.BaseExpression) -> bool:
+    """`a @ b`, or a call of matmul / bmm / baddbmm / einsum, anywhere in `node`."""
+    products = {"matmul", "bmm", "baddbmm", "einsum"}
+    for sub in mt.nodes_of(node, cst.BaseExpression):
+        if isinstance(sub, cst.BinaryOperation) and isinstance(sub.operator, cst.MatrixMultiply):
+            return True
+        if isinstance(sub, cst.Call):
+            func = sub.func
+            name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+            if name in products:
+                return True
+    return False

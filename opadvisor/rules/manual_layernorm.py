@@ -144,6 +144,8 @@ def _scan(frame: Frame, i: int) -> tuple[_Match | None, int]:
         m.roles["var"] = anchor
         m.unbiased = not _biased(anchor)
         m.std = anchor.name == "aten::std_mean"
+    else:
+        _variance_before(frame, i, m)
     centers = stray = 0
     last = i
     j = i + 1
@@ -170,6 +172,21 @@ def _scan(frame: Frame, i: int) -> tuple[_Match | None, int]:
     if not ok or not m.reduced:
         return None, i + 1
     return m, last + 1
+
+
+def _variance_before(frame: Frame, i: int, m: _Match) -> None:
+    """A variance of the same input that ran just before the mean (lucidrains' `var = torch.var(x, ...)`
+    then `mean = torch.mean(x, ...)`) joins the match, first in its ops."""
+    for j in range(i - 1, max(-1, i - 1 - MAX_STRAY), -1):
+        op = frame.ops[j]
+        if op.name in VAR_OPS and shape(op, 0) == m.x_shape:
+            m.roles["var"] = op
+            m.ops.insert(0, op)
+            m.unbiased = not _biased(op)
+            m.std = op.name == "aten::std"
+            return
+        if op.name not in PASS_THROUGH_OPS or op.name in ANCHORS:
+            return
 
 
 def _role(op: Op, m: _Match, centers: int) -> str | None:

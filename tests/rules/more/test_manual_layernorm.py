@@ -40,11 +40,18 @@ def test_two_hand_written_layer_norms_one_safe_one_not(cpu_profile) -> None:
         ("norm_var_mean", "var_mean", "safe", [32]),
         ("norm_channels", "channels", "unsafe", None),
         ("norm_two_dims", "two dims", "safe", [8, 32]),
+        ("norm_variance_first", "variance first", "safe", [32]),
     ],
 )
 def test_other_spellings(cpu_profile, function: str, label: str, fix: str, shape) -> None:
     found = {f.function: f for f in manual_layernorm.detect(cpu_profile("ln_variants"))}
-    assert set(found) == {"norm_rsqrt", "norm_var_mean", "norm_channels", "norm_two_dims"}
+    assert set(found) == {
+        "norm_rsqrt",
+        "norm_var_mean",
+        "norm_channels",
+        "norm_two_dims",
+        "norm_variance_first",
+    }
     f = found[function]
     assert (f.line, f.end_line) == lines("ln_variants", label)
     assert f.fix == fix

@@ -84,10 +84,14 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         """Like `targeted`, for a line range (a match spanning several statements)."""
         if self.targets is None:
             return Target(start, end)
-        for t in self.targets:
-            if start <= t.end_line and t.line <= end:
-                return t
-        return None
+        overlapping = [t for t in self.targets if start <= t.end_line and t.line <= end]
+        # the most specific one: a finding spanning a caller and its callee (T5's block, lines 61-89) must
+        # not take the lines of a finding inside it (its feed-forward, lines 74-75) with facts not for them
+        return min(
+            overlapping,
+            key=lambda t: (not (t.line <= start and end <= t.end_line), t.end_line - t.line),
+            default=None,
+        )
 
     def note_unreached(self, why: Callable[[Target], str | None]) -> None:
         """In profile mode, a skip for every target that no rewrite answered (`answered`), saying `why` it

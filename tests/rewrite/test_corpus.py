@@ -37,6 +37,35 @@ def test_a_chain_read_above_the_findings_first_line_answers_the_finding():
     assert codemod.skipped == []
 
 
+def _dropout_add_facts(bias: int, dropout: int) -> dict:
+    return {
+        "ops": ["bias", "dropout", "residual"],
+        "lines": {"bias": [bias, bias], "dropout": [dropout, dropout], "residual": [dropout, dropout]},
+        "shape": [4, 16, 32],
+        "dtype": "float32",
+        "bias": None,
+        "producer": "linear",
+        "residual_shape": [4, 16, 32],
+        "residual_kinds": ["tensor", "tensor"],
+        "inplace": False,
+        "dropout_p": 0.1,
+        "dropout_inplace": False,
+    }
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_a_finding_inside_another_keeps_its_own_facts(order: int):
+    """T5: the block's finding spans its call of the feed-forward (lines 61-89: the projection in the
+    attention, the dropout and add in the block) and the feed-forward's own finding lies inside it (74-75).
+    In either order both are rewritten (the outer one took line 75 with facts for line 89 when it came
+    first, and suggest then blocked the inner one)."""
+    source = (CORPUS / "t5_style.py").read_text()
+    targets = [Target(61, 89, _dropout_add_facts(61, 89)), Target(74, 75, _dropout_add_facts(74, 75))]
+    _, codemod = run("fused_dropout_add", source, targets[::order])
+    assert sorted(c.line for c in codemod.changes) == [75, 89], codemod.skipped
+    assert codemod.skipped == []
+
+
 @pytest.mark.slow
 def test_opt_style_corpus_model_is_fixed_and_keeps_its_losses(tmp_path: Path):
     """OPT's decoder layer reassigns its residual's name from itself; the fused_dropout_add rewrite recursed

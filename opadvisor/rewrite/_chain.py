@@ -757,6 +757,20 @@ class ChainFinder:
         reshape = None if isinstance(step.input, cst.Name) else step.input
         if (reshape is None) != (restore is None) or not _same_last_dim(reshape, restore):
             return None
+        bound = sorted(
+            {n.value for view in (reshape, restore) if view is not None for n in mt.names_in(view)}
+            & set(inlined)
+        )
+        if bound:
+            # the fused call takes the view whether or not the test holds (Swin's `num_win = mask.shape[0]`)
+            self.refused.append(
+                (
+                    "mask",
+                    step.node,
+                    f"the view of the scores reads `{bound[0]}`, which is set only under `if {mt.code(stmt.test)}:`",
+                )
+            )
+            return None
         step.params.update(condition=stmt.test, reshape=reshape, restore=restore)
         if inlined:
             step.params["mask"] = _inline(step.params["mask"], inlined)  # type: ignore[arg-type]

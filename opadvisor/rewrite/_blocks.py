@@ -44,7 +44,6 @@ class BlockRewriter(RuleCodemod):
         super().__init__(context, targets)
         self._module: cst.Module | None = None
         self._indents: list[str] = []
-        self._reached: set[int] = set()  # ids of targets an edit or a skip answered
 
     # ---- subclasses ---------------------------------------------------------------------------------
     def block_edits(self, stmts: Sequence[cst.BaseStatement], indent: str) -> list[BlockEdit]:
@@ -54,7 +53,7 @@ class BlockRewriter(RuleCodemod):
     def reached(self, target: Target) -> None:
         """`target` was answered by an edit or a skip, though the note's line may lie before its lines (a
         chain read upward past the finding's first line, to a scale or an `if` around the mask)."""
-        self._reached.add(id(target))
+        self.answered.add(target)
 
     def ref(self, qualified_name: str) -> cst.BaseExpression:
         assert self._module is not None
@@ -124,7 +123,7 @@ class BlockRewriter(RuleCodemod):
         ]
         lines = module.code.splitlines()
         for target in self.targets or ():
-            if id(target) in self._reached or any(target.line <= n <= target.end_line for n in noted):
+            if target in self.answered or any(target.line <= n <= target.end_line for n in noted):
                 continue
             reason = self.unmatched_reason(target, functions, lines)
             if reason is not None:

@@ -86,10 +86,15 @@ class RuleCodemod(VisitorBasedCodemodCommand):
             return Target(start, end)
         overlapping = [t for t in self.targets if start <= t.end_line and t.line <= end]
         # the most specific one: a finding spanning a caller and its callee (T5's block, lines 61-89) must
-        # not take the lines of a finding inside it (its feed-forward, lines 74-75) with facts not for them
+        # not take the lines of a finding inside it (its feed-forward, 74-75) with facts not for them: first
+        # a target whose facts name these lines, then one containing them, then the narrowest
         return min(
             overlapping,
-            key=lambda t: (not (t.line <= start and end <= t.end_line), t.end_line - t.line),
+            key=lambda t: (
+                not _facts_name(t, start, end),
+                not (t.line <= start and end <= t.end_line),
+                t.end_line - t.line,
+            ),
             default=None,
         )
 
@@ -104,3 +109,14 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     def note(self, node: cst.CSTNode, message: str) -> None:
         """A display-only suggestion (it would change the model, so it is never written): shown to the user."""
         self.notes.append(Note(self.lines_of(node)[0], message))
+
+
+def _facts_name(target: Target, start: int, end: int) -> bool:
+    """Whether the target's facts place one of their ops on lines start..end (`details["lines"]`)."""
+    lines = target.details.get("lines") if isinstance(target.details, dict) else None
+    if not isinstance(lines, dict):
+        return False
+    return any(
+        isinstance(span, list | tuple) and len(span) == 2 and start <= span[1] and span[0] <= end
+        for span in lines.values()
+    )

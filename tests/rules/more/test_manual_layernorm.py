@@ -40,18 +40,11 @@ def test_two_hand_written_layer_norms_one_safe_one_not(cpu_profile) -> None:
         ("norm_var_mean", "var_mean", "safe", [32]),
         ("norm_channels", "channels", "unsafe", None),
         ("norm_two_dims", "two dims", "safe", [8, 32]),
-        ("norm_variance_first", "variance first", "safe", [32]),
     ],
 )
 def test_other_spellings(cpu_profile, function: str, label: str, fix: str, shape) -> None:
     found = {f.function: f for f in manual_layernorm.detect(cpu_profile("ln_variants"))}
-    assert set(found) == {
-        "norm_rsqrt",
-        "norm_var_mean",
-        "norm_channels",
-        "norm_two_dims",
-        "norm_variance_first",
-    }
+    assert set(found) == {"norm_rsqrt", "norm_var_mean", "norm_channels", "norm_two_dims"}
     f = found[function]
     assert (f.line, f.end_line) == lines("ln_variants", label)
     assert f.fix == fix
@@ -69,3 +62,9 @@ def test_layer_norm_module_rms_norm_and_standardisation_are_not_reported(cpu_pro
 def test_examples_use_nn_layernorm(cpu_profile, example: str) -> None:
     report = analyse([cpu_profile(example)], select=["manual_layernorm"])
     assert report.findings == [] and report.notes == []
+
+
+def test_a_variance_taken_before_the_mean(cpu_profile) -> None:
+    (f,) = manual_layernorm.detect(cpu_profile("ln_variance_first"))
+    assert (f.line, f.end_line) == lines("ln_variance_first", "variance first")
+    assert f.fix == "safe" and f.details["normalized_shape"] == [32] and f.details["rsqrt"]

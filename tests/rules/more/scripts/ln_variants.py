@@ -31,12 +31,6 @@ def norm_two_dims(x):
     return (x - mean) / torch.sqrt(var + EPS)  # expect: two dims end
 
 
-def norm_variance_first(x, g):
-    var = torch.var(x, dim=-1, unbiased=False, keepdim=True)  # expect: variance first start
-    mean = torch.mean(x, dim=-1, keepdim=True)
-    return (x - mean) * (var + EPS).rsqrt() * g  # expect: variance first end
-
-
 class Model(nn.Module):
     def __init__(self, hidden):
         super().__init__()
@@ -47,8 +41,7 @@ class Model(nn.Module):
         h = norm_rsqrt(self.fc(x))
         h = norm_var_mean(h, self.weight)
         h = norm_channels(h)
-        h = norm_two_dims(h)
-        return norm_variance_first(h, self.weight)
+        return norm_two_dims(h)
 
 
 model = Model(32).to(device)

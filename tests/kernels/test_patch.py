@@ -330,3 +330,21 @@ def test_lm_loss_patch_leaves_a_replaced_loss_function_alone(capsys) -> None:
     (left,) = [entry for entry in P.patch_report(model).left if entry[0] == ""]
     assert left[2].startswith("its loss_function was replaced") and not P.patch_report(model).patched
     assert "forward" not in model.__dict__
+
+
+def test_a_bias_gradient_is_judged_at_its_weights_scale() -> None:
+    # A key bias's gradient is zero in exact arithmetic (softmax ignores a constant per row): in bf16 what is
+    # left is rounding noise at the scale of the key weight's gradient, which must not fail the check, while
+    # a bias gradient off by more than that tolerance still does.
+    scale_of = {"key.weight": 2.0, "key.bias": 0.1, "other": 50.0}
+    assert P._bias_floor("key.bias", scale_of) == 2.0
+    assert P._bias_floor("key.weight", scale_of) == 0.0
+    assert P._bias_floor("input 0", scale_of) == 0.0
+    ref = torch.full((4,), 0.1)
+    noisy = ref + 0.05  # 0.5 of its own scale, 0.025 of its weight's
+    assert (
+        P._compare("gradient of key.bias", ref, noisy, 0.04, floor=P._bias_floor("key.bias", scale_of))
+        is None
+    )
+    wrong = ref + 0.5  # 0.25 of its weight's scale
+    assert P._compare("gradient of key.bias", ref, wrong, 0.04, floor=P._bias_floor("key.bias", scale_of))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from opadvisor.profile.model import ModuleCall
-from opadvisor.profile.userframes import resolve_user_file
+from opadvisor.profile.userframes import opadvisor_dirs, resolve_user_file
 
 RNN_LAYERS = ("LSTM", "GRU", "RNN")
 RNN_CELLS = ("LSTMCell", "GRUCell", "RNNCell")
@@ -30,7 +30,7 @@ RNN_CELLS = ("LSTMCell", "GRUCell", "RNNCell")
 class ModuleCalls:
     def __init__(self) -> None:
         self.records: dict[int, ModuleCall] = {}
-        self._machinery: tuple[str, str] | None = None
+        self._machinery: tuple[str, tuple[str, ...]] | None = None
 
     def on_call(self, module: Any, path: str, cls: str, args: tuple) -> None:
         record = self.records.get(id(module))
@@ -59,12 +59,7 @@ class ModuleCalls:
         if self._machinery is None:
             import torch.nn.modules.module as module_py
 
-            import opadvisor
-
-            self._machinery = (
-                str(Path(module_py.__file__).resolve()),
-                str(Path(opadvisor.__file__).resolve().parent),
-            )
+            self._machinery = (str(Path(module_py.__file__).resolve()), opadvisor_dirs())
         call_py, ours = self._machinery
         frame = sys._getframe(2)
         caller: str | None = None
@@ -74,7 +69,7 @@ class ModuleCalls:
             user = resolve_user_file(name)
             if user is not None:
                 return user, frame.f_lineno, frame.f_code.co_name, None if direct else caller
-            if not _is(name, call_py) and not _under(name, ours):
+            if not _is(name, call_py) and not any(_under(name, own) for own in ours):
                 if direct:
                     caller = f"{name}:{frame.f_lineno}"
                 direct = False

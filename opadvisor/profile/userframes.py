@@ -23,19 +23,20 @@ from pathlib import Path
 import opadvisor
 
 
-def _opadvisor_dirs() -> set[str]:
+@lru_cache(maxsize=1)
+def opadvisor_dirs() -> tuple[str, ...]:
     """opadvisor's own folders. `opadvisor.kernels` lives in its own folder (`kernels/` in a source
     checkout installed with `pip install -e`), so it is looked up, not assumed to be inside `opadvisor/`:
-    the fused ops' reference paths must never read as the user's code."""
+    the fused ops' reference paths must never read as the user's code, nor as a library's."""
     dirs = {str(Path(opadvisor.__file__).resolve().parent)}
     spec = importlib.util.find_spec("opadvisor.kernels")  # finds the folder without importing triton
     for location in (spec.submodule_search_locations or []) if spec else []:
         dirs.add(str(Path(location).resolve()))
-    return dirs
+    return tuple(sorted(dirs))
 
 
 def _roots() -> tuple[str, ...]:
-    roots = _opadvisor_dirs()
+    roots = set(opadvisor_dirs())
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         path = sysconfig.get_paths().get(key)
         if path:
@@ -186,8 +187,7 @@ def library_file(file_name: str) -> LibraryFile | None:
     resolved = str(path.resolve())
     if _PACKAGE_ROOTS is None:
         _PACKAGE_ROOTS = _package_roots()
-    own = str(Path(opadvisor.__file__).resolve().parent)
-    if resolved.startswith(own + os.sep):
+    if any(resolved.startswith(own + os.sep) for own in opadvisor_dirs()):
         return None
     for root in _PACKAGE_ROOTS:
         if resolved.startswith(root + os.sep):

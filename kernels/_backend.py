@@ -19,6 +19,7 @@ than eager PyTorch on the GPU (tiny tensors: launch overhead dominates) also giv
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -118,6 +119,15 @@ def fallback_reason_for(device_type: str, dtype: torch.dtype, dim: int) -> str |
     if dim == 0:
         return "a 0-d tensor: the PyTorch reference runs"
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def multiprocessors(device: torch.device) -> int:
+    """The CUDA device's multiprocessor count (1 elsewhere: the interpreter runs programs one by one), for
+    launchers that size a grid to the device."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 def cuda_graph_capturing() -> bool:

@@ -4,7 +4,10 @@ Layout: the softmax dimension is the row; the other dimensions are merged into a
 dimensions (sizes D0 x D1 x D2, any strides, 0 for broadcast masks), so broadcast masks and
 non-contiguous inputs are read in place. Offsets are int64 where a tensor reaches 2**31 elements (I64), int32
 otherwise. A mask row that all ROWS rows of a program share ([B,1,1,S] padding masks) is loaded once
-(MASK_SHARED, decided by the launcher). Math is float32 whatever the storage dtype.
+(MASK_SHARED, decided by the launcher). Math is float32 whatever the storage dtype. The forward of rows
+held whole in registers can also run on a persistent grid (PERSISTENT: each program loops over tiles, STAGES
+pipelining the loads) and with streaming cache hints (STREAM); `softmax.FORWARD_CONFIGS` picks, per row
+block, from what benchmarks/softmax_sweep.py measured.
 
 Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
                    p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)
@@ -48,12 +51,16 @@ def _mask_row_offsets(rows, first_row, D1, D2, sm0, sm1, sm2, MASK_SHARED: tl.co
 @triton.jit
 def _scores(
     X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill,
-    MASK: tl.constexpr, I64: tl.constexpr, MASK_SHARED: tl.constexpr,
+    MASK: tl.constexpr, I64: tl.constexpr, MASK_SHARED: tl.constexpr, STREAM: tl.constexpr,
 ):  # fmt: skip
-    """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile."""
+    """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile. STREAM: x is read
+    once, so its lines are marked first to evict (the looped kernel reads them twice: not there)."""
     c = widen(cols, I64)[None, :]
-    x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
-    s = x * scale
+    if STREAM:
+        x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0, eviction_policy="evict_first")
+    else:
+        x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0)
+    s = x.to(tl.float32) * scale
     masked = ok & False
     if MASK == 1:
         masked = _load_mask(M, mo, cols, ok, n_cols, smc, 0, I64, MASK_SHARED) != 0
@@ -61,6 +68,48 @@ def _scores(
     if MASK == 2:
         s = s + _load_mask(M, mo, cols, ok, n_cols, smc, 0.0, I64, MASK_SHARED).to(tl.float32)
     return tl.where(ok, s, float("-inf")), masked
+
+
+@triton.jit
+def _fwd_tile(
+    tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc, sy0, sy1, sy2, syc,
+    scale, fill, keep_scale, threshold, k0, k1, stream,
+    MASK: tl.constexpr, ZERO_MASKED: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr, STREAM: tl.constexpr,
+):  # fmt: skip
+    """The forward of rows [tile * ROWS, +ROWS), each held whole in registers (rows up to BLOCK columns).
+    STREAM: y (and P) are written with the streaming cache hint (nothing reads them back here)."""
+    first = widen(tile, I64) * ROWS
+    rows = first + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
+    mo = _mask_row_offsets(rows, first, D1, D2, sm0, sm1, sm2, MASK_SHARED)
+    yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
+    cols = tl.arange(0, BLOCK)
+    ok = row_ok[:, None] & (cols < n_cols)[None, :]
+    s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, STREAM)
+    m = tl.max(s, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(s - m[:, None])
+    den = tl.sum(e, axis=1)
+    p = e * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
+    if ZERO_MASKED:
+        p = tl.where(masked, 0.0, p)
+    yoff = yo[:, None] + widen(cols, I64)[None, :] * syc
+    if DROPOUT:
+        _store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), ok, STREAM)
+        keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
+        p = tl.where(keep, p * keep_scale, 0.0)
+    _store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), ok, STREAM)
+
+
+@triton.jit
+def _store(ptr, v, ok, STREAM: tl.constexpr):
+    if STREAM:
+        tl.store(ptr, v, mask=ok, cache_modifier=".cs")
+    else:
+        tl.store(ptr, v, mask=ok)
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
@@ -104,21 +153,29 @@ def masked_softmax_fwd_kernel(
     I64: tl.constexpr,
     MASK_SHARED: tl.constexpr,
     SEED_PTR: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    STAGES: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
+    """LOOPED: one tile of ROWS rows per program, its rows read in BLOCK-column pieces (twice). Otherwise
+    each row is held whole: one tile per program, or with PERSISTENT a grid of fewer programs each looping
+    over tiles (tl.range with STAGES pipelines the next tile's loads)."""
     k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
-    rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
-    mo = _mask_row_offsets(rows, widen(tl.program_id(0), I64) * ROWS, D1, D2, sm0, sm1, sm2, MASK_SHARED)
-    yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
     if LOOPED:
+        rows = widen(tl.program_id(0), I64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_rows
+        xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)
+        mo = _mask_row_offsets(rows, widen(tl.program_id(0), I64) * ROWS, D1, D2, sm0, sm1, sm2, MASK_SHARED)
+        yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
         # Pass 1: running max and sum per lane (online softmax), merged across lanes at the end.
         m_i = tl.full((ROWS, BLOCK), float("-inf"), tl.float32)
         l_i = tl.zeros((ROWS, BLOCK), tl.float32)
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
+            s, masked = _scores(
+                X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, False
+            )
             m_new = tl.maximum(m_i, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(s - m_safe)
@@ -131,7 +188,9 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
+            s, masked = _scores(
+                X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, False
+            )
             p = tl.exp(s - m[:, None]) * inv[:, None]
             if ZERO_MASKED:
                 p = tl.where(masked, 0.0, p)
@@ -141,23 +200,20 @@ def masked_softmax_fwd_kernel(
                 keep = keep_mask(k0, k1, stream, threshold, rows, c0, ROWS, BLOCK, INTERLEAVE)
                 p = tl.where(keep, p * keep_scale, 0.0)
             tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
+    elif PERSISTENT:
+        n_tiles = tl.cdiv(n_rows, ROWS)
+        for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+            _fwd_tile(
+                tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+                sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
+                MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, STREAM,
+            )  # fmt: skip
     else:
-        cols = tl.arange(0, BLOCK)
-        ok = row_ok[:, None] & (cols < n_cols)[None, :]
-        s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
-        m = tl.max(s, axis=1)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        e = tl.exp(s - m[:, None])
-        den = tl.sum(e, axis=1)
-        p = e * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None]
-        if ZERO_MASKED:
-            p = tl.where(masked, 0.0, p)
-        yoff = yo[:, None] + widen(cols, I64)[None, :] * syc
-        if DROPOUT:
-            tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
-            keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
-            p = tl.where(keep, p * keep_scale, 0.0)
-        tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
+        _fwd_tile(
+            tl.program_id(0), X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+            sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
+            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, STREAM,
+        )  # fmt: skip
 
 
 @triton.jit

@@ -171,11 +171,8 @@ def _forward(x, bias, residual, p, seed):
     return y, keep
 
 
-@functools.lru_cache(maxsize=64)
 def _programs_target(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 4 * _backend.multiprocessors(device)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -16,6 +16,7 @@ device thread, where Python is slow) checks dy's strides and launches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -42,6 +43,28 @@ RNG_INTERLEAVE = True
 # with an additive mask, scale and dropout, kernel / chain: 0.21 / 0.18 ms at 8.3M elements, 0.20 / 0.25 at
 # 16.7M, 0.15 / 0.47 at 33M (benchmarks/RESULTS.md, "Dispatch").
 SMALL_NUMEL = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """How the forward kernel covers rows held whole in registers (rows up to MAX_BLOCK columns).
+
+    rows, warps: rows per tile and warps per program. share_mask: load a mask row that the whole tile shares
+    once (where the layout allows, see `_plan`). programs_per_sm: 0 runs one tile per program; n runs n
+    programs per multiprocessor, each looping over tiles, `stages` pipelining the loop's loads. stream: x
+    loaded "evict first" and the outputs stored with the streaming hint (nothing reads them back)."""
+
+    rows: int
+    warps: int
+    share_mask: bool = True
+    programs_per_sm: int = 0
+    stages: int = 1
+    stream: bool = False
+
+
+# The forward's configuration per row block (the row length rounded up to a power of two), where
+# benchmarks/softmax_sweep.py measured one better than `_config`'s (which the backward always keeps).
+FORWARD_CONFIGS: dict[int, ForwardConfig] = {}
 
 _NO_SEED = (0, 0, 0)
 OP = "masked_softmax"  # its name in the dispatch record and in warnings
@@ -180,10 +203,16 @@ def _mask_arg(mask: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
+def _forward_config(n_cols: int) -> ForwardConfig | None:
+    """FORWARD_CONFIGS' entry for rows of `n_cols` held whole (None: `_config`'s choice)."""
+    return FORWARD_CONFIGS.get(max(16, triton_next_power_of_2(n_cols))) if FORWARD_CONFIGS else None
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan(shape, strides, mask_meta, dim, max_block, loop_block):
+def _plan(shape, strides, mask_meta, dim, max_block, loop_block, forward: ForwardConfig | None = None):
     """(grid, integer args, launch meta) for tensors of `shape` (strides: x or dy, then the outputs,
-    which are contiguous), or None when the layout needs a copy first. Cached per layout."""
+    which are contiguous), or None when the layout needs a copy first. Cached per layout. `forward`
+    overrides `_config` for rows held whole (the forward kernel's FORWARD_CONFIGS entry)."""
     out = layout.contiguous_strides(shape)
     mask_strides = out if mask_meta is None else layout.expanded_strides(*mask_meta, shape)
     got = layout.row_layout(shape, [strides, mask_strides, out], dim)
@@ -191,10 +220,13 @@ def _plan(shape, strides, mask_meta, dim, max_block, loop_block):
         return None
     n_rows, n_cols, (_, d1, d2), (s_in, s_mask, s_out) = got
     rows, block, looped, warps = _config(n_cols, max_block, loop_block)
+    if forward is not None and not looped:
+        rows, warps = forward.rows, forward.warps
     i64 = layout.needs_int64(shape, [strides, mask_strides, out])
     # A program's rows lie in one run of D2 rows when ROWS divides D2; if the mask does not move along D2
     # (a [B,1,1,S] padding mask), they all read one mask row, which the kernel then loads once.
     shared = mask_meta is not None and rows > 1 and s_mask[2] == 0 and d2 % rows == 0
+    shared = shared and (forward is None or forward.share_mask)
     meta = {
         "ROWS": rows,
         "BLOCK": block,
@@ -224,18 +256,23 @@ def _launchers() -> tuple[Launcher, Launcher]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _launch_plan(backward, shape, strides, mask_meta, dim, dtypes, device, flags, max_block, loop_block):
+def _launch_plan(
+    backward, shape, strides, mask_meta, dim, dtypes, device, flags, max_block, loop_block, forward=None
+):  # fmt: skip
     """(Launch, integer args) of the forward (strides: x's) or backward (strides: dy's) kernel for one
     layout, or None when it needs a copy first. dtypes: (x, x) or (dy, the saved probabilities); flags:
-    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE); mask_meta: (shape, strides, dtype) or None.
-    Cached: the per-call work is the lookup."""
-    plan = _plan(shape, strides, None if mask_meta is None else mask_meta[:2], dim, max_block, loop_block)
+    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE); mask_meta: (shape, strides, dtype) or None;
+    forward: the forward's ForwardConfig or None. Cached: the per-call work is the lookup."""
+    mask_sh = None if mask_meta is None else mask_meta[:2]
+    plan = _plan(shape, strides, mask_sh, dim, max_block, loop_block, None if backward else forward)
     if plan is None:
         return None
     grid, ints, meta = plan
     if backward:  # the kernel reads P (contiguous, like the output), dy, the mask, and writes dx
         n_rows, n_cols, d1, d2, *st = ints
         ints = (n_rows, n_cols, d1, d2, *st[8:12], *st[0:4], *st[4:8], *st[8:12])
+    else:
+        grid, meta = _forward_grid(grid, meta, forward, device)
     launcher = _launchers()[1 if backward else 0]
     _backend.check_launch_device(device)
     mask_kind, zero_masked, dropout, seed_ptr, interleave = flags
@@ -246,14 +283,29 @@ def _launch_plan(backward, shape, strides, mask_meta, dim, dtypes, device, flags
     return launcher.prepare(grid, full), ints
 
 
+def _forward_grid(grid, meta, forward: ForwardConfig | None, device: torch.device):
+    """The forward kernel's grid and its constexprs beyond `_plan`'s: a persistent grid (at most
+    `programs_per_sm` programs per multiprocessor) when the config asks for one and rows are held whole."""
+    persistent = forward is not None and forward.programs_per_sm > 0 and not meta["LOOPED"]
+    if persistent:
+        grid = (max(1, min(grid[0], forward.programs_per_sm * _backend.multiprocessors(device))),)
+    extra = {
+        "PERSISTENT": persistent,
+        "STAGES": forward.stages if persistent else 1,
+        "STREAM": forward is not None and forward.stream and not meta["LOOPED"],
+    }
+    return grid, {**meta, **extra}
+
+
 def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype):
     """(Launch, integer args, t, mask): t is x (forward) or dy (backward), out_dtype the dtype of y / saved
     and dx; t and mask copied to contiguous first when their layout needs it (warned once)."""
     flags = (_mask_kind(mask), zero_masked and mask is not None, p > 0, isinstance(seed, torch.Tensor),
              RNG_INTERLEAVE)  # fmt: skip
     mask_meta = None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype)
+    forward = None if backward else _forward_config(t.shape[dim])
     key = (t.shape, t.stride(), mask_meta, dim, (t.dtype, out_dtype), t.device, flags, MAX_BLOCK, LOOP_BLOCK)
-    got = _launch_plan(backward, *key)
+    got = _launch_plan(backward, *key, forward)
     if got is None:
         _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         t = t.contiguous()

@@ -146,6 +146,36 @@ def test_padding_mask_row_shared_by_a_program(kind, device):
     torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-5, atol=1e-6)
 
 
+FORWARD_CONFIGS = [
+    softmax.ForwardConfig(rows=4, warps=2),
+    softmax.ForwardConfig(rows=2, warps=1, share_mask=False, stream=True),
+    softmax.ForwardConfig(rows=4, warps=4, programs_per_sm=2, stages=2),
+    softmax.ForwardConfig(rows=8, warps=4, programs_per_sm=1, stages=3, stream=True),
+]
+
+
+@pytest.mark.parametrize("config", FORWARD_CONFIGS, ids=str)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_forward_configs_compute_the_same_bits(config, dropout_p, device, monkeypatch):
+    """Every forward configuration the sweep may choose (benchmarks/softmax_sweep.py: rows, warps, the shared
+    mask row, a persistent grid, cache hints) gives the default's bits, dropout mask included, and the
+    backward (which keeps `_config`'s launch) its gradient; 23 tiles, so a persistent grid loops."""
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 15, 40, device=device).to(torch.bfloat16) * 3
+    mask = _padding_mask(x.shape, device)
+    dy = torch.randn_like(x)
+    kw = dict(scale=0.5, zero_masked=True, dropout_p=dropout_p)
+    y0, (dx0,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
+    monkeypatch.setattr(softmax, "FORWARD_CONFIGS", {64: config})
+    launch, _, _, _ = softmax._launch_for(False, x, mask, 3, True, dropout_p, FIXED_SEED, x.dtype)
+    assert (launch.meta["ROWS"], launch.meta["num_warps"]) == (config.rows, config.warps)
+    assert launch.meta["PERSISTENT"] == (config.programs_per_sm > 0)
+    y, (dx,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
+    assert torch.equal(y, y0)
+    assert torch.equal(dx, dx0)
+
+
 def test_additive_mask_gets_its_gradient(device):
     torch.manual_seed(1)
     x = torch.randn(2, 3, 6, 9, device=device)

@@ -22,7 +22,16 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
 - the LM heads' loss (BertForMaskedLM's masked-LM loss, GPT2LMHeadModel's ForCausalLMLoss): the model's
   forward runs as written with labels=None, then the loss it would have computed from those logits is
   `opadvisor.kernels.cross_entropy` over the 16-bit logits where they lie (no float32 copy of the
-  [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept).
+  [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept);
+- asked for by name only (`rules=["compile_blocks"]`, never by `rules=None`: it costs compile time): the
+  model's repeated library blocks (`opadvisor.libraries.repeated_blocks`: the outermost library class with
+  two or more instances, such as BertLayer x12) each run one forward compiled by torch.compile, built on
+  `opadvisor.kernels.compile_region` and shared by all instances of the class, so dynamo traces it once
+  (not once per layer: its cache is keyed by the code, its guards by the module's state, not its identity)
+  and inductor fuses the memory-bound ops between the matrix products. A compile that fails prints one line
+  and every instance gets its original forward back; inside an outer torch.compile the original runs.
+  Other patches are not installed inside a compiled block (reported as left): their first-call check
+  cannot run under compile, and what they fuse by hand inductor fuses there with its neighbours.
 
 How it stays honest:
 
@@ -69,11 +78,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opadvisor.libraries import FIXES, LibraryFix, fix_by_name
+from opadvisor.libraries import FIXES, TORCH_BLOCKS, LibraryFix, block_of, fix_by_name, repeated_blocks
 
 from . import _backend
 from . import dropout_add as _dropout_add
 from . import linear as _linear
+from . import region as _region
 
 __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
@@ -148,7 +158,7 @@ def _known() -> str:
         "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
         "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, "
         "nn.MultiheadAttention, nn.TransformerEncoderLayer, and nn.Linear layers with sizes that are not "
-        "multiples of 8"
+        "multiples of 8; asked by name, compile_blocks compiles the model's repeated library blocks"
     )
 
 
@@ -223,6 +233,7 @@ class _State:
     report: PatchReport | None = None  # the patch's report: a module that falls back moves to `left`
     status: str = "pending"  # "pending" -> "ok" | "failed"
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
+    shared: Any = None  # what the instances of one fix share (compile_blocks: the compiled forward)
 
 
 @dataclass(frozen=True)
@@ -620,6 +631,102 @@ def _causal_lm_loss(
     return loss
 
 
+# -- repeated library blocks, compiled (compile_blocks) ----------------------------------------------------------
+# torch.compile's options for the blocks' forward (the tests pass a backend that counts the graphs it gets)
+BLOCK_COMPILE_OPTIONS: dict[str, Any] = {}
+
+
+@dataclass
+class _BlockGroup:
+    """The compiled instances of one block class in one `patch`: they share one `compile_region` of the
+    class's forward, so dynamo, whose cache is keyed by the code, traces it once for all of them."""
+
+    forward: Callable[..., Any]  # compile_region(cls.forward): called as forward(module, *args, **kwargs)
+    modules: list[nn.Module] = field(default_factory=list)
+    fell_back: bool = False
+
+
+def _check_block(module: nn.Module) -> str | None:
+    if "forward" in module.__dict__:
+        return "its forward was replaced on the instance (by another tool): left as it is"
+    for path, sub in module.named_modules():
+        if sub is not module and STATE in sub.__dict__:
+            return (
+                f"its {path} is patched already ({sub.__dict__[STATE].fix}): call opadvisor.patch once with "
+                "every rule (or unpatch first)"
+            )
+    return None
+
+
+def _compiled_block(module: nn.Module, state: _State, *args, **kwargs):
+    group: _BlockGroup = state.shared
+    out = group.forward(module, *args, **kwargs)
+    status, error = _region.region_state(group.forward)
+    if status == _region.FAILED and not group.fell_back:
+        _block_fallback(group, error)
+    return out
+
+
+def _block_fallback(group: _BlockGroup, error: str | None) -> None:
+    """Compiling failed (compile_region has printed the one line): every instance of the group gets its
+    original forward back, and the report says so."""
+    group.fell_back = True
+    for module in group.modules:
+        state = module.__dict__.get(STATE)
+        if state is not None and state.shared is group:
+            _restore(module)
+            _report_left(state, f"torch.compile failed ({error}): runs its original forward")
+
+
+def _library_class(cls: type) -> bool:
+    return _qualified(cls) in TORCH_BLOCKS or _is_library(cls)
+
+
+def _compile_blocks(model: nn.Module, patcher: _Patcher, check: bool, report: PatchReport) -> dict[str, str]:
+    """Install compile_blocks on each of the model's repeated library blocks; returns those compiled
+    ({path: qualified class})."""
+    classes = {path: type(m) for path, m in model.named_modules()}
+    found = repeated_blocks(
+        {path: _qualified(cls) for path, cls in classes.items()},
+        lambda q: _library_class(_class_named(classes, q)),
+    )
+    if not found:
+        report.left.append(
+            ("", _qualified(type(model)), "compile_blocks: the model has no repeated library block (a library "
+             "class holding modules, with two or more instances)")
+        )  # fmt: skip
+    groups: dict[type, _BlockGroup] = {}
+    compiled = {}
+    for path, qualified in found.items():
+        module = model.get_submodule(path)
+        reason = _check_block(module) if STATE not in module.__dict__ else "already patched"
+        if reason is not None:
+            report.left.append((path, qualified, reason))
+            continue
+        cls = type(module)
+        group = groups.get(cls)
+        if group is None:
+            group = groups[cls] = _BlockGroup(_region.compile_region(cls.forward, **BLOCK_COMPILE_OPTIONS))
+        _install(module, path, patcher, check, report)
+        module.__dict__[STATE].shared = group
+        group.modules.append(module)
+        report.patched.append((path, qualified, patcher.fix.name))
+        compiled[path] = qualified
+    return compiled
+
+
+def _class_named(classes: dict[str, type], qualified: str) -> type:
+    return next(cls for cls in classes.values() if _qualified(cls) == qualified)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    """The block's main output: itself, the first tensor of a tuple, or of a ModelOutput's values."""
+    if isinstance(out, torch.Tensor):
+        return out
+    values = out.values() if isinstance(out, dict) else out
+    return next(v for v in values if isinstance(v, torch.Tensor))
+
+
 def _first(out: Any) -> torch.Tensor:
     return out[0]
 
@@ -634,6 +741,7 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("padded_linear"), _check_linear, _padded_linear),
     _Patcher(fix_by_name("hf_mlm_loss"), _check_bert_mlm, _bert_mlm, _first),
     _Patcher(fix_by_name("hf_causal_lm_loss"), _check_causal_lm, _causal_lm, _first),
+    _Patcher(fix_by_name("compile_blocks"), _check_block, _compiled_block, _first_tensor),
 )
 assert {p.fix.name for p in _PATCHERS} == {f.name for f in FIXES if f.kind == "patch"}
 
@@ -663,7 +771,13 @@ def patch(
         raise TypeError(f"opadvisor.patch expects a torch.nn.Module, got {type(model).__name__}")
     patchers = _selected(rules, unsafe)
     report = PatchReport(type(model).__name__)
+    blocks_patcher = next((p for p in patchers if p.fix.name == "compile_blocks"), None)
+    blocks = _compile_blocks(model, blocks_patcher, check, report) if blocks_patcher else {}
     for path, module in model.named_modules():
+        block = block_of(path, blocks)
+        if block is not None:
+            _left_in_block(module, path, patchers, blocks[block], report)
+            continue
         _patch_one(module, path, patchers, check, report, rules is not None or unsafe)
     _drop_known_containers(report)
     model.__dict__[REPORT] = report
@@ -701,6 +815,8 @@ def _selected(rules: Sequence[str] | None, unsafe: bool) -> list[_Patcher]:
             )
     chosen = []
     for p in _PATCHERS:
+        if p.fix.opt_in and (rules is None or p.fix.name not in rules):
+            continue  # compile time: only where asked for by name
         if rules is not None and p.fix.name not in rules and not set(p.fix.rules) & set(rules):
             continue
         if p.fix.safety == "unsafe" and not unsafe:
@@ -738,6 +854,18 @@ def _patch_one(
         )
     elif not candidates and _looks_like_a_block(module):
         report.left.append((path, qualified, f"unknown architecture: opadvisor has no patch for {qualified}"))
+
+
+def _left_in_block(
+    module: nn.Module, path: str, patchers: list[_Patcher], block: str, report: PatchReport
+) -> None:
+    """A module inside (or being) a compiled block keeps its forward: the patches' first-call check cannot
+    run under torch.compile, and the ops they fuse by hand inductor fuses there with their neighbours."""
+    qualified = _qualified(type(module))
+    names = [p.fix.name for p in patchers if qualified in p.fix.classes and p.check(module) is None]
+    if names:
+        reason = f"inside a compiled {_short(block)} (compile_blocks: torch.compile fuses its ops), not {', '.join(names)}"
+        report.left.append((path, qualified, reason))
 
 
 def _looks_like_a_block(module: nn.Module) -> bool:
@@ -803,16 +931,20 @@ def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwar
             )
             original = state.original
             _restore(module)
-            if state.report is not None:
-                entry = next(
-                    (e for e in state.report.patched if e[0] == state.path and e[2] == state.fix), None
-                )
-                if entry is not None:
-                    state.report.patched.remove(entry)
-                    state.report.left.append((entry[0], entry[1], f"fell back at its first call: {problem}"))
+            _report_left(state, f"fell back at its first call: {problem}")
             return original(*args, **kwargs)
         state.status = "ok"
     return patcher.forward(module, state, *args, **kwargs)
+
+
+def _report_left(state: _State, reason: str) -> None:
+    """Move a module that went back to its original forward from the report's `patched` to `left`."""
+    if state.report is None:
+        return
+    entry = next((e for e in state.report.patched if e[0] == state.path and e[2] == state.fix), None)
+    if entry is not None:
+        state.report.patched.remove(entry)
+        state.report.left.append((entry[0], entry[1], reason))
 
 
 def _first_call_check(

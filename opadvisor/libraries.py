@@ -22,10 +22,20 @@ chosen), the rules whose findings it fixes, and its safety, as every fix does.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["FIXES", "LibraryFix", "bert_family_classes", "fix_by_name", "fixes_for"]
+__all__ = [
+    "FIXES",
+    "LibraryFix",
+    "bert_family_classes",
+    "block_of",
+    "fix_by_name",
+    "fixes_for",
+    "repeated_blocks",
+]
 
 # HuggingFace families whose attention and output blocks are BERT's, class for class (checked against the
 # installed transformers by the patch at run time, and by tests/kernels/test_patch_hf.py): module name
@@ -78,6 +88,9 @@ class LibraryFix:
     safety: Literal["safe", "unsafe"]
     summary: str  # what it does, in words
     where: Literal["model", "call"] = "model"  # where apply writes it: after the model is built, at the call
+    # chosen only by its own name (`opadvisor.patch(model, rules=["compile_blocks"])`), never by a rule's
+    # name or by `rules=None`: it costs compile time at the first steps, so it is asked for, not implied
+    opt_in: bool = False
 
 
 FIXES: tuple[LibraryFix, ...] = (
@@ -199,6 +212,19 @@ FIXES: tuple[LibraryFix, ...] = (
         "opadvisor.kernels.cross_entropy over the 16-bit logits, without the float32 copy of them",
     ),
     LibraryFix(
+        "compile_blocks",
+        "patch",
+        ("*",),
+        ("fuse_region", "fused_dropout_add", "manual_layernorm", "fused_softmax"),
+        "safe",
+        "each instance of the model's repeated library block (BertLayer, GPT2Block, timm's Block, "
+        "nn.TransformerEncoderLayer) runs one torch.compile'd forward that all instances share (regional "
+        "compilation): inductor fuses the memory-bound ops between its matrix products (casts, dropout, "
+        "residual adds, LayerNorm, activations) forward and backward; the same function up to rounding, "
+        "dropout from inductor's random stream; the original forward, with one line, where compiling fails",
+        opt_in=True,
+    ),
+    LibraryFix(
         "padded_linear",
         "patch",
         (LINEAR,),
@@ -208,6 +234,38 @@ FIXES: tuple[LibraryFix, ...] = (
         "(opadvisor.kernels.padded_linear; the same function, on CUDA)",
     ),
 )
+
+
+# torch.nn classes that are a model's repeated block (every other torch.nn class is an operator or a container)
+TORCH_BLOCKS = (ENCODER_LAYER, "torch.nn.modules.transformer.TransformerDecoderLayer")
+
+
+def repeated_blocks(modules: Mapping[str, str], library: Callable[[str], bool]) -> dict[str, str]:
+    """The model's repeated library blocks, {module path: qualified class}, from its {path: class} map
+    ("" the model itself): the instances of the outermost library class that holds modules of its own and
+    has at least two instances in the model (transformers' BertLayer x12 under `encoder.layer`, GPT2Block,
+    timm's Block, nn.TransformerEncoderLayer). `library(cls)` says whether a class is library code; of
+    torch.nn only TORCH_BLOCKS count. Nothing inside a block is a block again."""
+    count = Counter(modules.values())
+    parents = {path.rpartition(".")[0] for path in modules if path}
+    out: dict[str, str] = {}
+    for path in sorted(modules, key=lambda p: (p.count(".") + bool(p), p)):
+        cls = modules[path]
+        if count[cls] < 2 or path not in parents or not path:
+            continue
+        if cls.startswith("torch.") and cls not in TORCH_BLOCKS or not library(cls):
+            continue
+        if any(path.startswith(block + ".") for block in out):
+            continue
+        out[path] = cls
+    return out
+
+
+def block_of(path: str | None, blocks: Mapping[str, str]) -> str | None:
+    """The repeated block (a path of `blocks`) that module `path` is, or is inside; None when none."""
+    if path is None:
+        return None
+    return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
 
 
 def fixes_for(module_class: str | None, rule: str) -> list[LibraryFix]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
-from test_patch import batch, tiny_bert
+from test_patch import batch, losses, tiny_bert
 
 import opadvisor
 from opadvisor.libraries import repeated_blocks
@@ -37,30 +37,18 @@ def graphs(monkeypatch) -> list[int]:
     torch._dynamo.reset()
 
 
-def _train(model: nn.Module, steps: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for _ in range(steps):
-        loss = model(**batch()).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
-
-
 def test_the_blocks_share_one_graph_and_never_recompile(graphs, capsys) -> None:
     model = tiny_bert(dropout=0.1)
     opadvisor.patch(model, rules=BLOCKS, check=False)
     assert "patched 2 modules: BertLayer x2 (compile_blocks: bert.encoder.layer.*)" in capsys.readouterr().err
-    _train(model, 3)
+    losses(model, 3)
     assert len(graphs) == 1, f"one graph for both layers and every step, got {len(graphs)}"
     # the first-call check runs with dropout off: one more graph (dropout's p is part of the guard), shared too
     graphs.clear()
     torch._dynamo.reset()
     model = tiny_bert(dropout=0.1)
     opadvisor.patch(model, rules=BLOCKS, quiet=True)
-    _train(model, 3)
+    losses(model, 3)
     assert len(graphs) == 2
     assert all(P.STATE in layer.__dict__ for layer in model.bert.encoder.layer)  # the check passed
 
@@ -70,7 +58,7 @@ def test_compile_blocks_is_asked_for_by_name_only(graphs, capsys) -> None:
     opadvisor.patch(model, quiet=True)  # rules=None: every safe patch, but not this one (compile time)
     opadvisor.patch(tiny_bert(), rules=["fuse_region"], quiet=True)
     assert all(P.STATE not in layer.__dict__ for layer in model.bert.encoder.layer)
-    _train(model, 1)
+    losses(model, 1)
     assert graphs == []
 
 
@@ -83,8 +71,8 @@ def test_patch_then_unpatch_is_exact_and_trains_with_the_originals_losses(graphs
     assert "left BertSelfOutput x2: inside a compiled BertLayer (compile_blocks" in err
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    got = _train(model, 3)
-    assert got == pytest.approx(_train(reference, 3), rel=1e-5)
+    got = losses(model, 3)
+    assert got == pytest.approx(losses(reference, 3), rel=1e-5)
     opadvisor.unpatch(model)
     assert all("forward" not in m.__dict__ and P.STATE not in m.__dict__ for m in model.modules())
     assert opadvisor.patch_report(model) is None
@@ -103,7 +91,7 @@ def test_a_compile_failure_is_one_line_and_the_original_forward(monkeypatch, cap
     reference = tiny_bert()
     model = copy.deepcopy(reference)
     opadvisor.patch(model, rules=BLOCKS, quiet=True)
-    assert _train(model, 2) == pytest.approx(_train(reference, 2), rel=1e-6)
+    assert losses(model, 2) == pytest.approx(losses(reference, 2), rel=1e-6)
     err = capsys.readouterr().err
     assert err.count("opadvisor.kernels.compile_region: BertLayer.forward runs uncompiled") == 1, err
     assert all(P.STATE not in layer.__dict__ for layer in model.bert.encoder.layer)

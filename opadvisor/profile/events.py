@@ -28,7 +28,7 @@ from opadvisor.profile.model import (
     Step,
     SyncEvent,
 )
-from opadvisor.profile.userframes import LibraryFile, library_site, resolve_user_file
+from opadvisor.profile.userframes import LibraryFile, fused_op_module, library_site, resolve_user_file
 
 IDLE_GAP_MIN_US = 10.0
 
@@ -80,13 +80,15 @@ class _Where:
     """Where the code running now is written: the user's line, and the library's line inside it.
 
     `frame` is the user function on the stack (its last line seen); `lib` / `lib_frame` the same for the
-    innermost library frame called from it (None when user code is the innermost non-torch code).
+    innermost library frame called from it (None when user code is the innermost non-torch code);
+    `fused_op` the opadvisor.kernels function running below them, if any (`module.function`).
     """
 
     loc: _Loc
     frame: _Frame | None = None
     lib: _Loc | None = None
     lib_frame: _Frame | None = None
+    fused_op: str | None = None
 
 
 @dataclass
@@ -267,15 +269,15 @@ class TreeReader:
             where.frame.last_line = caller.line_number
         if caller_file is not None:  # user code called: no library frame inside it (yet)
             loc = _Loc(caller_file, caller.line_number, _text(caller, "function_name"), True)
-            return _Where(loc, where.frame, None, where.lib_frame)
+            return _Where(loc, where.frame, None, where.lib_frame, where.fused_op)
         site = library_site(file_name, caller.line_number) if file_name else None
         if site is None:
-            return _Where(where.loc, where.frame, where.lib, where.lib_frame)
+            return _Where(where.loc, where.frame, where.lib, where.lib_frame, where.fused_op)
         self._library_files.setdefault(site.file.rel, site.file)
         if where.lib_frame is not None and site.file.rel == where.lib_frame.file:
             where.lib_frame.last_line = caller.line_number
         lib = _Loc(site.file.rel, caller.line_number, site.function or _text(caller, "function_name"), True)
-        return _Where(where.loc, where.frame, lib, where.lib_frame)
+        return _Where(where.loc, where.frame, lib, where.lib_frame, where.fused_op)
 
     def _enter(self, callsite: Any, module_call: bool, inner: _Where) -> None:
         """Update `inner` for the code of the function being entered (a user's, a library's, torch's)."""
@@ -285,9 +287,13 @@ class TreeReader:
             function = _text(callsite, "function_name") or "?"
             inner.frame = _Frame(callsite_file, function, callsite.line_number)
             inner.lib = inner.lib_frame = None
+            inner.fused_op = None  # user code called back (a compiled region, a graphed model): its own ops
             return
         if module_call:
             return  # nn.Module's call machinery: the frames of the code that called the module stay
+        fused = fused_op_module(file_name) if file_name else None
+        if fused is not None and inner.fused_op is None:  # the outermost: the op the caller called
+            inner.fused_op = f"{fused}.{_text(callsite, 'function_name') or '?'}"
         inner.frame = None  # not user code: ops below take the user's line of the call into it
         site = library_site(file_name, callsite.line_number) if file_name else None
         if site is None:  # torch's own code: ops below take the library's line of the call into it
@@ -362,6 +368,7 @@ class TreeReader:
             op.lib_file, op.lib_line, op.lib_line_exact = src.lib_file, src.lib_line, src.lib_line_exact
             op.lib_function = src.lib_function
             op.module, op.module_class, op.module_type = src.module, src.module_class, src.module_type
+            op.fused_op = src.fused_op
         elif loc.file is not None:
             op.file, op.line, op.line_exact, op.function = loc.file, loc.line, loc.exact, loc.function
             self.out.user_files.add(loc.file)
@@ -375,6 +382,8 @@ class TreeReader:
             self.out.library_files.setdefault(lib.file, self._library_files[lib.file])
         if module is not None and not backward:
             op.module, op.module_class, op.module_type = module
+        if not backward:
+            op.fused_op = where.fused_op
         if not backward and fields.sequence_number >= 0:
             self._by_seq[fields.sequence_number] = op.id
         self.out.ops.append(op)
@@ -441,7 +450,7 @@ def _ops_in_new_frames(inner: _Where, outer: _Where) -> _Where:
         inner.lib_frame is None or inner.lib_frame is outer.lib_frame
     ):
         return inner
-    where = _Where(inner.loc, inner.frame, inner.lib, inner.lib_frame)
+    where = _Where(inner.loc, inner.frame, inner.lib, inner.lib_frame, inner.fused_op)
     if inner.frame is not None and inner.frame is not outer.frame:
         f = inner.frame
         where.loc = _Loc(f.file, f.last_line, f.function, False)

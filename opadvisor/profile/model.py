@@ -61,8 +61,8 @@ Calibration (the plain step: what the step costs when nothing is recorded)
                       way `verify` times steps); "wall": the wall clock alone (no CUDA in use)
 
 On disk, op and kernel fields equal to their default are left out, each kernel's `name` is an index
-into the top-level `kernel_names` list, and an op's `lib_file`, `lib_function` and `module_type` are
-indices into the top-level `op_strings` list; `load_profile` restores all three. Non-finite scalars are strings
+into the top-level `kernel_names` list, and an op's `lib_file`, `lib_function`, `module_type` and `fused_op`
+are indices into the top-level `op_strings` list; `load_profile` restores them. Non-finite scalars are strings
 ("inf", "-inf", "nan"). Read profile.json through `load_profile`, not as raw JSON.
 
 Step (one recorded training step)
@@ -114,6 +114,10 @@ Op (one aten op or autograd node; nested ops point at their parent)
     `line`) and the function's qualified name ("BertSelfOutput.forward", "eager_attention_forward"); all
     None when the op was issued by user code (torch's operator layer, e.g. F.softmax, is neither: see
     opadvisor/profile/userframes.py),
+    fused_op: the opadvisor.kernels function the op was issued inside ("dropout_add.bias_dropout_add":
+    the fused op's own work, e.g. the plain chain it runs below its size threshold; its backward ops carry
+    it too), None for the model's own ops; rules read no pattern into these (added in place of nothing:
+    older profiles load with None),
     parent (id of the enclosing kept op, None at top level), depth (0 = called from Python
     or the autograd engine), seq (autograd sequence number, -1 when none), is_backward, forward_op (for
     backward ops: the id of the forward op with the same sequence number; file/line are copied from it),
@@ -190,6 +194,7 @@ class Op:
     lib_line: int | None = None
     lib_line_exact: bool = True
     lib_function: str | None = None
+    fused_op: str | None = None
     parent: int | None = None
     depth: int = 0
     seq: int = -1
@@ -400,7 +405,7 @@ class Profile:
 
 
 _DEFAULTS: dict[type, list[tuple[str, Any]]] = {}
-_INTERNED_OP_FIELDS = ("lib_file", "lib_function", "module_type")  # long strings repeated per op
+_INTERNED_OP_FIELDS = ("lib_file", "lib_function", "module_type", "fused_op")  # long strings repeated per op
 _REQUIRED = object()  # equal to no value: required fields are always written
 
 
@@ -526,7 +531,7 @@ def _build_profile(data: dict[str, Any]) -> Profile:
 
 
 def _restore_op_strings(ops: list[Op], strings: Any) -> None:
-    """Ops' interned fields (`lib_file`, `lib_function`, `module_type`) from indices into `op_strings`."""
+    """Ops' interned fields (`lib_file`, `lib_function`, `module_type`, `fused_op`) from indices into `op_strings`."""
     if type(strings) is not list or not all(type(x) is str for x in strings):
         raise _Malformed("op_strings is not a list of strings")
     for i, o in enumerate(ops):

@@ -24,15 +24,40 @@ import opadvisor
 
 
 @lru_cache(maxsize=1)
+def _kernels_dirs() -> frozenset[str]:
+    """The folder(s) of `opadvisor.kernels` (its own folder: `kernels/` in a source checkout installed with
+    `pip install -e`), found without importing it (and triton)."""
+    spec = importlib.util.find_spec("opadvisor.kernels")
+    locations = (spec.submodule_search_locations or []) if spec else []
+    return frozenset(str(Path(location).resolve()) for location in locations)
+
+
+@lru_cache(maxsize=1)
 def opadvisor_dirs() -> tuple[str, ...]:
-    """opadvisor's own folders. `opadvisor.kernels` lives in its own folder (`kernels/` in a source
-    checkout installed with `pip install -e`), so it is looked up, not assumed to be inside `opadvisor/`:
-    the fused ops' reference paths must never read as the user's code, nor as a library's."""
-    dirs = {str(Path(opadvisor.__file__).resolve().parent)}
-    spec = importlib.util.find_spec("opadvisor.kernels")  # finds the folder without importing triton
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        dirs.add(str(Path(location).resolve()))
-    return tuple(sorted(dirs))
+    """opadvisor's own folders, `opadvisor.kernels`' included (looked up, not assumed to be inside
+    `opadvisor/`): the fused ops' reference paths must never read as the user's code, nor as a library's."""
+    return tuple(sorted({str(Path(opadvisor.__file__).resolve().parent), *_kernels_dirs()}))
+
+
+# Modules of opadvisor.kernels that run the caller's own code (a patched module's forward, a CUDA-graphed
+# model, a compiled region): ops issued below them are the model's, not a fused op's.
+_KERNEL_WRAPPERS = frozenset({"patch", "graphs", "region", "__init__"})
+
+
+@lru_cache(maxsize=4096)
+def fused_op_module(file_name: str) -> str | None:
+    """The opadvisor.kernels module (`dropout_add`, `softmax`, ...) that `file_name` is, when it is one of the
+    fused ops' own files (not a wrapper that calls back into model code); else None. Ops issued inside such
+    a file are the fused op's implementation (its plain chain below its size threshold, its reference)."""
+    if not file_name or file_name.startswith("<"):
+        return None
+    path = _locate(file_name)
+    if path is None:
+        return None
+    resolved = path.resolve()
+    if str(resolved.parent) not in _kernels_dirs() or resolved.stem in _KERNEL_WRAPPERS:
+        return None
+    return resolved.stem
 
 
 def _roots() -> tuple[str, ...]:
@@ -67,6 +92,7 @@ def set_search_path(dirs: list[str]) -> None:
     resolve_user_file.cache_clear()
     library_file.cache_clear()
     library_site.cache_clear()
+    fused_op_module.cache_clear()
 
 
 def _locate(file_name: str) -> Path | None:

@@ -7,7 +7,7 @@ built once per profile in O(number of ops) and cached on the profile object:
     ix = index_of(profile)
     for frame in ix.frames:              # the ops one user function ran, in order (see Frame)
         ...
-    ix.sequences[(step, thread)]         # every forward root op of one step on one thread, in order
+    ix.sequences[(step, thread, run)]    # forward root ops of one step on one thread, in order (a run ends at an opadvisor fused op)
     ix.frame_of[op.id]                   # the Frame of a forward root op (absent: no user file)
     ix.cost_us(op)                       # this op's own time, GPU when the profile has it, else CPU
     ix.site_cost_us([op, ...])           # forward ops + the backward ops autograd ran for them
@@ -155,7 +155,11 @@ class ProfileIndex:
         self.frame_of: dict[int, Frame] = {}
         open_frames: dict[tuple, Frame] = {}
         self.forward_root_ops: list[Op] = []
-        self.sequences: dict[tuple[int | None, int], list[Op]] = defaultdict(list)  # (step, thread) -> roots
+        # (step, thread, run) -> roots in order; a run ends where an opadvisor fused op ran, whose own ops
+        # (its plain chain below its size threshold) hold no pattern of the model's and join none
+        self.sequences: dict[tuple[int | None, int, int], list[Op]] = defaultdict(list)
+        runs: dict[tuple[int | None, int], int] = defaultdict(int)
+        fresh_run = 0
         wrappers: set[int] = set()
         for op in ops:
             if op.is_backward or not in_window(op):
@@ -166,7 +170,11 @@ class ProfileIndex:
                 wrappers.add(op.id)  # an autograd.Function / named range: its ops are the calls
                 continue
             self.forward_root_ops.append(op)
-            self.sequences[(op.step, op.thread)].append(op)
+            if op.fused_op is not None:
+                fresh_run += 1
+                runs[(op.step, op.thread)] = fresh_run  # the ops after it start a new run
+                continue
+            self.sequences[(op.step, op.thread, runs[(op.step, op.thread)])].append(op)
             if op.file is None:
                 continue
             key = (op.step, op.thread, op.file, op.function)

@@ -4,7 +4,6 @@ plain chain or reference code where the kernel does not run, e.g. on the CPU or 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from opadvisor.kernels import bias_dropout_add, dropout, masked_softmax, quick_gelu
 
 torch.manual_seed(0)

@@ -291,6 +291,13 @@ class GraphedForward:
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
         device = tensors[0].device
         stream = torch.cuda.current_stream(device)
+        # A collection inside the capture runs the finalizers of whatever garbage earlier code left (graphed
+        # modules sit in reference cycles with their graphs and memory pools), and what they free can break
+        # the capture: on the H200 the GPU suite's capture failed so ("operation failed due to a previous
+        # error during capture") after earlier tests, never alone. So: collect now, and none inside.
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
         try:
             with _autocast_without_cache():
                 graphed = torch.cuda.make_graphed_callables(
@@ -306,6 +313,8 @@ class GraphedForward:
             self.disabled_reason = f"capture failed ({type(exc).__name__}: {first}){blocking_frame(exc)}"
             self.failed = True
         finally:
+            if collecting:
+                gc.enable()
             with torch.no_grad():
                 for buf, saved in zip(module.buffers(), buffers, strict=True):
                     buf.copy_(saved)

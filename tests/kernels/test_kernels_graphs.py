@@ -491,36 +491,53 @@ def test_output_a_graph_cannot_rebuild_warns_and_stays_eager():
     assert not model.forward.graphs and x.grad is not None
 
 
-class CollectsWhileCaptured(Tiny):
-    """Runs the garbage collector in the middle of a capture, as an allocation can make Python do at any
-    point (when and where depends on what ran before in the process)."""
+class AllocatesWhileCaptured(Tiny):
+    """Makes reference cycles while it is captured, the allocations that make Python's collector run."""
 
     def forward(self, ids, lengths):
         if torch.cuda.is_current_stream_capturing():
-            gc.collect()
+            for _ in range(2000):
+                cycle: list = []
+                cycle.append(cycle)
         return super().forward(ids, lengths)
 
 
 @pytest.mark.gpu
-def test_capture_does_not_depend_on_garbage_left_by_earlier_code():
+def test_no_garbage_collection_runs_during_a_capture():
     """Graphed modules sit in reference cycles (module -> forward -> module), so after a test (or a training
-    run) ends they wait for the garbage collector, with their graphs and memory pools. A collection in the
-    middle of a later capture frees them there: the capture still succeeds (measured on the H200 with the
-    cuda_graphed before and after the keyword-call rework alike; this was a suspect for the GPU suite's
-    test_new_shapes_eval_and_no_grad failure and is not its cause)."""
+    run) ends they wait for the collector, with their graphs and memory pools. A collection inside a later
+    capture frees them there, and on the H200 the GPU suite's capture failed so ("operation failed due to a
+    previous error during capture") after earlier tests, never alone: the capture must not depend on what
+    earlier code left. cuda_graphed collects before capturing and lets no collection start inside it, even
+    with the collector's threshold at its lowest and the forward making cycles."""
     for seed in range(2):
         old = cuda_graphed(Tiny().cuda())
         _loss(old, *_batch("cuda", seed=seed)).backward()
         assert len(old.forward.graphs) == 1
         del old  # garbage now, but in a cycle: not freed until the collector runs
     torch.manual_seed(0)
-    plain, model = CollectsWhileCaptured().cuda(), CollectsWhileCaptured().cuda()
+    plain, model = AllocatesWhileCaptured().cuda(), AllocatesWhileCaptured().cuda()
     model.load_state_dict(plain.state_dict())
     cuda_graphed(model)
     batches = [_batch("cuda", seed=s) for s in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
-        losses = _train(model, batches)
+    during_capture: list[str] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            during_capture.append(f"generation {info['generation']}")
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(seen)
+    gc.set_threshold(1, 1, 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+            losses = _train(model, batches)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(seen)
+    assert during_capture == []
+    assert gc.isenabled()
     assert model.forward.disabled_reason is None and len(model.forward.graphs) == 1
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(_train(plain, batches)), rtol=1e-4, atol=1e-5

@@ -23,6 +23,7 @@ pointer (`SEED_PTR`). The backward reads the same three words, saved with the fo
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -114,6 +115,12 @@ def host_seed(seed: Seed) -> tuple[int, int, int]:
         k0, k1, stream = (int(v) for v in seed.tolist())
         return k0, k1, stream
     return seed
+
+
+@functools.lru_cache(maxsize=256)
+def dropout_scalars(p: float) -> tuple[float, int]:
+    """(keep_scale(p), threshold(p)), the kernels' dropout arguments, cached: one lookup per launch."""
+    return keep_scale(p), threshold(p)
 
 
 def threshold(p: float) -> int:

@@ -14,13 +14,14 @@ in the forward (compared on the GPU in benchmarks/kernels.py; see RESULTS.md for
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from . import _backend, _dispatch, _rng
 from . import _layout as layout
-from ._launch import Launcher
+from ._launch import Launch, Launcher
 from .softmax import triton_cdiv, triton_next_power_of_2
 
 # Elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an H200), how
@@ -29,6 +30,12 @@ from .softmax import triton_cdiv, triton_next_power_of_2
 TILE = 2048
 MASK_MODE = "philox"  # or "byte"
 RNG_INTERLEAVE = False
+# How the backward gets dbias from its programs' partial sums: "fused", in the same launch (the last program
+# of each column block to finish sums them; column blocks of at most FUSED_BLOCK, so that each of those sums
+# reads little), or "separate", a second launch (`bias_grad_kernel`). One launch less is host time saved per
+# backward; both are kept to compare them (benchmarks/kernels.py --variants, --host-only).
+DBIAS_MODE = "fused"
+FUSED_BLOCK = 256
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
 # call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
@@ -98,9 +105,9 @@ def _out_dtype(x, bias, residual):
 
 
 @functools.cache
-def _config(n_cols: int, tile: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps): a tile of ~`tile` elements, columns first."""
-    block = min(max(16, triton_next_power_of_2(n_cols)), max(16, tile))
+def _config(n_cols: int, tile: int, max_block: int | None = None) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps): a tile of ~`tile` elements, columns first, at most `max_block` columns."""
+    block = min(max(16, triton_next_power_of_2(n_cols)), max(16, tile if max_block is None else max_block))
     rows = max(1, tile // block)
     warps = min(16, max(1, rows * block // 512))
     return rows, block, warps
@@ -166,7 +173,7 @@ def _forward(x, bias, residual, p, seed):
     keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None
     launch(
         (x, x if bias is None else bias, residual, y, keep if byte_mask else y, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, y))
+         *_rng.dropout_scalars(p), *_rng.seed_args(seed, y))
     )  # fmt: skip
     return y, keep
 
@@ -175,63 +182,139 @@ def _programs_target(device: torch.device) -> int:
     return 4 * _backend.multiprocessors(device)
 
 
+def _fused_block(n_cols: int) -> int:
+    """Column block of the fused-dbias backward: about 8 column blocks (64 to FUSED_BLOCK columns), so the
+    backward's programs split into column blocks of few programs each, and the last program of each sums
+    few partial sums (tens of KiB) while the others have finished."""
+    return min(FUSED_BLOCK, max(64, triton_next_power_of_2(triton_cdiv(n_cols, 8))))
+
+
+class BackwardPlan(NamedTuple):
+    """The backward's launches for one layout of dy: `launch` (dx and, with a bias gradient, the partial sums
+    or, `fused`, dbias itself), its integer args, `sum_launch` (`bias_grad_kernel`, "separate" mode only),
+    the partial sums' shape [programs along rows, n_cols] (None: no dbias) and the column blocks (ticket
+    counters of the fused mode)."""
+
+    launch: Launch
+    ints: tuple
+    sum_launch: Launch | None
+    partial_shape: tuple[int, int] | None
+    fused: bool
+    col_blocks: int
+
+
 @functools.lru_cache(maxsize=4096)
-def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
-    """(backward Launch, its integer args, bias-gradient Launch or None, partial sums' shape) for one
-    layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no dbias); flags: (BYTE_MASK,
-    SEED_PTR, INTERLEAVE). Each backward program sums dbias over a run of rows of one column block."""
+def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile, dbias_mode):
+    """The BackwardPlan for one layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no
+    dbias); flags: (BYTE_MASK, SEED_PTR, INTERLEAVE). Each backward program sums dbias over a run of rows
+    of one column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
-    rows, block, warps = _config(n_cols, tile)
+    _, dx_dtype, b_dtype = dtypes
+    fused = b_dtype is not None and dbias_mode == "fused"
+    rows, block, warps = _config(n_cols, tile, _fused_block(n_cols) if fused else None)
     col_blocks = triton_cdiv(n_cols, block)
     row_progs = max(1, min(triton_cdiv(n_rows, rows), _programs_target(device) // col_blocks))
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     row_progs = triton_cdiv(n_rows, rows_per_prog)
-    _, dx_dtype, b_dtype = dtypes
     _, bwd, bias_grad = _launchers()
     _backend.check_launch_device(device)
     byte_mask, seed_ptr, interleave = flags
     meta = {
-        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
-        "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
-        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
+        "HAS_BIAS": b_dtype is not None, "FUSED_DBIAS": fused, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "RNE": bwd.interpreted and dx_dtype == torch.bfloat16,
+        "RNE_DB": bwd.interpreted and fused and b_dtype == torch.bfloat16, "SEED_PTR": seed_ptr, "ROWS": rows, "BLOCK": block,
+        "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
     }  # fmt: skip
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
     launch = bwd.prepare((row_progs, col_blocks), meta)
     if b_dtype is None:
-        return launch, ints, None, None
-    rne = bias_grad.interpreted and b_dtype == torch.bfloat16
-    sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
-    return launch, ints, bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta), (row_progs, n_cols)
+        return BackwardPlan(launch, ints, None, None, False, col_blocks)
+    sum_launch = None
+    if not fused:
+        rne = bias_grad.interpreted and b_dtype == torch.bfloat16
+        sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
+        sum_launch = bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta)
+    return BackwardPlan(launch, ints, sum_launch, (row_progs, n_cols), fused, col_blocks)
 
 
-def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed):
+# Per (device, stream): float32 partial sums and int32 ticket counters (zero between launches: the last
+# program of each column block resets its own) reused by the fused backward, so that it allocates and zeroes
+# nothing per call. Launches on one stream run in order, so one stream's backwards never overlap.
+_WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, n_partial: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums, ticket counters) with at least these many elements for a fused backward on the current
+    stream; fresh ones while a CUDA graph is captured (a replay must not share a buffer with eager calls)."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return _new_workspace(device, n_partial, n_counters)
+        key = (device, torch._C._cuda_getCurrentRawStream(device.index))
+    else:
+        key = (device, 0)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws[0].numel() < n_partial or ws[1].numel() < n_counters:
+        ws = _WORKSPACES[key] = _new_workspace(device, n_partial, n_counters)
+    return ws
+
+
+def _new_workspace(device, n_partial, n_counters):
+    partial = torch.empty(n_partial, dtype=torch.float32, device=device)
+    return partial, torch.zeros(n_counters, dtype=torch.int32, device=device)
+
+
+def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     """(dx, dbias in b_dtype, or None when b_dtype is None) for a dropout forward.
 
-    `keep`: the forward's 1-byte mask, or None / an empty tensor when the mask is recomputed from `seed`."""
+    `keep`: the forward's 1-byte mask, or None / an empty tensor when the mask is recomputed from `seed`.
+    `prepared`: `_prepare_backward`'s (dy strides, dy dtype, BackwardPlan), used when dy matches it."""
     byte_mask = keep is not None and keep.numel() > 0
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, (dy.new_zeros(dy.shape[-1], dtype=b_dtype) if b_dtype is not None else None)
-    flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
-    dtypes = (dy.dtype, x_dtype, b_dtype)
-    plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
-    if plan is None:
-        dy = dy.contiguous()
-        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
-    launch, ints, sum_launch, partial_shape = plan
-    partial = dx if sum_launch is None else torch.empty(partial_shape, dtype=torch.float32, device=dy.device)
-    launch(
-        (dy, dx, partial, keep if byte_mask else dx, *ints,
-         _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
-    )  # fmt: skip
-    if sum_launch is None:
+    if prepared is not None and dy.stride() == prepared[0] and dy.dtype == prepared[1]:
+        plan = prepared[2]
+    else:
+        flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+        dtypes = (dy.dtype, x_dtype, b_dtype)
+        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE, DBIAS_MODE)
+        if plan is None:
+            dy = dy.contiguous()
+            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE, DBIAS_MODE)
+    tail = (
+        keep if byte_mask else dx,
+        *plan.ints,
+        *_rng.dropout_scalars(p),
+        *_rng.seed_args(seed, dx),
+    )
+    if plan.partial_shape is None:
+        plan.launch((dy, dx, dx, dx, dx, *tail))
         return dx, None
-    dbias = torch.empty(partial_shape[1], dtype=b_dtype, device=dy.device)
-    sum_launch((partial, dbias, *partial_shape))
+    dbias = torch.empty(plan.partial_shape[1], dtype=b_dtype, device=dy.device)
+    if plan.fused:
+        n_parts, n_cols = plan.partial_shape
+        partial, counters = _workspace(dy.device, n_parts * n_cols, plan.col_blocks)
+        plan.launch((dy, dx, partial, dbias, counters, *tail))
+        return dx, dbias
+    partial = torch.empty(plan.partial_shape, dtype=torch.float32, device=dy.device)
+    plan.launch((dy, dx, partial, dx, dx, *tail))
+    plan.sum_launch((partial, dbias, *plan.partial_shape))
     return dx, dbias
+
+
+def _prepare_backward(y, info, byte_mask, seed):
+    """(dy strides, dy dtype, BackwardPlan) for a dy laid out like the output `y` (as autograd passes it),
+    looked up while the forward runs, so the backward (on the autograd engine's device thread, where Python
+    is slow) checks dy's strides and dtype and launches; None when no kernel runs backward."""
+    x_dtype, b_dtype, _, p, need_dx, need_db, _ = info
+    if not (p > 0 and (need_dx or need_db)) or y.numel() == 0:
+        return None
+    flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, TILE, DBIAS_MODE)
+    return None if plan is None else (y.stride(), y.dtype, plan)
 
 
 def _grads(dy, info, run_kernel, *run_args):
@@ -266,15 +349,22 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         y, keep = _forward(x, bias, residual, p, seed)
         if keep is not None:
             ctx.save_for_backward(keep)
-        ctx.args = (_grad_info(ctx, x, bias, residual, p), seed, keep is not None)
+        info = _grad_info(ctx, x, bias, residual, p)
+        ctx.args = (info, seed, keep is not None, _prepare_backward(y, info, keep is not None, seed))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        info, seed, byte_mask = ctx.args
+        info, seed, byte_mask, prepared = ctx.args
         keep = ctx.saved_tensors[0] if byte_mask else None
-        dx, dbias, dres = _grads(dy, info, _backward_kernel, dy, keep, info[0], info[1], info[3], seed)
+        dx, dbias, dres = _grads(
+            dy, info, _backward_kernel, dy, keep, info[0], info[1], info[3], seed, prepared
+        )  # fmt: skip
         return dx, dbias, dres, None
+
+
+# BiasDropoutAddFunction.apply without autograd.Function.apply's Python wrapper (see _backend.direct_apply).
+_apply = _backend.direct_apply(BiasDropoutAddFunction)
 
 
 @torch.library.custom_op("opadvisor::bias_dropout_add_fwd", mutates_args=())
@@ -375,4 +465,4 @@ def bias_dropout_add(
     _dispatch.record(OP, _dispatch.KERNEL)
     if torch.compiler.is_compiling():
         return bias_dropout_add_fwd_op(x, bias, residual, p_eff)[0]
-    return BiasDropoutAddFunction.apply(x, bias, residual, p_eff)
+    return _apply(x, bias, residual, p_eff)

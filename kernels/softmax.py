@@ -323,7 +323,7 @@ def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     launch, ints, x, mask = _launch_for(False, x, mask, dim, zero_masked, p, seed, x.dtype)
     launch(
         (x, _mask_arg(mask, x), y, y if saved is None else saved, *ints,
-         scale, fill_value, _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, y))
+         scale, fill_value, *_rng.dropout_scalars(p), *_rng.seed_args(seed, y))
     )  # fmt: skip
     return y, saved
 
@@ -341,7 +341,7 @@ def _backward_kernel(dy, saved, mask, dim, scale, zero_masked, p, seed, prepared
         mask_arg = _mask_arg(mask, dy)
     launch(
         (saved, dy, mask_arg, dx, *ints,
-         scale, _rng.keep_scale(p), _rng.threshold(p), *_rng.seed_args(seed, dx))
+         scale, *_rng.dropout_scalars(p), *_rng.seed_args(seed, dx))
     )  # fmt: skip
     return dx
 

@@ -40,12 +40,16 @@ FUSED_BLOCK = 256
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
 # call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
 # hops to the autograd thread): in a step bound by its host (BERT-base, [8192, 768] x 24 calls) the kernel
-# made the step slower (37.8 vs 30.0 ms), so only tensors from 2^25 elements, where the GPU saving covers
+# made the step slower (37.8 vs 30.0 ms), so at first only tensors from 2^25 elements, where the GPU saving covers
 # that host cost, take it. Re-measured after the host cost was cut (sixth session, fwd+bwd from Python at
 # [T, 768], kernel / chain): 0.210 / 0.162 ms at 16.8M elements, 0.217 / 0.286 at 33.5M; on a slower host
-# 0.337 / 0.270 at [8192, 4096]. See benchmarks/RESULTS.md, "Sixth session" and "Dispatch".
+# 0.337 / 0.270 at [8192, 4096] (2^25): there the kernel's call (~0.24-0.34 ms of host time with the
+# autograd thread hop, ~0.11 ms of GPU time) lost to the chain's 0.27 ms of GPU time. From 2^26 the chain's
+# GPU time alone (~0.53 ms) exceeds the kernel call's host time on every host measured, so the threshold
+# is 2^26 (seventh session; kernels.py times [16384, 4096] above it and --small both sides). See
+# benchmarks/RESULTS.md, "Sixth session" and "Dispatch".
 # While a CUDA graph is being captured every size takes the kernel (a replay has no per-kernel host cost).
-SMALL_NUMEL = 1 << 25
+SMALL_NUMEL = 1 << 26
 # Under torch.compile: "chain" traces `residual + dropout(x + bias)` so that inductor fuses it with its
 # neighbours (the LayerNorm after a residual add, say), which the opaque custom op prevents; "custom_op"
 # traces opadvisor::bias_dropout_add_fwd. Measured on the BERT example (H200): chain 22.95 ms/step compiled,

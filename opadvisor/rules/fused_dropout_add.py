@@ -19,7 +19,7 @@ Fix and its safety
     `opadvisor apply --rule fused_dropout_add` rewrites the expression to
     `opadvisor.kernels.bias_dropout_add(...)` (the bias moves out of the linear into the fused kernel when
     there is one). Safe: the same function up to rounding; dropout draws its own random mask, so losses
-    agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than 2^25 elements
+    agree in distribution, not bit for bit. On a GPU profile, a chain over fewer than 2^26 elements
     (`KERNEL_MIN_NUMEL`) keeps the fix with no saving estimated: at that size the bundled function runs this same chain
     (a fused call costs more host time than the kernel saves on the GPU) except inside a CUDA graph
     (sparse_launch's fix, `opadvisor.kernels.cuda_graphed`), where no host time is spent per call and the
@@ -49,7 +49,7 @@ LABELS = ("bias", "dropout", "residual")
 
 # opadvisor.kernels.dropout_add.SMALL_NUMEL, which the kernels package owns (importing it here would import
 # torch into every `suggest`); tests/rules/test_chain_rules.py checks the two agree.
-KERNEL_MIN_NUMEL = 1 << 25
+KERNEL_MIN_NUMEL = 1 << 26
 
 
 @dataclass

@@ -363,13 +363,19 @@ def detect(profile: Profile) -> list[Finding]:
 
 
 def _median_idle_share(ix: ProfileIndex, step_rows: list[dict], unexplained_ms: list[float]) -> float | None:
-    """The unexplained GPU idle share of the median step: of the plain step once calibrated, else each
+    """The unexplained GPU idle share of the median step: once calibrated, the median step's unexplained
+    part of its idle applied to the plain step's idle (the scale is per-step means, and one slow step in the
+    window, e.g. 1.9 s against 0.12-0.14 s, would shrink the median step's idle to nothing), else each
     step's idle over its own GPU span under the profiler."""
     if ix.calibration.calibrated:
-        if not unexplained_ms:
+        fractions = sorted(
+            min(1.0, u / (r["span_ms"] - (r["busy_ms"] or 0.0)))
+            for u, r in zip(unexplained_ms, step_rows, strict=True)
+            if r["span_ms"] and r["span_ms"] > (r["busy_ms"] or 0.0)
+        )
+        if not fractions:
             return None
-        idle = sorted(unexplained_ms)[len(unexplained_ms) // 2]
-        return ix.share_of_step(ix.calibration.idle_ms(idle))
+        return ix.share_of_step(fractions[len(fractions) // 2] * (ix.calibration.plain_idle_ms or 0.0))
     shares = sorted(r["idle_share"] for r in step_rows if r["idle_share"] is not None)
     return shares[len(shares) // 2] if shares else None
 

@@ -15,7 +15,7 @@ from fixture_profiles import gpu_busy_ms, load_fixture_profile, with_plain_step
 from typer.testing import CliRunner
 
 from opadvisor.cli import app
-from opadvisor.profile.model import save_profile
+from opadvisor.profile.model import Gap, save_profile
 from opadvisor.rules._breakdown import breakdown
 from opadvisor.rules._calibration import step_calibration
 from opadvisor.rules._index import index_of
@@ -151,3 +151,26 @@ def test_fused_optimizer_scales_the_idle_between_its_kernels() -> None:
     with_plain_step(profile, gpu_busy_ms(profile))  # the plain step has no idle left
     for f in findings(profile, "fused_optimizer"):  # below the threshold now, or its kernel time only
         assert f.time_ms_per_step == pytest.approx(f.details["gpu_kernel_ms_per_step"], abs=1e-3)
+
+
+def test_one_slow_step_in_the_window_does_not_hide_the_idle_of_the_others() -> None:
+    # Seen on the H200 (a transformers BERT after apply): the window's first step took 1.9 s under the
+    # profiler against 0.12-0.14 s for the others; the per-step mean idle it inflates must not shrink the
+    # median step's idle share below the rule's threshold.
+    profile = load_fixture_profile("tiny_kernels")
+    cal = step_calibration(profile, index_of(profile).step_ms)
+    plain = gpu_busy_ms(profile) + 0.3 * cal.profiled_idle_ms
+    (steady, *_) = findings(with_plain_step(load_fixture_profile("tiny_kernels"), plain), "sparse_launch")
+
+    slow = load_fixture_profile("tiny_kernels")
+    first = slow.steps[0]
+    extra_ms = 20 * (first.gpu_span_ms or first.wall_ms)
+    end_us = first.idle_gaps[-1].start_us + first.idle_gaps[-1].duration_us if first.idle_gaps else 0.0
+    first.idle_gaps.append(Gap(end_us, extra_ms * 1000.0))
+    first.gpu_span_ms = (first.gpu_span_ms or first.wall_ms) + extra_ms
+    first.wall_ms += extra_ms
+    found = findings(with_plain_step(slow, plain), "sparse_launch")
+    assert found, "the slow first step hid the idle of the steady ones"
+    share = found[0].details["steps"]
+    assert [r["step"] for r in share] == [s.index for s in slow.steps]
+    assert f"steps idle {steady.message.rsplit('steps idle ', 1)[1]}" in found[0].message

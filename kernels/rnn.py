@@ -18,8 +18,9 @@ is the final state in the cell's own form (``(h, c)`` for ``nn.LSTMCell``, ``h``
 
 Precision on CUDA: the loop ran the cell's matrix products through cuBLAS, in TF32 only where
 ``torch.backends.cuda.matmul.allow_tf32`` is set (off by default); cuDNN's recurrence follows
-``torch.backends.cudnn.allow_tf32`` (on by default). The call runs cuDNN with the matmul setting, so the
-fused recurrence computes at the precision of the loop it replaces.
+``torch.backends.cudnn.allow_tf32`` (on by default). The call runs cuDNN with the matmul setting, forward
+and backward (its backward node sets it when autograd runs it), so the fused recurrence computes at the
+precision of the loop it replaces.
 
 On CUDA the cell's four weight tensors are not one packed buffer, so each call packs them for cuDNN (one
 copy of the weights, far less than the sequence's work); cuDNN's warning about it ("RNN module weights are
@@ -90,6 +91,7 @@ def cell_sequence(
         else:
             outputs, h = op(inputs, _layer_state(state), *args)
             final = h[0]
+    _backward_at_loop_precision(outputs)
     if not batched:
         outputs = outputs.squeeze(1)
         final = tuple(s.squeeze(0) for s in final) if lstm else final.squeeze(0)
@@ -113,6 +115,45 @@ def _loop_precision(inputs: Tensor) -> Iterator[None]:
         yield
     finally:
         cudnn.allow_tf32 = not want
+
+
+def _backward_at_loop_precision(outputs: Tensor) -> None:
+    """cuDNN's recurrence backward reads the TF32 flag when it runs (in `loss.backward()`, long after this
+    call returned), so its autograd node sets the loop's precision for itself too (measured on the H200:
+    with TF32 in the backward only, the gradients differed from the loop's by 1.7% relative)."""
+    want = bool(torch.backends.cuda.matmul.allow_tf32)
+    if not outputs.is_cuda or outputs.grad_fn is None or torch.backends.cudnn.allow_tf32 == want:
+        return
+    node = _cudnn_node(outputs.grad_fn)
+    if node is None:
+        return
+    before: list[bool] = []
+
+    def enter(_grad_outputs: Any) -> None:
+        before.append(torch.backends.cudnn.allow_tf32)
+        with contextlib.suppress(RuntimeError):  # flags frozen by the caller: its setting stands
+            torch.backends.cudnn.allow_tf32 = want
+
+    def leave(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        if before:
+            with contextlib.suppress(RuntimeError):
+                torch.backends.cudnn.allow_tf32 = before.pop()
+
+    node.register_prehook(enter)
+    node.register_hook(leave)
+
+
+def _cudnn_node(node: Any, depth: int = 4) -> Any:
+    """The cuDNN recurrence's backward node under `node` (the op's outputs pass through a view or two)."""
+    if node is None or depth < 0:
+        return None
+    if "CudnnRnn" in type(node).__name__ or "CudnnRnn" in node.name():
+        return node
+    for parent, _ in node.next_functions:
+        found = _cudnn_node(parent, depth - 1)
+        if found is not None:
+            return found
+    return None
 
 
 def _fused_op(cell: nn.RNNCellBase) -> Any:

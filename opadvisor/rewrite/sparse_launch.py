@@ -129,6 +129,8 @@ class CudaGraphsCodemod(RuleCodemod):
                 blockers.setdefault(key, (b, facts.current_line(i)))  # type: ignore[union-attr]
         calls = list(m.findall(module, m.Call()))
         for b, line in blockers.values():
+            if b.skipped_when_capturing:
+                continue  # the library skips that read while a graph is captured
             stop = f"CUDA graph capture would stop at {b.where()}: it {b.why}"
             if b.rewrite != SCALAR_TENSOR or not self._in_this_file(b.path):
                 return f"{stop}; move it out of the model's forward (or keep the value on the device) first"

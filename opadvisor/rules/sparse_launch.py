@@ -43,6 +43,7 @@ Fix and its safety
 from __future__ import annotations
 
 import bisect
+import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -53,7 +54,8 @@ from opadvisor.rules._calibration import calibration_words
 from opadvisor.rules._chains import norm_dtype
 from opadvisor.rules._findings import fmt_ms, fmt_share, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
-from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules._library import library_path
+from opadvisor.rules._source import load_profiled_source, load_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
@@ -84,6 +86,11 @@ BLOCKING_OPS = {
     "aten::unique_dim": "makes an output whose size depends on the data (unique)",
 }
 SCALAR_TENSOR = "scalar_tensor"  # the rewrite of a Python number copied to the device: torch.full((), c, ...)
+# A library function that asks whether it is being traced or captured before it reads a value on the host
+# (transformers' masking_utils: `is_tracing(mask)`, which counts a CUDA stream capture since 5.x) skips the
+# read while a CUDA graph is captured: that read does not stop the capture.
+CAPTURE_GUARD = re.compile(r"\b(is_tracing|is_current_stream_capturing|is_cuda_stream_capturing)\s*\(")
+HOST_READS = ("aten::_local_scalar_dense", "aten::item", "aten::is_nonzero")
 
 
 @dataclass
@@ -93,7 +100,10 @@ class CaptureBlocker:
     path/line/function: the user's frame (the line that calls into a library, for library code);
     library_file/library_line: the innermost library frame, when the op ran in installed code.
     rewrite: SCALAR_TENSOR where the op copies a Python number to the device (an exact capture-safe form
-    exists), else None. src_dtype/dst_dtype: the copy's dtypes (a copy that casts keeps its cast)."""
+    exists), else None. src_dtype/dst_dtype: the copy's dtypes (a copy that casts keeps its cast).
+    skipped_when_capturing: a host read in a library function that checks for tracing or capture first
+    (CAPTURE_GUARD): the library skips it under capture, so it blocks nothing (if that library's check does
+    not count a capture, cuda_graphed's capture fails, and it warns once and runs eagerly)."""
 
     op: str
     why: str
@@ -106,6 +116,7 @@ class CaptureBlocker:
     rewrite: str | None = None
     src_dtype: str | None = None
     dst_dtype: str | None = None
+    skipped_when_capturing: bool = False
 
     def where(self) -> str:
         at = f"{self.path}:{self.line}" if self.path else "an unknown line"
@@ -150,7 +161,7 @@ class GraphFacts(Facts):
         return facts
 
     def unfixable(self) -> list[CaptureBlocker]:
-        return [b for b in self.blockers if b.rewrite is None]
+        return [b for b in self.blockers if b.rewrite is None and not b.skipped_when_capturing]
 
 
 def capture_blockers(profile: Profile, ix: ProfileIndex) -> list[CaptureBlocker]:
@@ -203,6 +214,21 @@ def _add(found: dict[tuple, CaptureBlocker], ix: ProfileIndex, op: Op, why: str,
         rewrite=rewrite if lib_file is None else None,
         dst_dtype=dtypes[0] if dtypes else None,
         src_dtype=dtypes[1] if len(dtypes) > 1 else None,
+        skipped_when_capturing=bool(
+            lib_file and lib_line and op.name in HOST_READS and _guarded(ix.profile, lib_file, lib_line)
+        ),
+    )
+
+
+def _guarded(profile: Profile, rel: str, line: int) -> bool:
+    """Whether the library function holding `line` checks for tracing or capture (CAPTURE_GUARD), in the
+    file as it was profiled."""
+    src = load_source(library_path(profile, rel))
+    if src is None or profile.library_sources.get(rel, src.sha256) != src.sha256:
+        return False
+    span = src.enclosing_function(line)
+    return span is not None and bool(
+        CAPTURE_GUARD.search("\n".join(src.lines[span.line - 1 : span.end_line]))
     )
 
 

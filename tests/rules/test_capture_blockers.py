@@ -125,3 +125,37 @@ def test_full_is_the_same_tensor_as_tensor_of_a_number(value, dtype):
         assert torch.equal(cast_after, cast_before) or bool(cast_before.isnan() & cast_after.isnan())
         if before.dtype == t.dtype:  # the short form the rewrite writes where the copy did not cast
             assert torch.equal(torch.full((), value, dtype=t.dtype), cast_before)
+
+
+LIBRARY = """\
+def mask_can_be_skipped(mask):
+    if not is_tracing(mask) and mask.all():
+        return True
+    return False
+
+
+def mask_is_full(mask):
+    return bool(mask.all())
+"""
+
+
+@pytest.mark.parametrize(("function", "skipped"), [("mask_can_be_skipped", True), ("mask_is_full", False)])
+def test_a_host_read_the_library_skips_under_capture_blocks_nothing(tmp_path, function, skipped):
+    # transformers' masking_utils reads `if mask.all():` on the host every step, after `is_tracing(mask)`,
+    # which counts a CUDA stream capture: under capture the read never runs (cuda_graphed captured such
+    # a BERT on the H200), so it must not stop the graph fix; the same read without that check does.
+    (tmp_path / "fakelib").mkdir()
+    (tmp_path / "fakelib" / "masks.py").write_text(LIBRARY, encoding="utf-8")
+    profile = gpu_fixture("bert_train")
+    profile.libraries["fakelib"] = {"root": str(tmp_path)}
+    read = _root(profile, _first(profile, "aten::_local_scalar_dense"))  # aten::item
+    read.name = "aten::is_nonzero"
+    line = next(i for i, t in enumerate(LIBRARY.splitlines(), 1) if f"def {function}" in t) + 1
+    for op in [read, *(o for o in profile.ops if o.parent == read.id)]:
+        op.lib_file, op.lib_line = "fakelib/masks.py", line
+    _into_forward(profile, read, _line("scores = q @ k"))
+    findings = _sparse(profile)
+    [b] = GraphFacts.from_details(findings[0].details).blockers
+    assert b.skipped_when_capturing is skipped and b.library_file == "fakelib/masks.py"
+    check_fixes(findings)
+    assert {f.fix for f in findings if f.path == str(EXAMPLE)} == ({"unsafe"} if skipped else {"none"})

@@ -217,11 +217,10 @@ FIXES: tuple[LibraryFix, ...] = (
         ("*",),
         ("fuse_region", "fused_dropout_add", "manual_layernorm", "fused_softmax"),
         "safe",
-        "each instance of the model's repeated library block (BertLayer, GPT2Block, timm's Block, "
-        "nn.TransformerEncoderLayer) runs one torch.compile'd forward that all instances share (regional "
-        "compilation): inductor fuses the memory-bound ops between its matrix products (casts, dropout, "
-        "residual adds, LayerNorm, activations) forward and backward; the same function up to rounding, "
-        "dropout from inductor's random stream; the original forward, with one line, where compiling fails",
+        "the model's repeated library blocks (BertLayer x12, GPT2Block, timm's Block) each run one "
+        "torch.compile'd forward, shared by all instances (regional compilation): inductor fuses the casts, "
+        "dropout, residual adds, LayerNorm and activations between the matrix products; the same function up "
+        "to rounding (dropout from inductor's random stream), the original where compiling fails",
         opt_in=True,
     ),
     LibraryFix(

@@ -688,7 +688,8 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
     known = key in registry.LIBRARY_CODEMODS or (fix.get("kind") == "rule" and registry.has_codemod(key))
     if not known or not site or not site.get("path") or not site.get("line"):
         return None
-    details = {"rules": [f.rule], "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
+    rules = [fix.get("select") or f.rule]  # an opt-in patch (compile_blocks) is asked for by its name
+    details = {"rules": rules, "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
     return key, site["path"], Target(site["line"], site["line"], details)
 
 

@@ -27,11 +27,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from opadvisor.libraries import LibraryFix, fixes_for
+from opadvisor.libraries import LibraryFix, block_of, fixes_for, repeated_blocks
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules.finding import Finding
 
-__all__ = ["describe_library", "library_path", "pattern_view"]
+__all__ = ["describe_library", "library_path", "library_view_path", "pattern_view"]
 
 _VIEW = "_opadvisor_pattern_view"
 
@@ -95,6 +95,15 @@ def pattern_view(profile: Profile) -> Profile:
     view.__dict__["_opadvisor_library_index"] = _index(profile, view, paths)
     profile.__dict__[_VIEW] = view
     return view
+
+
+def library_view_path(view: Profile, rel: str) -> str | None:
+    """The path under which the pattern view holds library file `rel` (path within site-packages), or None
+    when no op or construction of the profile ran there."""
+    index: _LibraryIndex | None = view.__dict__.get("_opadvisor_library_index")
+    if index is None:
+        return None
+    return next((path for path, r in index.files.items() if r == rel), None)
 
 
 def _library_files(profile: Profile) -> set[str]:
@@ -193,7 +202,7 @@ def describe_library(finding: Finding, view: Profile) -> None:
     owner = owners.most_common(1)[0][0] if owners else _module_class(view, finding)
     call = calls.most_common(1)[0][0] if calls else None
     model = index.models[0] if index.models else None
-    fix = _choose_fix(finding, owner, model, call, timm_switch(finding.path, owner))
+    fix = _choose_fix(finding, owner, model, call, timm_switch(finding.path, owner), _block(view, finding))
     finding.library = {
         "package": package,
         "version": (view.libraries.get(package) or {}).get("version"),
@@ -213,10 +222,20 @@ def describe_library(finding: Finding, view: Profile) -> None:
     finding.advice = fix["advice"]
 
 
-def _module_class(view: Profile, finding: Finding) -> str | None:
+def _module_path(finding: Finding) -> str | None:
     module = finding.details.get("module") if isinstance(finding.details, dict) else None
-    module = module if isinstance(module, str) else finding.module
+    return module if isinstance(module, str) else finding.module
+
+
+def _module_class(view: Profile, finding: Finding) -> str | None:
+    module = _module_path(finding)
     return view.modules.get(module) if module is not None else None
+
+
+def _block(view: Profile, finding: Finding) -> str | None:
+    """The repeated library block (BertLayer) the finding's module is or runs inside, by its module path."""
+    blocks = repeated_blocks(view.modules, lambda cls: cls.split(".", 1)[0] in view.libraries)
+    return blocks.get(block_of(_module_path(finding), blocks) or "")
 
 
 def _model_entry(model: Construction | None) -> dict[str, Any] | None:
@@ -246,11 +265,12 @@ def _choose_fix(
     model: Construction | None,
     call: tuple[str, int] | None,
     timm: str | None = None,
+    block: str | None = None,
 ) -> dict[str, Any]:
     """The fix for library code that applies to this finding, or kind "none" with the reason."""
     reasons: list[str] = []
     for fix in fixes_for(owner, finding.rule):
-        reason = _not_applicable(fix, model, call, timm)
+        reason = _not_applicable(fix, model, call, timm, block)
         if reason is None:
             return _fix_entry(fix, model, call)
         reasons.append(f"{fix.name}: {reason}")
@@ -268,8 +288,14 @@ def _choose_fix(
 
 
 def _not_applicable(
-    fix: LibraryFix, model: Construction | None, call: tuple[str, int] | None, timm: str | None = None
+    fix: LibraryFix,
+    model: Construction | None,
+    call: tuple[str, int] | None,
+    timm: str | None = None,
+    block: str | None = None,
 ) -> str | None:
+    if fix.name == "compile_blocks" and block is None:
+        return "the code does not run inside a repeated library block (a library class with two or more instances)"
     if fix.name in TIMM_SWITCHES:
         want = TIMM_SWITCHES[fix.name]
         if timm is None:
@@ -349,4 +375,7 @@ def _fix_entry(fix: LibraryFix, model: Construction | None, call: tuple[str, int
         "summary": fix.summary,
         "rules": list(fix.rules),
         "advice": advice,
+        # what `opadvisor.patch(model, rules=[...])` is given: the finding's rule, or the fix's own name for
+        # one chosen only by name (compile_blocks)
+        **({"select": fix.name} if fix.opt_in else {}),
     }

@@ -30,7 +30,16 @@ from opadvisor.rules._chains import GEMM_OPS, PASS_THROUGH_OPS, dtype_of, names,
 from opadvisor.rules._index import ProfileIndex, module_related, owner_module
 from opadvisor.rules._source import load_profiled_source, locate_each
 
-__all__ = ["Region", "Site", "bytes_moved", "chain_of", "find_regions", "merge_same_fix", "op_does_work"]
+__all__ = [
+    "Region",
+    "Site",
+    "bytes_moved",
+    "chain_of",
+    "find_regions",
+    "is_compute",
+    "merge_same_fix",
+    "op_does_work",
+]
 
 # Matrix products and other compute-bound (or already fused) kernels: a region never holds one.
 COMPUTE_OPS: frozenset[str] = GEMM_OPS | names(
@@ -110,6 +119,7 @@ class Site:
     end_line: int
     occurrences: list[list[Op]] = field(default_factory=list)
     chain: str | None = None
+    block: str | None = None  # a library block's site: the module path of its first instance
 
 
 def op_does_work(ix: ProfileIndex, op: Op) -> bool:
@@ -124,7 +134,7 @@ def op_does_work(ix: ProfileIndex, op: Op) -> bool:
     return "::" in op.name
 
 
-def _is_compute(op: Op) -> bool:
+def is_compute(op: Op) -> bool:
     """A matrix product / convolution / attention, an op outside aten (a fused kernel, a custom op), or an
     optimizer's multi-tensor update (fused_optimizer's business, and not a chain of one region)."""
     name = op.name
@@ -169,7 +179,7 @@ def _runs(ix: ProfileIndex, owned: Callable[[Op], bool], ident: _Identity) -> li
                 continue
             me = ident.of(op)
             mod = owner_module(op)
-            breaks = _is_compute(op) or me is None or owned(op)
+            breaks = is_compute(op) or me is None or owned(op)
             if not breaks and op_does_work(ix, op):
                 if current is None or me != key or not module_related(module, mod):
                     current = Region(me[0], me[1], me[2])

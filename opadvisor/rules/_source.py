@@ -311,6 +311,10 @@ class SourceFile:
                 best = f
         return best
 
+    def function_qualified(self, qualname: str) -> FunctionSpan | None:
+        """The function whose qualified name is `qualname` ("BertLayer.forward"), the first when several."""
+        return next((f for f in self._functions if f.qualname == qualname), None)
+
     def function_named(self, name: str, near_line: int | None = None) -> FunctionSpan | None:
         """The function called `name` (the one whose def is closest above `near_line`, when given)."""
         cands = [f for f in self._functions if f.name == name]

@@ -37,7 +37,16 @@ Fix and its safety
       regional torch.compile), which fuses the chain even where compiling the whole model fails; if
       compiling fails it prints one line and runs the original. Safe (floating-point order may differ). A
       region inside an autograd.Function (DeBERTa's XSoftmax) is compiled with the functions that call it.
-    A region at a script's top level (no function to compile) has no automatic fix. `opadvisor verify`
+    A region at a script's top level (no function to compile) has no automatic fix.
+
+    In a library model's repeated blocks (transformers' BertLayer x12, GPT2Block, timm's Block,
+    nn.TransformerEncoderLayer: `opadvisor.libraries.repeated_blocks`) the memory-bound ops sit between
+    matrix products in many small runs (an autocast cast, a GELU, a LayerNorm, a residual add), each too
+    short to be a region; what no other finding holds is added up per block class as one region at the
+    block's forward (also on a CPU profile: the module each op ran in says it is the model's). Its fix is
+    `opadvisor.patch(model, rules=["compile_blocks"])` after the model's construction: each block instance
+    runs one compiled forward shared by all (regional torch.compile; see opadvisor/kernels/patch.py), safe
+    as the regional compile is. `opadvisor verify`
     compares losses with dropout disabled; for a replaced hand-written dropout the original it runs has
     the same replacement (which it can disable), so the rest of the rewrite is still checked exactly.
 """
@@ -46,17 +55,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from opadvisor.libraries import block_of, repeated_blocks
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._findings import build_finding, cost_words, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
+from opadvisor.rules._library import library_view_path
 from opadvisor.rules._regions import (
     CHAIN_LABELS,
+    COPY_IF_NEEDED,
+    COPY_OPS,
+    VIEW_OPS,
     Site,
     bytes_moved,
     find_regions,
+    is_compute,
     merge_same_fix,
     op_does_work,
 )
+from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.finding import Finding
 
 ID = "fuse_region"
@@ -77,6 +93,7 @@ MIN_SHARE = 0.005  # ... and at least this share of the step
 MIN_SHARE_TOP_LEVEL = 0.02  # ... this much at a script's top level, where there is no function to fix
 MAX_FINDINGS = 10
 OPTIMIZER_MARK = "Optimizer.step"
+CAST_OPS = COPY_OPS | COPY_IF_NEEDED  # copies a matrix product's op makes of its inputs (autocast's casts)
 # autograd nodes of views: their backward is another view (no kernel)
 VIEW_BACKWARD = tuple(
     f"{n}Backward"
@@ -94,6 +111,10 @@ FIXES = {
     "relpos_gather": "opadvisor.kernels.disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)",
 }
 COMPILE_FIX = "@opadvisor.kernels.compile_region on {function} (regional torch.compile)"
+BLOCK_FIX = (
+    'opadvisor.patch(model, rules=["compile_blocks"]): every {block} runs one compiled forward, shared by '
+    "its instances (regional torch.compile)"
+)
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -101,9 +122,15 @@ def detect(profile: Profile) -> list[Finding]:
     owned = _owned_by_other_rules(profile)
     in_optimizer = _in_optimizer_step(profile)
     findings = []
+    taken: set[int] = set()  # ops of the regions found: a library block's region leaves them out
     for site in merge_same_fix(find_regions(ix, lambda op: owned(op) or in_optimizer(op))):
         # on a CPU profile every op is work, data preparation included: only the named chains are kept
         f = _finding(ix, site) if ix.gpu or site.chain is not None else None
+        if f is not None:
+            findings.append(f)
+            taken.update(op.id for occ in site.occurrences for op in occ)
+    for site in _block_sites(ix, lambda op: op.id in taken or owned(op) or in_optimizer(op)):
+        f = _finding(ix, site)
         if f is not None:
             findings.append(f)
     findings.sort(key=lambda f: -(f.time_ms_per_step or 0.0))
@@ -145,6 +172,54 @@ def _in_optimizer_step(profile: Profile) -> Callable[[Op], bool]:
         return any(s <= op.start_us <= e for s, e in spans.get(op.thread, ()))
 
     return inside
+
+
+def _block_sites(ix: ProfileIndex, skip: Callable[[Op], bool]) -> list[Site]:
+    """One site per repeated library block class (BertLayer x12): each call's memory-bound work ops that
+    `skip` leaves, at the class's forward. A library class counts when its package ran ops in the profile."""
+    view = ix.profile
+    blocks = repeated_blocks(view.modules, lambda cls: cls.split(".", 1)[0] in view.libraries)
+    runs: dict[tuple, list[Op]] = {}
+    for ops in ix.sequences.values():
+        for op in ops:
+            block = block_of(op.module, blocks)
+            if block is not None:  # one call of the block per step and thread (a sequence may end inside it)
+                work = [w for w in _block_work(ix, op) if not skip(w)]
+                runs.setdefault((op.step, op.thread, block), []).extend(work)
+    runs = {key: ops for key, ops in runs.items() if ops}
+    by_class: dict[str, list[tuple[str, list[Op]]]] = {}
+    for (_, _, block), ops in runs.items():
+        by_class.setdefault(blocks[block], []).append((block, ops))
+    sites = []
+    for cls, calls in by_class.items():
+        place = _forward_of(view, cls)
+        if place is not None:
+            path, span = place
+            site = Site(path, span.qualname, span.line, span.line, span.end_line, [ops for _, ops in calls])
+            site.block = min((b for b, _ in calls), key=lambda b: (len(b), b))
+            sites.append(site)
+    return sites
+
+
+def _block_work(ix: ProfileIndex, op: Op) -> list[Op]:
+    """The memory-bound work of one root op in a block: the op itself, or, for a matrix product, the copies
+    it made of its inputs (autocast's casts of the weights and activations run inside `aten::linear`)."""
+    if op.name in VIEW_OPS:
+        return []
+    if not is_compute(op):
+        return [op] if op_does_work(ix, op) else []
+    children = (ix.profile.ops[c] for c in ix.children[op.id])
+    return [c for c in children if c.name in CAST_OPS and op_does_work(ix, c)]
+
+
+def _forward_of(view: Profile, cls: str):
+    """(the view's path of the library file defining `cls`, the span of its forward), or None when the
+    profile holds no op of that file or its source cannot be read as profiled."""
+    module, _, name = cls.rpartition(".")
+    path = library_view_path(view, module.replace(".", "/") + ".py")
+    src = load_profiled_source(view, path) if path is not None else None
+    span = src.function_qualified(f"{name}.forward") if src is not None else None
+    return (path, span) if span is not None else None
 
 
 def _wrapper_backward(ix: ProfileIndex, ops: list[Op]) -> list[Op]:
@@ -201,11 +276,17 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
     top_level = site.def_line is None and site.chain is None
     if site.chain is None and (share is None or share < (MIN_SHARE_TOP_LEVEL if top_level else MIN_SHARE)):
         return None
-    floor_ms, bytes_info = _floor(ix, site, bwd_n > 0)
+    # a block's ops are many short runs, not one pass: no single-kernel floor for them
+    floor_ms, bytes_info = _floor(ix, site, bwd_n > 0) if site.block is None else (None, {})
     saving = None if (floor_ms is None or not ix.gpu) else max(0.0, time_ms - floor_ms)
-    label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
     function = site.function or "?"
-    fix_words = FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
+    if site.block is not None:
+        block = function.split(".")[0]
+        label = f"memory-bound ops between the matrix products of {block} (a library block, every instance)"
+        fix_words = BLOCK_FIX.format(block=block)
+    else:
+        label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
+        fix_words = FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
     unit = "kernels" if ix.gpu else "ops"
     head = f"{label} ({_op_names(first)})"
     f = build_finding(
@@ -235,6 +316,7 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
             "count_unit": unit,
             **bytes_info,
             "fix": fix_words,
+            **({"module": site.block, "block": function.split(".")[0]} if site.block else {}),
         },
         notes=(["the fused dropout draws its own random mask: losses agree in distribution"]
                if site.chain == "dropout" else []),
@@ -279,7 +361,7 @@ def _message(ix, f: Finding, label, fwd, bwd, unit, floor_ms, info) -> str:
             f"; one fused pass would move {info['bytes_per_run'] / 2**20:.0f} MiB per run: "
             f"{fmt_ms(floor_ms)}/step at the measured {info['copy_bandwidth_gbps']:.0f} GB/s"
         )
-    elif ix.gpu:
+    elif ix.gpu and "bytes_per_run" in info:
         text += "; copy bandwidth not measured in this profile (profile again to get the floor)"
     return text
 

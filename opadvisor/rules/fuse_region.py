@@ -43,7 +43,8 @@ Fix and its safety
     nn.TransformerEncoderLayer: `opadvisor.libraries.repeated_blocks`) the memory-bound ops sit between
     matrix products in many small runs (an autocast cast, a GELU, a LayerNorm, a residual add), each too
     short to be a region; what no other finding holds is added up per block class as one region at the
-    block's forward (also on a CPU profile: the module each op ran in says it is the model's). Its fix is
+    block's forward (also on a CPU profile, whatever its share of the step there: the module each op ran
+    in says it is the model's, and the Python issuing the ops, most of a CPU step, is cut too). Its fix is
     `opadvisor.patch(model, rules=["compile_blocks"])` after the model's construction: each block instance
     runs one compiled forward shared by all (regional torch.compile; see opadvisor/kernels/patch.py), safe
     as the regional compile is. `opadvisor verify`
@@ -274,7 +275,11 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
     time_ms = ix.per_step_ms(total_us)
     share = ix.share_of_step(time_ms)
     top_level = site.def_line is None and site.chain is None
-    if site.chain is None and (share is None or share < (MIN_SHARE_TOP_LEVEL if top_level else MIN_SHARE)):
+    # a library block on a CPU profile: the step is mostly the Python that issues the block's ops (which the
+    # compiled block cuts too), not the ops' own time, so the count of ops decides there
+    cpu_block = site.block is not None and not ix.gpu
+    low = share is None or share < (MIN_SHARE_TOP_LEVEL if top_level else MIN_SHARE)
+    if site.chain is None and low and not cpu_block:
         return None
     # a block's ops are many short runs, not one pass: no single-kernel floor for them
     floor_ms, bytes_info = _floor(ix, site, bwd_n > 0) if site.block is None else (None, {})

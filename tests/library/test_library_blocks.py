@@ -39,16 +39,15 @@ def test_suggest_offers_compiled_blocks_for_the_library_blocks(library_run) -> N
     assert "opadvisor.patch(model, rules=[...])" in f["advice"]
 
 
-def test_apply_writes_it_once_next_to_the_other_patches(project_copy, tmp_path: Path) -> None:
+def test_apply_writes_it_once_with_the_other_patches(project_copy, tmp_path: Path) -> None:
     project = project_copy("hf_bert_amp", tmp_path / "p")
     script = project / "hf_bert_amp.py"
-    run_opadvisor(project, "apply", "--rule", "fuse_region")
+    run_opadvisor(project, "apply", "--rule", "all")  # with the output blocks' patch, on one line
     lines = script.read_text().splitlines()
     model_line = line_of(script, "model")
-    assert lines[model_line] == 'model = opadvisor.patch(model, rules=["compile_blocks"])'
-    run_opadvisor(project, "apply", "--rule", "all")  # the output blocks' patch joins the same line
+    assert lines[model_line] == 'model = opadvisor.patch(model, rules=["compile_blocks", "fused_dropout_add"])'
     text = script.read_text()
-    assert 'model = opadvisor.patch(model, rules=["compile_blocks", "fused_dropout_add"])\n' in text
+    assert text.count("opadvisor.patch(") == 1 and text.count("import opadvisor") == 1
     again = run_opadvisor(project, "apply", "--rule", "all")
     assert script.read_text() == text and "nothing to rewrite" in again.stdout + again.stderr
 

@@ -45,7 +45,9 @@ def test_apply_writes_it_once_with_the_other_patches(project_copy, tmp_path: Pat
     run_opadvisor(project, "apply", "--rule", "all")  # with the output blocks' patch, on one line
     lines = script.read_text().splitlines()
     model_line = line_of(script, "model")
-    assert lines[model_line] == 'model = opadvisor.patch(model, rules=["compile_blocks", "fused_dropout_add"])'
+    assert (
+        lines[model_line] == 'model = opadvisor.patch(model, rules=["compile_blocks", "fused_dropout_add"])'
+    )
     text = script.read_text()
     assert text.count("opadvisor.patch(") == 1 and text.count("import opadvisor") == 1
     again = run_opadvisor(project, "apply", "--rule", "all")

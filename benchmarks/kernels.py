@@ -399,26 +399,24 @@ def run_variants(copy_gbs, softmax, dropout_add, masked_softmax, bias_dropout_ad
         print(f"[variant] {group:34s} {label:44s} {ms:8.4f} ms{pct}", flush=True)
 
     # bias_dropout_add: RNG layout x mask storage x tile (GPU time)
-    saved = (dropout_add.RNG_INTERLEAVE, dropout_add.MASK_MODE, dropout_add.TILE, dropout_add.DBIAS_MODE)
+    saved = (dropout_add.RNG_INTERLEAVE, dropout_add.MASK_MODE, dropout_add.TILE)
     for rows_, hidden in ((16384, 1024), (8192, 4096)):
         n = rows_ * hidden
         x = torch.randn(rows_, hidden, device="cuda", dtype=bf16, requires_grad=True)
         b = torch.randn(hidden, device="cuda", dtype=bf16, requires_grad=True)
         r = torch.randn(rows_, hidden, device="cuda", dtype=bf16, requires_grad=True)
         dy = torch.randn(rows_, hidden, device="cuda", dtype=bf16)
-        for inter, mode, tile, dbias in [
-            (False, "philox", 2048, "fused"), (False, "philox", 2048, "separate"), (True, "philox", 2048, "fused"),
-            (False, "philox", 4096, "fused"), (False, "byte", 2048, "fused"),
+        for inter, mode, tile in [
+            (False, "philox", 2048), (True, "philox", 2048), (False, "philox", 4096), (False, "byte", 2048),
         ]:  # fmt: skip
             dropout_add.RNG_INTERLEAVE, dropout_add.MASK_MODE, dropout_add.TILE = inter, mode, tile
-            dropout_add.DBIAS_MODE = dbias
-            label = f"interleave={inter} mask={mode} tile={tile} dbias={dbias}"
+            label = f"interleave={inter} mask={mode} tile={tile}"
             with torch.no_grad():
                 t_f = bench_graph(functools.partial(bias_dropout_add, x, b, r, 0.1))
             t_fb = bench_graph(functools.partial(_fwd_bwd, bias_dropout_add, (x, b, r, 0.1), [x, b, r], dy))
             note(f"bda fwd [{rows_},{hidden}] (graph)", label, t_f, 3 * 2 * n)
             note(f"bda fwd+bwd [{rows_},{hidden}] (graph)", label, t_fb, 5 * 2 * n)
-    dropout_add.RNG_INTERLEAVE, dropout_add.MASK_MODE, dropout_add.TILE, dropout_add.DBIAS_MODE = saved
+    dropout_add.RNG_INTERLEAVE, dropout_add.MASK_MODE, dropout_add.TILE = saved
 
     # masked_softmax launch configs at [32,16,512,512] with the padding mask (GPU time)
     x = torch.randn(32, 16, 512, 512, device="cuda", dtype=bf16, requires_grad=True)
@@ -560,12 +558,10 @@ def profile_host(thresholds: dict[str, int]) -> None:
             return torch.autograd.grad(f(lg, tg), [lg])
 
     bda = functools.partial(_fwd_bwd, bias_dropout_add, (x, b, r, 0.1), [x, b, r], dy)
-    bda_separate = functools.partial(_with_dbias_mode, "separate", bda)
     softmax = functools.partial(_fwd_bwd, sm, (s, m), [s], ds)
     cases = [
         ("empty autograd.Function", functools.partial(_fwd_bwd, _Nothing.apply, (x,), [x], dy)),
         ("bias_dropout_add fwd+bwd", bda),
-        ("  dbias in a 2nd launch", bda_separate),
         ("  its chain", functools.partial(_fwd_bwd, bda_chain, (x, b, r), [x, b, r], dy)),
         (
             "bias_dropout_add fwd",
@@ -602,17 +598,6 @@ def profile_host(thresholds: dict[str, int]) -> None:
         print(f"[host] {label}: CPU time per call by op (torch.profiler, 100 calls)", flush=True)
         print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14), flush=True)
     restore_thresholds(thresholds)
-
-
-def _with_dbias_mode(mode: str, fn):
-    """fn() with bias_dropout_add's DBIAS_MODE set to `mode` (the fused and the separate bias gradient)."""
-    from opadvisor.kernels import dropout_add
-
-    saved, dropout_add.DBIAS_MODE = dropout_add.DBIAS_MODE, mode
-    try:
-        return fn()
-    finally:
-        dropout_add.DBIAS_MODE = saved
 
 
 class _Nothing(torch.autograd.Function):

@@ -2,10 +2,8 @@
 
 Forward:  y = residual + where(keep, (x + bias) / (1 - p), 0)
 Backward: dx = where(keep, dy / (1 - p), 0);  dbias = sum over rows of dx;  dresidual = dy (no kernel)
-          (each backward program sums dbias over its rows of one column block in float32 and stores that
-          partial sum; with FUSED_DBIAS the last program of a column block to finish, found by an atomic
-          ticket, adds the block's partial sums up in a fixed order and writes dbias in the bias's dtype: one
-          launch, deterministic; otherwise `bias_grad_kernel` does that in a second launch)
+          (each backward program sums dbias over its rows in float32; `bias_grad_kernel` adds those up and
+          writes dbias in the bias's dtype: two launches, no PyTorch op between them)
 The keep mask is recomputed from the seed (see `_rng`), or read back from a 1-byte mask when the
 launcher asks for one (BYTE_MASK; kept to compare the two on the GPU).
 """
@@ -81,8 +79,6 @@ def bias_dropout_add_bwd_kernel(
     DY,
     DX,
     DB,
-    DBIAS,
-    COUNT,
     KEEP,
     n_rows,
     n_cols,
@@ -100,19 +96,15 @@ def bias_dropout_add_bwd_kernel(
     stream,
     SEED,
     HAS_BIAS: tl.constexpr,
-    FUSED_DBIAS: tl.constexpr,
     BYTE_MASK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     RNE: tl.constexpr,
-    RNE_DB: tl.constexpr,
     I64: tl.constexpr,
     SEED_PTR: tl.constexpr,
 ):
-    """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program
-    (DB: float32 [programs along axis 0, n_cols]); with FUSED_DBIAS, dbias itself (DBIAS) from the column block's last
-    program, COUNT holding one int32 ticket counter per column block (zero before, zero again after)."""
+    """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program."""
     k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     pid_r = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
@@ -137,33 +129,6 @@ def bias_dropout_add_bwd_kernel(
             acc += tl.sum(dx, axis=0)
     if HAS_BIAS:
         tl.store(DB + widen(pid_r, I64) * n_cols + cols, acc, mask=col_ok)
-        if FUSED_DBIAS:
-            n_parts = tl.num_programs(0)
-            _last_program_sums(
-                DB, DBIAS, COUNT + tl.program_id(1), cols, col_ok, n_parts, n_cols, RNE_DB, BLOCK
-            )
-
-
-@triton.jit
-def _last_program_sums(
-    DB, DBIAS, COUNT, cols, col_ok, n_parts, n_cols, RNE: tl.constexpr, BLOCK: tl.constexpr
-):
-    """The column block's last program to take a ticket sums its n_parts partial sums (rows of DB, in a fixed
-    order: deterministic) into DBIAS, rounded once, and resets the ticket counter for the next launch. The
-    barrier and the acq_rel ticket order every thread's partial store before it; the sums are read past L1."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(COUNT, 1, sem="acq_rel")
-    if ticket == n_parts - 1:
-        R: tl.constexpr = 8
-        total = tl.zeros((R, BLOCK), tl.float32)
-        for r0 in range(0, n_parts, R):
-            parts = r0 + tl.arange(0, R)
-            ok = (parts < n_parts)[:, None] & col_ok[None, :]
-            offs = parts.to(tl.int64)[:, None] * n_cols + cols[None, :]
-            total += tl.load(DB + offs, mask=ok, other=0.0, cache_modifier=".cg")
-        dbias = tl.sum(total, axis=0)
-        tl.store(DBIAS + cols, rne_bf16(dbias, RNE).to(DBIAS.dtype.element_ty), mask=col_ok)
-        tl.atomic_xchg(COUNT, 0)
 
 
 @triton.jit

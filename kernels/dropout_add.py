@@ -30,12 +30,6 @@ from .softmax import triton_cdiv, triton_next_power_of_2
 TILE = 2048
 MASK_MODE = "philox"  # or "byte"
 RNG_INTERLEAVE = False
-# How the backward gets dbias from its programs' partial sums: "fused", in the same launch (the last program
-# of each column block to finish sums them; column blocks of at most FUSED_BLOCK, so that each of those sums
-# reads little), or "separate", a second launch (`bias_grad_kernel`). One launch less is host time saved per
-# backward; both are kept to compare them (benchmarks/kernels.py --variants, --host-only).
-DBIAS_MODE = "fused"
-FUSED_BLOCK = 256
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
 # call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
@@ -109,9 +103,9 @@ def _out_dtype(x, bias, residual):
 
 
 @functools.cache
-def _config(n_cols: int, tile: int, max_block: int | None = None) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps): a tile of ~`tile` elements, columns first, at most `max_block` columns."""
-    block = min(max(16, triton_next_power_of_2(n_cols)), max(16, tile if max_block is None else max_block))
+def _config(n_cols: int, tile: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps): a tile of ~`tile` elements, columns first."""
+    block = min(max(16, triton_next_power_of_2(n_cols)), max(16, tile))
     rows = max(1, tile // block)
     warps = min(16, max(1, rows * block // 512))
     return rows, block, warps
@@ -186,29 +180,23 @@ def _programs_target(device: torch.device) -> int:
     return 4 * _backend.multiprocessors(device)
 
 
-def _fused_block(n_cols: int) -> int:
-    """Column block of the fused-dbias backward: about 8 column blocks (64 to FUSED_BLOCK columns), so the
-    backward's programs split into column blocks of few programs each, and the last program of each sums
-    few partial sums (tens of KiB) while the others have finished."""
-    return min(FUSED_BLOCK, max(64, triton_next_power_of_2(triton_cdiv(n_cols, 8))))
-
-
 class BackwardPlan(NamedTuple):
-    """The backward's launches for one layout of dy: `launch` (dx and, with a bias gradient, the partial sums
-    or, `fused`, dbias itself), its integer args, `sum_launch` (`bias_grad_kernel`, "separate" mode only),
-    the partial sums' shape [programs along rows, n_cols] (None: no dbias) and the column blocks (ticket
-    counters of the fused mode)."""
+    """The backward's launches for one layout of dy: `launch` (dx and, with a bias gradient, each program's
+    partial dbias), its integer args, `sum_launch` (`bias_grad_kernel`: the partial sums added up into dbias,
+    a second launch; None without a bias gradient) and the partial sums' shape [programs along rows, n_cols]
+    (None: no dbias). Two launches on purpose: dbias summed inside the backward launch by the last program
+    of each column block (an atomic ticket) measured twice as slow on an H200 (fwd+bwd GPU time 0.223 ms
+    against 0.110 at [8192, 4096]; 37% of copy bandwidth against ~72% at [16384, 4096]) and saved too
+    little host time from Python to matter."""
 
     launch: Launch
     ints: tuple
     sum_launch: Launch | None
     partial_shape: tuple[int, int] | None
-    fused: bool
-    col_blocks: int
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile, dbias_mode):
+def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
     """The BackwardPlan for one layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no
     dbias); flags: (BYTE_MASK, SEED_PTR, INTERLEAVE). Each backward program sums dbias over a run of rows
     of one column block."""
@@ -216,58 +204,28 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile, dbias_mode):
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
-    _, dx_dtype, b_dtype = dtypes
-    fused = b_dtype is not None and dbias_mode == "fused"
-    rows, block, warps = _config(n_cols, tile, _fused_block(n_cols) if fused else None)
+    rows, block, warps = _config(n_cols, tile)
     col_blocks = triton_cdiv(n_cols, block)
     row_progs = max(1, min(triton_cdiv(n_rows, rows), _programs_target(device) // col_blocks))
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     row_progs = triton_cdiv(n_rows, rows_per_prog)
+    _, dx_dtype, b_dtype = dtypes
     _, bwd, bias_grad = _launchers()
     _backend.check_launch_device(device)
     byte_mask, seed_ptr, interleave = flags
     meta = {
-        "HAS_BIAS": b_dtype is not None, "FUSED_DBIAS": fused, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
-        "RNE": bwd.interpreted and dx_dtype == torch.bfloat16,
-        "RNE_DB": bwd.interpreted and fused and b_dtype == torch.bfloat16, "SEED_PTR": seed_ptr, "ROWS": rows, "BLOCK": block,
-        "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
+        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
+        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
     }  # fmt: skip
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
     launch = bwd.prepare((row_progs, col_blocks), meta)
     if b_dtype is None:
-        return BackwardPlan(launch, ints, None, None, False, col_blocks)
-    sum_launch = None
-    if not fused:
-        rne = bias_grad.interpreted and b_dtype == torch.bfloat16
-        sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
-        sum_launch = bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta)
-    return BackwardPlan(launch, ints, sum_launch, (row_progs, n_cols), fused, col_blocks)
-
-
-# Per (device, stream): float32 partial sums and int32 ticket counters (zero between launches: the last
-# program of each column block resets its own) reused by the fused backward, so that it allocates and zeroes
-# nothing per call. Launches on one stream run in order, so one stream's backwards never overlap.
-_WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _workspace(device: torch.device, n_partial: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums, ticket counters) with at least these many elements for a fused backward on the current
-    stream; fresh ones while a CUDA graph is captured (a replay must not share a buffer with eager calls)."""
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return _new_workspace(device, n_partial, n_counters)
-        key = (device, torch._C._cuda_getCurrentRawStream(device.index))
-    else:
-        key = (device, 0)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws[0].numel() < n_partial or ws[1].numel() < n_counters:
-        ws = _WORKSPACES[key] = _new_workspace(device, n_partial, n_counters)
-    return ws
-
-
-def _new_workspace(device, n_partial, n_counters):
-    partial = torch.empty(n_partial, dtype=torch.float32, device=device)
-    return partial, torch.zeros(n_counters, dtype=torch.int32, device=device)
+        return BackwardPlan(launch, ints, None, None)
+    rne = bias_grad.interpreted and b_dtype == torch.bfloat16
+    sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
+    sum_launch = bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta)
+    return BackwardPlan(launch, ints, sum_launch, (row_progs, n_cols))
 
 
 def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
@@ -284,10 +242,10 @@ def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     else:
         flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
         dtypes = (dy.dtype, x_dtype, b_dtype)
-        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE, DBIAS_MODE)
+        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
         if plan is None:
             dy = dy.contiguous()
-            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE, DBIAS_MODE)
+            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
     tail = (
         keep if byte_mask else dx,
         *plan.ints,
@@ -295,16 +253,11 @@ def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
         *_rng.seed_args(seed, dx),
     )
     if plan.partial_shape is None:
-        plan.launch((dy, dx, dx, dx, dx, *tail))
+        plan.launch((dy, dx, dx, *tail))
         return dx, None
-    dbias = torch.empty(plan.partial_shape[1], dtype=b_dtype, device=dy.device)
-    if plan.fused:
-        n_parts, n_cols = plan.partial_shape
-        partial, counters = _workspace(dy.device, n_parts * n_cols, plan.col_blocks)
-        plan.launch((dy, dx, partial, dbias, counters, *tail))
-        return dx, dbias
     partial = torch.empty(plan.partial_shape, dtype=torch.float32, device=dy.device)
-    plan.launch((dy, dx, partial, dx, dx, *tail))
+    plan.launch((dy, dx, partial, *tail))
+    dbias = torch.empty(plan.partial_shape[1], dtype=b_dtype, device=dy.device)
     plan.sum_launch((partial, dbias, *plan.partial_shape))
     return dx, dbias
 
@@ -317,7 +270,7 @@ def _prepare_backward(y, info, byte_mask, seed):
     if not (p > 0 and (need_dx or need_db)) or y.numel() == 0:
         return None
     flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
-    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, TILE, DBIAS_MODE)
+    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, TILE)
     return None if plan is None else (y.stride(), y.dtype, plan)
 
 

@@ -7,9 +7,10 @@ The case: [32,16,512,512] bf16 scores, a [32,1,1,512] bool padding mask, DeBERTa
 positions (benchmarks/kernels.py's first row), forward only, GPU time alone (triton.testing.do_bench_cudagraph:
 no launch or Python time). Each candidate is a `softmax.ForwardConfig` set as FORWARD_CONFIGS[512]: rows per
 tile and warps per program, the shared mask row on or off, a persistent grid (programs per multiprocessor,
-pipeline stages of its tile loop) and streaming cache hints. Phase 1 sweeps rows x warps x hints with one tile
-per program; phase 2 takes phase 1's two best and tries persistent grids and the unshared mask row; the three
-best and the shipped configuration are then timed again, interleaved, three rounds (the median decides).
+pipeline stages of its tile loop). Phase 1 sweeps rows x warps with one tile per program; phase 2 takes
+phase 1's two best and tries persistent grids and the unshared mask row; the three best and the shipped
+configuration are then timed again, interleaved, three rounds (the median decides). (Streaming cache hints
+were a candidate too, until every one of them measured slower than its twin without: removed.)
 
 Beside each time: % of the copy bandwidth measured in this process (a 2 GiB device-to-device copy, bytes read
 + written: the denominator of kernels.py's "% copy") and of a copy of this tensor's own bytes, and the compiled
@@ -64,8 +65,6 @@ def _label(config) -> str:
         parts.append("mask per row")
     if config.programs_per_sm:
         parts.append(f"persistent {config.programs_per_sm}/SM stages={config.stages}")
-    if config.stream:
-        parts.append("stream")
     return ", ".join(parts)
 
 
@@ -127,23 +126,20 @@ def phase1(sweep: Sweep, quick: bool) -> list:
     pairs = PHASE1[4:10] if quick else PHASE1
     results = []
     for rows, warps in pairs:
-        for stream in (False, True):
-            config = fc(rows=rows, warps=warps, stream=stream)
-            results.append((sweep.run(config, "1")["ms"], config))
+        config = fc(rows=rows, warps=warps)
+        results.append((sweep.run(config, "1")["ms"], config))
     return [c for _, c in sorted(results, key=lambda r: r[0])]
 
 
 def phase2(sweep: Sweep, best: list, quick: bool) -> None:
     fc = sweep.softmax.ForwardConfig
     for base in best[:2]:
-        sweep.run(fc(base.rows, base.warps, share_mask=False, stream=base.stream), "2")
+        sweep.run(fc(base.rows, base.warps, share_mask=False), "2")
         for per_sm in (4, 8) if quick else (4, 8, 16):
             if per_sm * base.warps > 64:  # more warps than a multiprocessor holds: the same as fewer
                 continue
             for stages in (1, 2, 3):
-                sweep.run(
-                    fc(base.rows, base.warps, programs_per_sm=per_sm, stages=stages, stream=base.stream), "2"
-                )
+                sweep.run(fc(base.rows, base.warps, programs_per_sm=per_sm, stages=stages), "2")
 
 
 def final_rounds(sweep: Sweep, shipped, rounds: int = 3) -> list[dict]:

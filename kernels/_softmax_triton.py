@@ -6,8 +6,8 @@ non-contiguous inputs are read in place. Offsets are int64 where a tensor reache
 otherwise. A mask row that all ROWS rows of a program share ([B,1,1,S] padding masks) is loaded once
 (MASK_SHARED, decided by the launcher). Math is float32 whatever the storage dtype. The forward of rows
 held whole in registers can also run on a persistent grid (PERSISTENT: each program loops over tiles, STAGES
-pipelining the loads) and with streaming cache hints (STREAM); `softmax.FORWARD_CONFIGS` picks, per row
-block, from what benchmarks/softmax_sweep.py measured.
+pipelining the loads); `softmax.FORWARD_CONFIGS` picks, per row block, from what
+benchmarks/softmax_sweep.py measured.
 
 Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
                    p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)
@@ -51,16 +51,12 @@ def _mask_row_offsets(rows, first_row, D1, D2, sm0, sm1, sm2, MASK_SHARED: tl.co
 @triton.jit
 def _scores(
     X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill,
-    MASK: tl.constexpr, I64: tl.constexpr, MASK_SHARED: tl.constexpr, STREAM: tl.constexpr,
+    MASK: tl.constexpr, I64: tl.constexpr, MASK_SHARED: tl.constexpr,
 ):  # fmt: skip
-    """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile. STREAM: x is read
-    once, so its lines are marked first to evict (the looped kernel reads them twice: not there)."""
+    """s (float32, -inf outside the row) and the bool mask for one [ROWS, BLOCK] tile."""
     c = widen(cols, I64)[None, :]
-    if STREAM:
-        x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0, eviction_policy="evict_first")
-    else:
-        x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0)
-    s = x.to(tl.float32) * scale
+    x = tl.load(X + xo[:, None] + c * sxc, mask=ok, other=0.0).to(tl.float32)
+    s = x * scale
     masked = ok & False
     if MASK == 1:
         masked = _load_mask(M, mo, cols, ok, n_cols, smc, 0, I64, MASK_SHARED) != 0
@@ -76,10 +72,9 @@ def _fwd_tile(
     scale, fill, keep_scale, threshold, k0, k1, stream,
     MASK: tl.constexpr, ZERO_MASKED: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
-    MASK_SHARED: tl.constexpr, STREAM: tl.constexpr,
+    MASK_SHARED: tl.constexpr,
 ):  # fmt: skip
-    """The forward of rows [tile * ROWS, +ROWS), each held whole in registers (rows up to BLOCK columns).
-    STREAM: y (and P) are written with the streaming cache hint (nothing reads them back here)."""
+    """The forward of rows [tile * ROWS, +ROWS), each held whole in registers (rows up to BLOCK columns)."""
     first = widen(tile, I64) * ROWS
     rows = first + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -88,7 +83,7 @@ def _fwd_tile(
     yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)
     cols = tl.arange(0, BLOCK)
     ok = row_ok[:, None] & (cols < n_cols)[None, :]
-    s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, STREAM)
+    s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
     m = tl.max(s, axis=1)
     m = tl.where(m == float("-inf"), 0.0, m)
     e = tl.exp(s - m[:, None])
@@ -98,18 +93,10 @@ def _fwd_tile(
         p = tl.where(masked, 0.0, p)
     yoff = yo[:, None] + widen(cols, I64)[None, :] * syc
     if DROPOUT:
-        _store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), ok, STREAM)
+        tl.store(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), mask=ok)
         keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
         p = tl.where(keep, p * keep_scale, 0.0)
-    _store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), ok, STREAM)
-
-
-@triton.jit
-def _store(ptr, v, ok, STREAM: tl.constexpr):
-    if STREAM:
-        tl.store(ptr, v, mask=ok, cache_modifier=".cs")
-    else:
-        tl.store(ptr, v, mask=ok)
+    tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
@@ -155,7 +142,6 @@ def masked_softmax_fwd_kernel(
     SEED_PTR: tl.constexpr,
     PERSISTENT: tl.constexpr,
     STAGES: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     """LOOPED: one tile of ROWS rows per program, its rows read in BLOCK-column pieces (twice). Otherwise
     each row is held whole: one tile per program, or with PERSISTENT a grid of fewer programs each looping
@@ -173,9 +159,7 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(
-                X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, False
-            )
+            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
             m_new = tl.maximum(m_i, s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             l_i = l_i * tl.exp(m_i - m_safe) + tl.exp(s - m_safe)
@@ -188,9 +172,7 @@ def masked_softmax_fwd_kernel(
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             ok = row_ok[:, None] & (cols < n_cols)[None, :]
-            s, masked = _scores(
-                X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED, False
-            )
+            s, masked = _scores(X, M, xo, mo, cols, ok, n_cols, sxc, smc, scale, fill, MASK, I64, MASK_SHARED)
             p = tl.exp(s - m[:, None]) * inv[:, None]
             if ZERO_MASKED:
                 p = tl.where(masked, 0.0, p)
@@ -206,13 +188,13 @@ def masked_softmax_fwd_kernel(
             _fwd_tile(
                 tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
                 sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
-                MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, STREAM,
+                MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED,
             )  # fmt: skip
     else:
         _fwd_tile(
             tl.program_id(0), X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
             sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
-            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, STREAM,
+            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED,
         )  # fmt: skip
 
 

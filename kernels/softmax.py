@@ -51,15 +51,15 @@ class ForwardConfig:
 
     rows, warps: rows per tile and warps per program. share_mask: load a mask row that the whole tile shares
     once (where the layout allows, see `_plan`). programs_per_sm: 0 runs one tile per program; n runs n
-    programs per multiprocessor, each looping over tiles, `stages` pipelining the loop's loads. stream: x
-    loaded "evict first" and the outputs stored with the streaming hint (nothing reads them back)."""
+    programs per multiprocessor, each looping over tiles, `stages` pipelining the loop's loads. (Streaming
+    cache hints, x loaded "evict first" and y stored ".cs", were measured too: slower in every configuration
+    of benchmarks/softmax_sweep.py on an H200, so not offered.)"""
 
     rows: int
     warps: int
     share_mask: bool = True
     programs_per_sm: int = 0
     stages: int = 1
-    stream: bool = False
 
 
 # The forward's configuration per row block (the row length rounded up to a power of two), where
@@ -289,12 +289,7 @@ def _forward_grid(grid, meta, forward: ForwardConfig | None, device: torch.devic
     persistent = forward is not None and forward.programs_per_sm > 0 and not meta["LOOPED"]
     if persistent:
         grid = (max(1, min(grid[0], forward.programs_per_sm * _backend.multiprocessors(device))),)
-    extra = {
-        "PERSISTENT": persistent,
-        "STAGES": forward.stages if persistent else 1,
-        "STREAM": forward is not None and forward.stream and not meta["LOOPED"],
-    }
-    return grid, {**meta, **extra}
+    return grid, {**meta, "PERSISTENT": persistent, "STAGES": forward.stages if persistent else 1}
 
 
 def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype):

@@ -148,9 +148,11 @@ def test_padding_mask_row_shared_by_a_program(kind, device):
 
 FORWARD_CONFIGS = [
     softmax.ForwardConfig(rows=4, warps=2),
-    softmax.ForwardConfig(rows=2, warps=1, share_mask=False, stream=True),
+    # failed on the GPU with streaming cache hints (dx not bit-equal, cause not found; the hints are gone):
+    # kept so that the GPU suite checks the same launch without them
+    softmax.ForwardConfig(rows=2, warps=1, share_mask=False),
     softmax.ForwardConfig(rows=4, warps=4, programs_per_sm=2, stages=2),
-    softmax.ForwardConfig(rows=8, warps=4, programs_per_sm=1, stages=3, stream=True),
+    softmax.ForwardConfig(rows=8, warps=4, programs_per_sm=1, stages=3),
 ]
 
 
@@ -158,8 +160,8 @@ FORWARD_CONFIGS = [
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_forward_configs_compute_the_same_bits(config, dropout_p, device, monkeypatch):
     """Every forward configuration the sweep may choose (benchmarks/softmax_sweep.py: rows, warps, the shared
-    mask row, a persistent grid, cache hints) gives the default's bits, dropout mask included, and the
-    backward (which keeps `_config`'s launch) its gradient; 23 tiles, so a persistent grid loops."""
+    mask row, a persistent grid) gives the default's bits, dropout mask included, and the backward (which
+    keeps `_config`'s launch) its gradient; 23 tiles, so a persistent grid loops."""
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
     torch.manual_seed(2)
     x = torch.randn(2, 3, 15, 40, device=device).to(torch.bfloat16) * 3

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 BLOCK = 512
-PHASE1 = [(1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4)]
+# (rows, warps); no one-warp launch: softmax.ForwardConfig refuses them (other bits than the default on the H200)
+PHASE1 = [(1, 2), (2, 2), (2, 4), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4)]
 
 
 def _bench_module():

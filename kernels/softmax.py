@@ -61,6 +61,15 @@ class ForwardConfig:
     programs_per_sm: int = 0
     stages: int = 1
 
+    def __post_init__(self) -> None:
+        # On the H200 (eighth session) a one-warp forward (rows=2, warps=1) gave other bits than the default
+        # launch: y with dropout, and dx without, though y was equal there; the cause is not found, so no
+        # one-warp launch is offered until it is (the default `_config` never picks fewer than 4 warps).
+        if self.warps < 2:
+            raise ValueError(
+                f"ForwardConfig: warps={self.warps}: one-warp forwards are not offered (see its code)"
+            )
+
 
 # The forward's configuration per row block (the row length rounded up to a power of two), where
 # benchmarks/softmax_sweep.py measured one better than `_config`'s (which the backward always keeps).

@@ -8,6 +8,7 @@ checkout and skips the test, saying why, when it is absent.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,7 +27,10 @@ def profile_script(script: Path, out: Path, *script_args: str, steps: int = 2, w
     cmd += ["--warmup", str(warmup), "--out", str(out)]
     if script_args:
         cmd += ["--", *script_args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # without Triton's interpreter (tests/kernels sets it for the whole session): a script that calls
+    # opadvisor.kernels would run the fused kernels element by element on the CPU (killed for memory)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, (
         f"profiling {script.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     )

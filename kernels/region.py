@@ -65,8 +65,9 @@ class _Region:
 
     def _give_up(self, exc: Exception) -> None:
         self.status = FAILED
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        self.error = f"{type(exc).__name__}: {first}"
+        # the message's lines joined: inductor's "backend='inductor' raised:" puts the cause on the next line
+        words = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+        self.error = f"{type(exc).__name__}: {words[:300]}"
         name = getattr(self.fn, "__qualname__", repr(self.fn))
         print(
             f"opadvisor.kernels.compile_region: {name} runs uncompiled: torch.compile failed ({self.error})",

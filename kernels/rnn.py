@@ -83,7 +83,7 @@ def cell_sequence(
         state = tuple(s.unsqueeze(0) for s in state) if lstm else state.unsqueeze(0)
     args = (_parameters(cell), cell.bias, 1, 0.0, torch.is_grad_enabled(), False, time_dim == 1)
     _dispatch.record(OP, _dispatch.KERNEL)
-    with warnings.catch_warnings(), _loop_precision(inputs):
+    with warnings.catch_warnings(), _loop_precision(inputs.is_cuda, _loop_tf32()):
         warnings.filterwarnings("ignore", message=_PACKING_WARNING)
         if lstm:
             outputs, h, c = op(inputs, (_layer_state(state[0]), _layer_state(state[1])), *args)
@@ -98,12 +98,16 @@ def cell_sequence(
     return outputs, final
 
 
+def _loop_tf32() -> bool:
+    """Whether the loop's cuBLAS matrix products ran in TF32 (see the module doc)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 @contextlib.contextmanager
-def _loop_precision(inputs: Tensor) -> Iterator[None]:
-    """cuDNN's TF32 as the loop's cuBLAS matrix products had it (see the module doc); a no-op off CUDA."""
+def _loop_precision(on_cuda: bool, want: bool) -> Iterator[None]:
+    """cuDNN's TF32 flag set to `want` (the loop's, `_loop_tf32()`) while inside; a no-op off CUDA."""
     cudnn = torch.backends.cudnn
-    want = bool(torch.backends.cuda.matmul.allow_tf32)
-    if not inputs.is_cuda or cudnn.allow_tf32 == want:
+    if not on_cuda or cudnn.allow_tf32 == want:
         yield
         return
     try:
@@ -121,23 +125,22 @@ def _backward_at_loop_precision(outputs: Tensor) -> None:
     """cuDNN's recurrence backward reads the TF32 flag when it runs (in `loss.backward()`, long after this
     call returned), so its autograd node sets the loop's precision for itself too (measured on the H200:
     with TF32 in the backward only, the gradients differed from the loop's by 1.7% relative)."""
-    want = bool(torch.backends.cuda.matmul.allow_tf32)
+    want = _loop_tf32()  # as the forward ran, whatever the flag is when the backward runs
     if not outputs.is_cuda or outputs.grad_fn is None or torch.backends.cudnn.allow_tf32 == want:
         return
     node = _cudnn_node(outputs.grad_fn)
     if node is None:
         return
-    before: list[bool] = []
+    inside: list[contextlib.ExitStack] = []
 
     def enter(_grad_outputs: Any) -> None:
-        before.append(torch.backends.cudnn.allow_tf32)
-        with contextlib.suppress(RuntimeError):  # flags frozen by the caller: its setting stands
-            torch.backends.cudnn.allow_tf32 = want
+        stack = contextlib.ExitStack()
+        stack.enter_context(_loop_precision(True, want))
+        inside.append(stack)
 
     def leave(_grad_inputs: Any, _grad_outputs: Any) -> None:
-        if before:
-            with contextlib.suppress(RuntimeError):
-                torch.backends.cudnn.allow_tf32 = before.pop()
+        if inside:
+            inside.pop().close()
 
     node.register_prehook(enter)
     node.register_hook(leave)

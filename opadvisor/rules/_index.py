@@ -158,8 +158,7 @@ class ProfileIndex:
         # (step, thread, run) -> roots in order; a run ends where an opadvisor fused op ran, whose own ops
         # (its plain chain below its size threshold) hold no pattern of the model's and join none
         self.sequences: dict[tuple[int | None, int, int], list[Op]] = defaultdict(list)
-        runs: dict[tuple[int | None, int], int] = defaultdict(int)
-        fresh_run = 0
+        runs: dict[tuple[int | None, int], int] = defaultdict(int)  # (step, thread) -> its current run
         wrappers: set[int] = set()
         for op in ops:
             if op.is_backward or not in_window(op):
@@ -171,8 +170,7 @@ class ProfileIndex:
                 continue
             self.forward_root_ops.append(op)
             if op.fused_op is not None:
-                fresh_run += 1
-                runs[(op.step, op.thread)] = fresh_run  # the ops after it start a new run
+                runs[(op.step, op.thread)] += 1  # the ops after it start a new run
                 continue
             self.sequences[(op.step, op.thread, runs[(op.step, op.thread)])].append(op)
             if op.file is None:

@@ -54,8 +54,8 @@ from opadvisor.rules._calibration import calibration_words
 from opadvisor.rules._chains import norm_dtype
 from opadvisor.rules._findings import fmt_ms, fmt_share, idle_cost
 from opadvisor.rules._index import ProfileIndex, index_of
-from opadvisor.rules._library import library_path
-from opadvisor.rules._source import load_profiled_source, load_source
+from opadvisor.rules._library import library_path, pattern_view
+from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
@@ -222,9 +222,9 @@ def _add(found: dict[tuple, CaptureBlocker], ix: ProfileIndex, op: Op, why: str,
 
 def _guarded(profile: Profile, rel: str, line: int) -> bool:
     """Whether the library function holding `line` checks for tracing or capture (CAPTURE_GUARD), in the
-    file as it was profiled."""
-    src = load_source(library_path(profile, rel))
-    if src is None or profile.library_sources.get(rel, src.sha256) != src.sha256:
+    file as it was profiled (the pattern view holds the library files' hashes)."""
+    src = load_profiled_source(pattern_view(profile), library_path(profile, rel))
+    if src is None:
         return False
     span = src.enclosing_function(line)
     return span is not None and bool(

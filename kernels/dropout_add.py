@@ -40,7 +40,7 @@ RNG_INTERLEAVE = False
 # 0.337 / 0.270 at [8192, 4096] (2^25): there the kernel's call (~0.24-0.34 ms of host time with the
 # autograd thread hop, ~0.11 ms of GPU time) lost to the chain's 0.27 ms of GPU time. From 2^26 the chain's
 # GPU time alone (~0.53 ms) exceeds the kernel call's host time on every host measured, so the threshold
-# is 2^26 (seventh session; kernels.py times [16384, 4096] above it and --small both sides). See
+# is 2^26 (eighth session; kernels.py times [16384, 4096] above it and --small both sides). See
 # benchmarks/RESULTS.md, "Sixth session" and "Dispatch".
 # While a CUDA graph is being captured every size takes the kernel (a replay has no per-kernel host cost).
 SMALL_NUMEL = 1 << 26

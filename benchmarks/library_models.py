@@ -230,6 +230,7 @@ class Row:
     times: StepTimes | None = None
     error: str | None = None
     parity: str | None = None
+    messages: list[str] = field(default_factory=list)  # opadvisor's and the warnings' lines of the timed run
 
 
 @dataclass
@@ -301,6 +302,7 @@ def timed(bench: Bench, variant: str, script: Path, args: list[str], opts, deadl
             mode="timing",
         )
         res = run_child(spec, timeout=deadline.timeout())
+        row.messages = messages_of(res.output_tail)
         if res.error is not None:
             row.error = last_line(res.error)
         else:
@@ -311,8 +313,18 @@ def timed(bench: Bench, variant: str, script: Path, args: list[str], opts, deadl
         row.error = f"{type(exc).__name__}: {exc}"
     took = time.perf_counter() - t0
     say(bench, f"[{variant}] {row.times.median_ms if row.times else row.error} ({took:.0f} s)")
+    for line in row.messages:
+        say(bench, f"[{variant}]   {line}")
     bench.rows.append(row)
     return row
+
+
+def messages_of(output: str) -> list[str]:
+    """The lines of a timed run's output that say something went another way than planned: opadvisor's own
+    (a compiled region left uncompiled, a graph not captured) and warnings, each once."""
+    keep = ("opadvisor", "Warning", "Error")
+    lines = [ln.strip()[:400] for ln in output.splitlines() if any(k in ln for k in keep)]
+    return list(dict.fromkeys(lines))
 
 
 def parity(work: Path, deadline: Deadline) -> str:
@@ -456,6 +468,9 @@ def markdown(bench: Bench, header: dict[str, str]) -> str:
             f"{r.parity or ''} |"
         )
     out += ["", "Targets:"] + [f"- {v}" for v in verdicts(bench)]
+    for r in bench.rows:
+        if r.messages:
+            out += ["", f'Messages of the timed run "{r.variant}":', ""] + [f"- `{m}`" for m in r.messages]
     for when, listed in bench.findings.items():
         out += ["", f"What `opadvisor suggest` listed ({when}):", ""]
         out += ["| rule | where | module class | ms/step | fix | command |", "|---|---|---|---:|---|---|"]

@@ -74,6 +74,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from . import region
+
 MAX_GRAPHS = 4  # input signatures captured per module; further ones run eagerly (memory per graph)
 WARMUP_ITERS = 3  # make_graphed_callables' warm-up passes before capture (cuDNN/cuBLAS lazy init)
 _STATIC_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -262,14 +264,7 @@ class GraphedForward:
 
     def _eager(self, reason: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         """The original forward, with a warning the first time this reason sends a call there."""
-        if reason not in self.warned:
-            self.warned.add(reason)
-            name = type(self.module).__name__
-            warnings.warn(
-                f"opadvisor.kernels.cuda_graphed: {name} runs its forward eagerly: {reason}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        self._warn(f"runs its forward eagerly: {reason}")
         return self.original(*args, **kwargs)
 
     def _capture_skip_reason(self) -> str:
@@ -284,25 +279,12 @@ class GraphedForward:
             self.disabled_reason = reason
             return None
         params = tuple(module.parameters())
-        buffers = [b.detach().clone() for b in module.buffers()]
-        surface = _Capture(module, self.original, layout)
-        surface.training = module.training  # not .train(): that would recurse into the module
         # static inputs of their own: the caller's first batch must not become the graph's input buffer
         sample = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
         device = tensors[0].device
         stream = torch.cuda.current_stream(device)
-        # A collection inside the capture runs the finalizers of whatever garbage earlier code left (graphed
-        # modules sit in reference cycles with their graphs and memory pools), and what they free can break
-        # the capture: on the H200 the GPU suite's capture failed so ("operation failed due to a previous
-        # error during capture") after earlier tests, never alone. So: collect now, and none inside.
-        collecting = gc.isenabled()
-        gc.collect()
-        gc.disable()
         try:
-            with _autocast_without_cache():
-                graphed = torch.cuda.make_graphed_callables(
-                    surface, sample, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
-                )
+            graphed = self._graphed_with_compiled_regions(layout, sample)
         except NotGraphable as exc:  # found while warming up, before any capture began
             self.disabled_reason = str(exc)
             return None
@@ -312,18 +294,67 @@ class GraphedForward:
             first = (str(exc).strip().splitlines() or [""])[0]
             self.disabled_reason = f"capture failed ({type(exc).__name__}: {first}){blocking_frame(exc)}"
             self.failed = True
-        finally:
-            if collecting:
-                gc.enable()
-            with torch.no_grad():
-                for buf, saved in zip(module.buffers(), buffers, strict=True):
-                    buf.copy_(saved)
-        if self.failed:
-            del surface, sample, buffers
+            del sample
             _leave_no_trace(device)
             return None
-        graph = self.graphs[key] = _Graph(graphed.forward, params, surface.output_spec)
+        graph = self.graphs[key] = _Graph(graphed.forward, params, graphed.output_spec)
         return graph
+
+    def _graphed_with_compiled_regions(self, layout: tuple, sample: tuple[torch.Tensor, ...]) -> _Capture:
+        """The graphed surface (make_graphed_callables replaces its forward). Compiled regions inside the
+        forward (`compile_region`, compile_blocks) do not compile under a capture: a call that meets no
+        compiled code there runs uncompiled and is recorded (library code often takes another path under
+        capture, such as transformers' attention mask). Those calls are compiled after the capture, and a
+        new surface is captured once more, so the graph holds compiled code."""
+        region.take_capture_misses()  # left by captures that were not ours
+        graphed = _make_graphed(self.module, self._surface(layout), sample)
+        missed = region.take_capture_misses()
+        if not missed:
+            return graphed
+        del graphed
+        region.compile_missed(missed)
+        graphed = _make_graphed(self.module, self._surface(layout), sample)
+        left = sorted({getattr(m.region.fn, "__qualname__", "?") for m in region.take_capture_misses()})
+        if left:
+            self._warn(
+                f"{', '.join(left)} runs uncompiled inside its CUDA graph (no compiled code fits its call)"
+            )
+        return graphed
+
+    def _surface(self, layout: tuple) -> _Capture:
+        surface = _Capture(self.module, self.original, layout)
+        surface.training = self.module.training  # not .train(): that would recurse into the module
+        return surface
+
+    def _warn(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            name = type(self.module).__name__
+            warnings.warn(f"opadvisor.kernels.cuda_graphed: {name} {message}", RuntimeWarning, stacklevel=4)
+
+
+def _make_graphed(module: nn.Module, surface: _Capture, sample: tuple[torch.Tensor, ...]) -> _Capture:
+    """make_graphed_callables of `surface` (warm-up passes, then the capture of forward and backward), the
+    module's buffers restored afterwards (the warm-up passes update BatchNorm statistics, say)."""
+    buffers = [b.detach().clone() for b in module.buffers()]
+    # A collection inside the capture runs the finalizers of whatever garbage earlier code left (graphed
+    # modules sit in reference cycles with their graphs and memory pools), and what they free can break
+    # the capture: on the H200 the GPU suite's capture failed so ("operation failed due to a previous
+    # error during capture") after earlier tests, never alone. So: collect now, and none inside.
+    collecting = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with _autocast_without_cache():
+            return torch.cuda.make_graphed_callables(
+                surface, sample, num_warmup_iters=WARMUP_ITERS, allow_unused_input=True
+            )
+    finally:
+        if collecting:
+            gc.enable()
+        with torch.no_grad():
+            for buf, saved in zip(module.buffers(), buffers, strict=True):
+                buf.copy_(saved)
 
 
 def blocking_frame(exc: BaseException) -> str:

@@ -304,3 +304,80 @@ def test_compile_region_compiles_for_real_on_cpu():
     torch.nn.functional.silu(ref).sum().backward()
     torch.testing.assert_close(y, torch.nn.functional.silu(ref))
     torch.testing.assert_close(x.grad, ref.grad)
+
+
+# ---- compile_region under a CUDA graph capture ------------------------------------------------------------
+
+
+def _counting_backend(compiled: list):
+    def backend(gm, example_inputs):
+        compiled.append(len(example_inputs))
+        return gm.forward
+
+    return backend
+
+
+def test_under_capture_a_region_runs_what_is_compiled_and_records_the_rest(monkeypatch):
+    """No compile may happen inside a capture: a call that compiled code fits runs it; one that needs new
+    code (another argument layout, as library code passes under capture) runs the original and is recorded;
+    compile_missed compiles it afterwards, forward and backward, so the next capture meets compiled code."""
+    from opadvisor.kernels import region
+
+    compiled: list[int] = []
+
+    @compile_region(backend=_counting_backend(compiled))
+    def masked_scale(x, mask=None):
+        return x * 2.0 if mask is None else x * 2.0 + mask
+
+    x = torch.randn(4, 8, requires_grad=True)
+    masked_scale(x)  # compiled outside the capture: mask None
+    assert compiled == [1]
+    region.take_capture_misses()
+
+    monkeypatch.setattr(region, "cuda_graph_capturing", lambda: True)
+    mask = torch.ones(4, 8)
+    torch.testing.assert_close(masked_scale(x, mask), x * 2.0 + mask)  # the original, not compiled
+    torch.testing.assert_close(masked_scale(x), x * 2.0)  # the compiled code fits: it runs
+    masked_scale(x, mask)  # the same layout again: one record
+    assert compiled == [1]
+    misses = region.take_capture_misses()
+    assert len(misses) == 1 and misses[0].grad_enabled
+
+    monkeypatch.setattr(region, "cuda_graph_capturing", lambda: False)
+    assert region.compile_missed(misses) == [masked_scale.__wrapped__.__qualname__]
+    assert compiled == [1, 2] and region.take_capture_misses() == []
+
+    monkeypatch.setattr(region, "cuda_graph_capturing", lambda: True)
+    torch.testing.assert_close(masked_scale(x, mask), x * 2.0 + mask)
+    assert compiled == [1, 2] and region.take_capture_misses() == []
+    assert region_state(masked_scale) == ("compiled", None)
+
+
+def test_a_call_recorded_under_capture_keeps_its_layout_and_state(monkeypatch):
+    """The record: tensors by shape, stride, dtype and requires_grad (one tensor passed twice stays one),
+    other arguments as passed, and the grad / autocast state, restored when compiling it."""
+    from opadvisor.kernels import region
+
+    seen = []
+
+    @compile_region(backend=_counting_backend([]))
+    def add(a, b, *, flag):
+        seen.append((a is b, torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), flag))
+        return a + b
+
+    monkeypatch.setattr(region, "cuda_graph_capturing", lambda: True)
+    x = torch.randn(3, 5).t()  # not contiguous
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        add(x, x, flag="on")
+    (miss,) = region.take_capture_misses()
+    spec = miss.args[0]
+    assert miss.args[1] is spec and miss.kwargs == {"flag": "on"}
+    assert (spec.shape, spec.stride, spec.dtype) == ((5, 3), (1, 5), torch.float32)
+    assert not miss.grad_enabled
+
+    monkeypatch.setattr(region, "cuda_graph_capturing", lambda: False)
+    seen.clear()
+    region.compile_missed([miss])
+    assert seen[0] == (True, False, True, "on")  # traced by dynamo with the capture's state and aliasing
+    (a, b), _ = miss.rebuild()
+    assert a is b and a.stride() == (1, 5) and not a.any()

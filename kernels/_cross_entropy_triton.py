@@ -66,6 +66,47 @@ def _row_lse(X, xo, n_cols, BLOCK: tl.constexpr, I64: tl.constexpr):
 
 
 @triton.jit
+def _group_step(
+    X, xo, c0, n_cols, m_g, l_g, BLOCK: tl.constexpr, GROUP: tl.constexpr, MASKED: tl.constexpr, I64: tl.constexpr
+):  # fmt: skip
+    """Fold the columns c0 .. c0 + BLOCK - 1, as [BLOCK // GROUP, GROUP] (GROUP consecutive columns per
+    row of the tile: one thread's vector where the row is 16-byte aligned), into each group's running max
+    m_g and sum l_g of exp(x - m_g).
+
+    Per element: a max, a subtraction and one exp (the group's max is taken first, in-thread); per group
+    and block one exp more to rescale l_g. `_lse_step` spends about twice the instructions per element
+    (its max and sum are per element), which made the forward bound by them rather than by memory."""
+    cols = c0 + tl.arange(0, BLOCK // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ptrs = X + xo + widen(cols, I64)
+    if MASKED:
+        s = tl.load(ptrs, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    else:
+        s = tl.load(ptrs).to(tl.float32)
+    m_new = tl.maximum(m_g, tl.max(s, axis=1))
+    # A group of -inf only (masked, or -inf logits) keeps m = -inf: shift by 0 there, exp(-inf) = 0.
+    off = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_g = l_g * tl.exp(m_g - off) + tl.sum(tl.exp(s - off[:, None]), axis=1)
+    return m_new, l_g
+
+
+@triton.jit
+def _row_lse_grouped(X, xo, n_cols, BLOCK: tl.constexpr, GROUP: tl.constexpr, I64: tl.constexpr):
+    """log-sum-exp of the row at X + xo in one read, with a running max / sum per group of GROUP columns
+    (`_group_step`), groups merged at the end. Whole blocks load unmasked, the last partial one masked
+    (as `_row_lse`). A row of -inf gives -inf (loss NaN, as PyTorch's), +inf or NaN logits give NaN."""
+    m_g = tl.full((BLOCK // GROUP,), float("-inf"), tl.float32)
+    l_g = tl.zeros((BLOCK // GROUP,), tl.float32)
+    n_full = n_cols - n_cols % BLOCK
+    for c0 in range(0, n_full, BLOCK):
+        m_g, l_g = _group_step(X, xo, c0, n_cols, m_g, l_g, BLOCK, GROUP, False, I64)
+    for c0 in range(n_full, n_cols, BLOCK):  # at most once
+        m_g, l_g = _group_step(X, xo, c0, n_cols, m_g, l_g, BLOCK, GROUP, True, I64)
+    m = tl.max(m_g, axis=0)
+    off = tl.where(m == float("-inf"), 0.0, m)
+    return off + tl.log(tl.sum(l_g * tl.exp(m_g - off), axis=0))
+
+
+@triton.jit
 def cross_entropy_fwd_kernel(
     X,
     T,
@@ -79,14 +120,19 @@ def cross_entropy_fwd_kernel(
     BLOCK: tl.constexpr,
     I64: tl.constexpr,
     COUNT: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
+    """GROUP: columns per running max / sum (`_row_lse_grouped`); 0: one per column (`_row_lse`)."""
     row = widen(tl.program_id(0), I64)
     t = tl.load(T + row * st0)
     if COUNT:
         tl.store(VALID + row, tl.where(t != ignore_index, 1.0, 0.0))
     if t != ignore_index:
         xo = row * sx0
-        lse = _row_lse(X, xo, n_cols, BLOCK, I64)
+        if GROUP == 0:
+            lse = _row_lse(X, xo, n_cols, BLOCK, I64)
+        else:
+            lse = _row_lse_grouped(X, xo, n_cols, BLOCK, GROUP, I64)
         in_range = (t >= 0) & (t < n_cols)
         # An out-of-range target is never read (index 0 instead) and gives NaN: no host check, no sync.
         x_t = tl.load(X + xo + tl.where(in_range, t, 0)).to(tl.float32)
@@ -101,8 +147,10 @@ def cross_entropy_fwd_kernel(
 def _grad_step(
     X, DX, xo, do, c0, n_cols, lse, g, tc, bad,
     BLOCK: tl.constexpr, MASKED: tl.constexpr, ZERO: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
+    TFIX: tl.constexpr,
 ):  # fmt: skip
-    """dx for the columns c0 .. c0 + BLOCK - 1 of one row (ZERO: an ignored row, x not read)."""
+    """dx for the columns c0 .. c0 + BLOCK - 1 of one row (ZERO: an ignored row, x not read; TFIX: no
+    1 subtracted at the target column tc here, the caller rewrites that column afterwards)."""
     cols = c0 + tl.arange(0, BLOCK)
     c = widen(cols, I64)
     ok = cols < n_cols
@@ -113,7 +161,10 @@ def _grad_step(
             x = tl.load(X + xo + c, mask=ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(X + xo + c).to(tl.float32)
-        dx = (tl.exp(x - lse) - tl.where(cols == tc, 1.0, 0.0)) * g + bad
+        if TFIX:
+            dx = tl.exp(x - lse) * g + bad
+        else:
+            dx = (tl.exp(x - lse) - tl.where(cols == tc, 1.0, 0.0)) * g + bad
     dx = rne_bf16(dx, RNE).to(DX.dtype.element_ty)
     if MASKED:
         tl.store(DX + do + c, dx, mask=ok)
@@ -139,8 +190,13 @@ def cross_entropy_bwd_kernel(
     RNE: tl.constexpr,
     I64: tl.constexpr,
     MEAN: tl.constexpr,
+    TFIX: tl.constexpr,
 ):
-    """DX [N, C] (row stride sdx0, unit column stride) in its own dtype, rounded once from float32."""
+    """DX [N, C] (row stride sdx0, unit column stride) in its own dtype, rounded once from float32.
+
+    TFIX: the loop computes exp(x - lse) * g everywhere, and after a barrier one store rewrites the
+    target column with (exp(x_t - lse) - 1) * g: the same value, bit for bit, as the one-hot compare and
+    select per element that TFIX=False spends (its stores reach memory in program order: the barrier)."""
     row = widen(tl.program_id(0), I64)
     t = tl.load(T + row * st0)
     xo = row * sx0
@@ -156,14 +212,20 @@ def cross_entropy_bwd_kernel(
         tc = tl.where(in_range, t, -1).to(tl.int32)
         bad = tl.where(in_range, 0.0, float("nan"))  # NaN gradient for an out-of-range target
         for c0 in range(0, n_full, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, False, False, RNE, I64)
+            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, False, False, RNE, I64, TFIX)
         for c0 in range(n_full, n_cols, BLOCK):  # at most once
-            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, True, False, RNE, I64)
+            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, True, False, RNE, I64, TFIX)
+        if TFIX:
+            tl.debug_barrier()
+            if in_range:
+                x_t = tl.load(X + xo + t).to(tl.float32)
+                dx_t = (tl.exp(x_t - lse) - 1.0) * g + bad
+                tl.store(DX + do + t, rne_bf16(dx_t, RNE).to(DX.dtype.element_ty))
     else:
         for c0 in range(0, n_full, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, False, True, RNE, I64)
+            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, False, True, RNE, I64, TFIX)
         for c0 in range(n_full, n_cols, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, True, True, RNE, I64)
+            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, True, True, RNE, I64, TFIX)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ Under torch.compile, COMPILE_PATH "native" traces `F.cross_entropy` (inductor fu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -152,11 +153,32 @@ def reference_cross_entropy(
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """How the kernels walk a row of classes: the forward's and the backward's classes per loop iteration
+    and warps, the forward's classes per running max / sum (`group`, 0: one per class) and whether the
+    backward rewrites the target column after its loop (`target_fix`) instead of comparing per element."""
+
+    fwd_block: int
+    fwd_warps: int
+    group: int
+    bwd_block: int
+    bwd_warps: int
+    target_fix: bool
+
+
 @functools.cache
-def _config(n_cols: int, max_block: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for a row of n_cols classes: one compiled variant per power of two."""
+def _tiles(n_cols: int, max_block: int) -> Tiles:
+    """The Tiles for rows of n_cols classes: one compiled variant per power of two."""
     block = min(max(16, triton_next_power_of_2(n_cols)), max_block)
-    return block, min(8, max(1, block // 512))
+    warps = min(8, max(1, block // 512))
+    return Tiles(block, warps, 0, block, warps, False)
+
+
+@functools.cache
+def _reduce_config(n_rows: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of `cross_entropy_reduce_kernel` for n_rows rows."""
+    return 2048, 8
 
 
 def grad_row_stride(shape: tuple[int, ...], x_strides: tuple[int, ...]) -> int:
@@ -173,13 +195,16 @@ def _empty_grad(x: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1024)
 def _plan(shape, x_strides, t_stride, max_block):
-    """(grid, (n_cols, sx0, sdx0, st0), meta) for logits of `shape` [N, C], row stride x_strides[0]."""
+    """(grid, (n_cols, sx0, sdx0, st0), forward meta, backward meta) for logits of `shape` [N, C], row
+    stride x_strides[0]."""
     n_rows, n_cols = shape
-    block, warps = _config(n_cols, max_block)
+    tiles = _tiles(n_cols, max_block)
     sdx0 = grad_row_stride(shape, x_strides)
     i64 = layout.needs_int64(shape, [x_strides, (sdx0, 1)]) or layout.needs_int64((n_rows,), [(t_stride,)])
     ints = (n_cols, x_strides[0], sdx0, t_stride)
-    return (n_rows,), ints, {"BLOCK": block, "I64": i64, "num_warps": warps}
+    fwd = {"BLOCK": tiles.fwd_block, "I64": i64, "GROUP": tiles.group, "num_warps": tiles.fwd_warps}
+    bwd = {"BLOCK": tiles.bwd_block, "I64": i64, "TFIX": tiles.target_fix, "num_warps": tiles.bwd_warps}
+    return (n_rows,), ints, fwd, bwd
 
 
 @functools.cache
@@ -199,13 +224,13 @@ def _launch_plan(backward, shape, x_strides, t_stride, call, device, flag, max_b
     else Triton specialises the launch on, (logits dtype, target dtype, ignore_index), and for the backward
     also (upstream gradient dtype, its stride); flag: COUNT (forward) or MEAN (backward), both: reduction
     "mean". Cached: the per-call work is the lookup."""
-    grid, (n_cols, sx0, sdx0, st0), meta = _plan(shape, x_strides, t_stride, max_block)
+    grid, (n_cols, sx0, sdx0, st0), fwd, bwd = _plan(shape, x_strides, t_stride, max_block)
     launcher = _launchers()[1 if backward else 0]
     _backend.check_launch_device(device)
     if backward:
         rne = launcher.interpreted and call[0] == torch.bfloat16
-        return launcher.prepare(grid, {"RNE": rne, "MEAN": flag, **meta}), (n_cols, sx0, sdx0, st0)
-    return launcher.prepare(grid, {"COUNT": flag, **meta}), (n_cols, sx0, st0)
+        return launcher.prepare(grid, {"RNE": rne, "MEAN": flag, **bwd}), (n_cols, sx0, sdx0, st0)
+    return launcher.prepare(grid, {"COUNT": flag, **fwd}), (n_cols, sx0, st0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,7 +238,8 @@ def _reduce_launch(n_rows, mean, out_dtype, device):
     """The Launch that reduces `_forward`'s rows to the loss ("mean" or "sum") for N = n_rows."""
     launcher = _launchers()[2]
     rne = launcher.interpreted and out_dtype == torch.bfloat16
-    return launcher.prepare((1,), {"BLOCK": 2048, "MEAN": mean, "RNE": rne, "num_warps": 8})
+    block, warps = _reduce_config(n_rows)
+    return launcher.prepare((1,), {"BLOCK": block, "MEAN": mean, "RNE": rne, "num_warps": warps})
 
 
 def _forward(

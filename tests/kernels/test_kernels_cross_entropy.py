@@ -253,7 +253,7 @@ def test_int32_and_int64_indexing_agree(device, monkeypatch):
     monkeypatch.setattr(_layout, "INT32_SAFE", 1)  # every launch takes the int64 path
     _clear_plans()
     try:
-        assert ce._plan((5, 300), (303, 1), 1, ce.MAX_BLOCK)[2]["I64"]
+        assert ce._plan((5, 300), (303, 1), 1, ce.MAX_BLOCK, False)[2]["I64"]
         metas = record_launches(monkeypatch)
         wide = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
         assert len(metas) == 2 and all(meta["I64"] for meta in metas)

@@ -13,8 +13,8 @@ through autograd under bf16 autocast (kernels.py's "graph" fwd+bwd column). Byte
 device-to-device copy measured in this process.
 
 Candidates are `cross_entropy.Tiles`: the forward's classes per iteration, warps and classes per running max /
-sum (`group`, 0: one per class, the kernel before the ninth session), the backward's classes per iteration,
-warps and target fix; and `_reduce_config`'s block and warps. Phase 1 times forward tilings alone, phase 2
+sum (`group`, 0: one per class, the kernel before the ninth session), the backward's classes per iteration
+and warps; and `_reduce_config`'s block and warps. Phase 1 times forward tilings alone, phase 2
 backward tilings alone, phase 3 reduce blocks, per swept case (the rest of the Tiles as shipped); phase 4
 times end to end, on all four cases, the eighth session's tiling (BEFORE), the shipped one (`_tiles`,
 `_reduce_config`) and, on aligned rows where it differs, the one made of each swept case's best parts; and
@@ -49,11 +49,15 @@ FORWARD = [  # (classes per iteration, warps, group)
     (4096, 8, 0), (2048, 4, 0), (2048, 4, 8), (1024, 2, 8), (2048, 2, 8), (1024, 4, 8), (4096, 4, 8),
     (2048, 4, 16), (2048, 8, 8),
 ]  # fmt: skip
-BACKWARD = [  # (classes per iteration, warps, target fix)
-    (4096, 8, False), (2048, 4, False), (2048, 4, True), (2048, 8, False), (2048, 8, True),
-    (4096, 16, False), (4096, 16, True), (1024, 2, True),
-]  # fmt: skip
-BEFORE = (4096, 8, 0, 4096, 8, False)  # the eighth session's Tiles for every row length from 4096 classes
+BACKWARD = [
+    (4096, 8),
+    (2048, 4),
+    (2048, 8),
+    (4096, 16),
+    (1024, 2),
+    (8192, 16),
+]  # (classes per iteration, warps)
+BEFORE = (4096, 8, 0, 4096, 8)  # the eighth session's Tiles for every row length from 4096 classes
 BEFORE_REDUCE = (2048, 8)
 REDUCE = [(2048, 8), (8192, 8), (8192, 16), (16384, 16)]  # (block, warps) for 8192 rows and fewer
 
@@ -168,10 +172,7 @@ class Sweep:
 
 
 def tiles_label(t) -> str:
-    return (
-        f"fwd {t.fwd_block}/{t.fwd_warps}w g{t.group}, bwd {t.bwd_block}/{t.bwd_warps}w"
-        f"{' tfix' if t.target_fix else ''}"
-    )
+    return f"fwd {t.fwd_block}/{t.fwd_warps}w g{t.group}, bwd {t.bwd_block}/{t.bwd_warps}w"
 
 
 def sweep_case(sweep: Sweep, case: Case, quick: bool) -> tuple:
@@ -188,12 +189,12 @@ def sweep_case(sweep: Sweep, case: Case, quick: bool) -> tuple:
             "1", case, "fwd kern", f"{block}/{warps}w group {group}", sweep.fwd_kernel, case.fwd_bytes, tiles
         )
     bwd_ms = {}
-    for block, warps, fix in BACKWARD[::3] if quick else BACKWARD:
+    for block, warps in BACKWARD[::3] if quick else BACKWARD:
         if block > max(16, 1 << (case.c - 1).bit_length()):
             continue
-        tiles = Tiles(*base[:3], block, warps, fix)
-        bwd_ms[(block, warps, fix)] = sweep.time(
-            "2", case, "bwd", f"{block}/{warps}w{' tfix' if fix else ''}", sweep.bwd, case.bwd_bytes, tiles
+        tiles = Tiles(*base[:3], block, warps)
+        bwd_ms[(block, warps)] = sweep.time(
+            "2", case, "bwd", f"{block}/{warps}w", sweep.bwd, case.bwd_bytes, tiles
         )
     red_ms = {}
     for block, warps in REDUCE:

@@ -147,10 +147,8 @@ def cross_entropy_fwd_kernel(
 def _grad_step(
     X, DX, xo, do, c0, n_cols, lse, g, tc, bad,
     BLOCK: tl.constexpr, MASKED: tl.constexpr, ZERO: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
-    TFIX: tl.constexpr,
 ):  # fmt: skip
-    """dx for the columns c0 .. c0 + BLOCK - 1 of one row (ZERO: an ignored row, x not read; TFIX: no
-    1 subtracted at the target column tc here, the caller rewrites that column afterwards)."""
+    """dx for the columns c0 .. c0 + BLOCK - 1 of one row (ZERO: an ignored row, x not read)."""
     cols = c0 + tl.arange(0, BLOCK)
     c = widen(cols, I64)
     ok = cols < n_cols
@@ -161,10 +159,7 @@ def _grad_step(
             x = tl.load(X + xo + c, mask=ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(X + xo + c).to(tl.float32)
-        if TFIX:
-            dx = tl.exp(x - lse) * g + bad
-        else:
-            dx = (tl.exp(x - lse) - tl.where(cols == tc, 1.0, 0.0)) * g + bad
+        dx = (tl.exp(x - lse) - tl.where(cols == tc, 1.0, 0.0)) * g + bad
     dx = rne_bf16(dx, RNE).to(DX.dtype.element_ty)
     if MASKED:
         tl.store(DX + do + c, dx, mask=ok)
@@ -190,13 +185,8 @@ def cross_entropy_bwd_kernel(
     RNE: tl.constexpr,
     I64: tl.constexpr,
     MEAN: tl.constexpr,
-    TFIX: tl.constexpr,
 ):
-    """DX [N, C] (row stride sdx0, unit column stride) in its own dtype, rounded once from float32.
-
-    TFIX: the loop computes exp(x - lse) * g everywhere, and after a barrier one store rewrites the
-    target column with (exp(x_t - lse) - 1) * g: the same value, bit for bit, as the one-hot compare and
-    select per element that TFIX=False spends (its stores reach memory in program order: the barrier)."""
+    """DX [N, C] (row stride sdx0, unit column stride) in its own dtype, rounded once from float32."""
     row = widen(tl.program_id(0), I64)
     t = tl.load(T + row * st0)
     xo = row * sx0
@@ -212,20 +202,14 @@ def cross_entropy_bwd_kernel(
         tc = tl.where(in_range, t, -1).to(tl.int32)
         bad = tl.where(in_range, 0.0, float("nan"))  # NaN gradient for an out-of-range target
         for c0 in range(0, n_full, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, False, False, RNE, I64, TFIX)
+            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, False, False, RNE, I64)
         for c0 in range(n_full, n_cols, BLOCK):  # at most once
-            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, True, False, RNE, I64, TFIX)
-        if TFIX:
-            tl.debug_barrier()
-            if in_range:
-                x_t = tl.load(X + xo + t).to(tl.float32)
-                dx_t = (tl.exp(x_t - lse) - 1.0) * g + bad
-                tl.store(DX + do + t, rne_bf16(dx_t, RNE).to(DX.dtype.element_ty))
+            _grad_step(X, DX, xo, do, c0, n_cols, lse, g, tc, bad, BLOCK, True, False, RNE, I64)
     else:
         for c0 in range(0, n_full, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, False, True, RNE, I64, TFIX)
+            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, False, True, RNE, I64)
         for c0 in range(n_full, n_cols, BLOCK):
-            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, True, True, RNE, I64, TFIX)
+            _grad_step(X, DX, xo, do, c0, n_cols, 0.0, 0.0, 0, 0.0, BLOCK, True, True, RNE, I64)
 
 
 @triton.jit

@@ -156,15 +156,13 @@ def reference_cross_entropy(
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """How the kernels walk a row of classes: the forward's and the backward's classes per loop iteration
-    and warps, the forward's classes per running max / sum (`group`, 0: one per class) and whether the
-    backward rewrites the target column after its loop (`target_fix`) instead of comparing per element."""
+    and warps, and the forward's classes per running max / sum (`group`, 0: one per class)."""
 
     fwd_block: int
     fwd_warps: int
     group: int
     bwd_block: int
     bwd_warps: int
-    target_fix: bool
 
 
 @functools.cache
@@ -172,21 +170,25 @@ def _tiles(n_cols: int, max_block: int, aligned: bool) -> Tiles:
     """The Tiles for rows of n_cols classes (one compiled variant per power of two), `aligned`: the row
     stride is a multiple of 16 bytes (each row loads in 16-byte vectors; a padded head's column slice).
 
-    Measured on the H200 (ninth session, benchmarks/ce_sweep.py, bf16, GPU time, % of copy bandwidth):
-    with aligned rows the grouped forward at 2048 classes x 4 warps, groups of 8, runs at 93% of copy at
-    [8192,30528][:, :30522] (the per-class forward at 4096 x 8: 67%) and 76% at [4096,8192] (47%); the
-    backward is best at 4096 x 16 warps on the long rows (91%), 2048 x 4 on rows up to 8192 (87%), with the
-    target column fixed after the loop. Unaligned rows (BERT's 30522 and GPT-2's 50257 classes
-    contiguous: scalar loads) keep the eighth session's tiling: the grouped forward was 12-15% slower
-    there (its groups then span threads)."""
+    Measured on the H200 (ninth session, benchmarks/ce_sweep.py and kernels.py, bf16, GPU time alone, %
+    of copy bandwidth), aligned rows: the grouped forward (groups of 8) at 2048 classes x 4 warps runs at
+    93% at [8192,30528][:, :30522] (the per-class forward at 4096 x 8, the eighth session's: 67%) and at
+    1024 x 2 at 79% at [4096,8192] (47%); the backward at 4096 x 16 warps, 92% on the long rows (4096 x 8:
+    90%), at 2048 x 8, 89% at [4096,8192] (4096 x 8: 85%). Fwd+bwd 0.388 ms (91%, was 0.442) and 0.059 ms
+    (80%, was 0.075). Unaligned rows (BERT's 30522 and GPT-2's 50257 classes contiguous: scalar loads) keep
+    the eighth session's tiling: the grouped forward was 11-15% slower there (its groups then span
+    threads)."""
     block = min(max(16, triton_next_power_of_2(n_cols)), max_block)
     warps = min(8, max(1, block // 512))
     if not aligned:
-        return Tiles(block, warps, 0, block, warps, False)
-    fwd_block = min(block, 2048)
-    fwd = (fwd_block, min(4, max(1, fwd_block // 512)), min(8, fwd_block))
-    bwd = (block, 16) if block > 2048 and n_cols > 8192 else (min(block, 2048), min(4, max(1, block // 512)))
-    return Tiles(*fwd, *bwd, True)
+        return Tiles(block, warps, 0, block, warps)
+    if n_cols > 8192:
+        fwd_block, fwd_warps, bwd_warps = min(block, 2048), 4, 16
+    else:
+        fwd_block, fwd_warps, bwd_warps = min(block, 1024), 2, 8
+    fwd = (fwd_block, min(fwd_warps, max(1, fwd_block // 512)), min(8, fwd_block))
+    bwd_block = block if n_cols > 8192 else min(block, 2048)
+    return Tiles(*fwd, bwd_block, min(bwd_warps, max(1, bwd_block // 256)))
 
 
 @functools.cache
@@ -219,7 +221,7 @@ def _plan(shape, x_strides, t_stride, max_block, aligned):
     i64 = layout.needs_int64(shape, [x_strides, (sdx0, 1)]) or layout.needs_int64((n_rows,), [(t_stride,)])
     ints = (n_cols, x_strides[0], sdx0, t_stride)
     fwd = {"BLOCK": tiles.fwd_block, "I64": i64, "GROUP": tiles.group, "num_warps": tiles.fwd_warps}
-    bwd = {"BLOCK": tiles.bwd_block, "I64": i64, "TFIX": tiles.target_fix, "num_warps": tiles.bwd_warps}
+    bwd = {"BLOCK": tiles.bwd_block, "I64": i64, "num_warps": tiles.bwd_warps}
     return (n_rows,), ints, fwd, bwd
 
 

@@ -264,6 +264,70 @@ def test_int32_and_int64_indexing_agree(device, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------
+# Tilings: the per-class and the grouped forward, backward blocks
+# ---------------------------------------------------------------------------------------------------
+
+PER_CLASS = ce.Tiles(64, 1, 0, 64, 1)
+TILINGS = [
+    ce.Tiles(64, 1, 8, 64, 1),
+    ce.Tiles(128, 2, 16, 32, 1),
+    ce.Tiles(16, 1, 4, 128, 2),
+]
+
+
+def _with_tiles(monkeypatch, tiles):
+    monkeypatch.setattr(ce, "_tiles", lambda n_cols, max_block, aligned: tiles)
+    _clear_plans()
+
+
+@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"g{t.group}-{t.fwd_block}-{t.bwd_block}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tilings_match_reference_and_each_other(tiles, dtype, device, monkeypatch):
+    """Several loop iterations, a masked last block (1000 = 15 * 64 + 40), whole groups of -inf, an ignored
+    row, an out-of-range target: each tiling matches the float64 reference and the per-class tiling."""
+    n, c = 6, 1000
+    x = _logits(n, c, dtype, device, pad=8, seed=11)
+    x[2, 200:336] = float("-inf")  # groups of 8 and 16 whole, the target (124) outside
+    t = _targets(n, c, device)
+    t[3] = c  # out of range: NaN row
+    dloss = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(device)
+    _with_tiles(monkeypatch, PER_CLASS)
+    base, dbase = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
+    _with_tiles(monkeypatch, tiles)
+    try:
+        loss, dx = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
+        ok = [0, 1, 2, 4, 5]
+        mean = cross_entropy(x[ok], t[ok])
+    finally:
+        _clear_plans()
+    ref, dref = _loss_and_grad(
+        lambda v: reference_cross_entropy(v, t[ok], reduction="none"), x[ok].double(), dloss[ok].double()
+    )
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # a bf16 loss is rounded to bf16
+    torch.testing.assert_close(loss[ok].double(), ref.double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(loss, base, equal_nan=True)
+    assert torch.isnan(loss[3]) and torch.isnan(dx[3]).all() and torch.equal(dx[1], torch.zeros_like(dx[1]))
+    torch.testing.assert_close(
+        dx[ok].double(), dref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-6
+    )
+    torch.testing.assert_close(dx, dbase, equal_nan=True)
+    assert torch.equal(dx[2, 200:336], torch.zeros_like(dx[2, 200:336]))
+    assert torch.isfinite(mean)
+
+
+def test_tiling_follows_row_alignment(device, monkeypatch):
+    """Rows whose stride is a multiple of 16 bytes (a padded head's column slice) take the grouped forward;
+    rows that are not (contiguous 1001 classes) keep the per-class forward."""
+    t = _targets(3, 1001, device)
+    metas = record_launches(monkeypatch)
+    _clear_plans()
+    for pad in (7, 0):
+        x = _logits(3, 1001, torch.bfloat16, device, pad=pad)
+        _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, torch.ones(3, device=device))
+    assert [m.get("GROUP") for m in metas] == [8, None, 0, None]  # forward, backward per call
+
+
+# ---------------------------------------------------------------------------------------------------
 # Targets out of range, empty inputs, dispatch
 # ---------------------------------------------------------------------------------------------------
 

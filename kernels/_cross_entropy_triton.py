@@ -5,7 +5,8 @@ classes in blocks of BLOCK; math in float32 whatever the storage dtype. Offsets 
 reaches 2**31 elements (I64), int32 otherwise.
 
 Forward, per row i with target t = T[i]:
-    lse_i  = log(sum_j exp(x_ij))                  (one pass: online max / sum-exp, see `_row_lse`)
+    lse_i  = log(sum_j exp(x_ij))    (one pass: online max / sum-exp per group of GROUP classes,
+                                      `_row_lse_grouped`, or per class with GROUP 0, `_row_lse`)
     loss_i = lse_i - x_it,  0 when t == ignore_index, NaN when t is outside [0, C)
     LSE[i] = lse_i (saved for the backward), LOSS[i] = loss_i (float32), and with COUNT VALID[i] = 1.0 if
     t != ignore_index else 0.0; for "mean" and "sum" `cross_entropy_reduce_kernel` then sums them (LOSS and

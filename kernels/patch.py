@@ -644,6 +644,8 @@ class _BlockGroup:
     forward: Callable[..., Any]  # compile_region(cls.forward): called as forward(module, *args, **kwargs)
     modules: list[nn.Module] = field(default_factory=list)
     fell_back: bool = False
+    # installs the patches left out inside these blocks, for when the blocks fall back (set by `patch`)
+    install_parts: Callable[[], list[str]] = lambda: []
 
 
 def _check_block(module: nn.Module) -> str | None:
@@ -660,22 +662,54 @@ def _check_block(module: nn.Module) -> str | None:
 
 def _compiled_block(module: nn.Module, state: _State, *args, **kwargs):
     group: _BlockGroup = state.shared
+    if group.fell_back:
+        return state.original(*args, **kwargs)
+    cache = _kv_cache_in(args, kwargs)
+    if cache is not None:
+        reason = (
+            f"a KV cache ({cache}) is passed to each block (use_cache=True while training): each block "
+            "updates it at its own layer index, so a compiled forward would recompile per layer and run "
+            "uncompiled past dynamo's limit; call the model with use_cache=False to compile them"
+        )
+        _block_fallback(group, reason, warn=True)
+        return state.original(*args, **kwargs)
     out = group.forward(module, *args, **kwargs)
     status, error = _region.region_state(group.forward)
     if status == _region.FAILED and not group.fell_back:
-        _block_fallback(group, error)
+        _block_fallback(group, f"torch.compile failed ({error})")
     return out
 
 
-def _block_fallback(group: _BlockGroup, error: str | None) -> None:
-    """Compiling failed (compile_region has printed the one line): every instance of the group gets its
-    original forward back, and the report says so."""
+def _kv_cache_in(args: tuple, kwargs: dict) -> str | None:
+    """The class name of a transformers KV cache (a `transformers.cache_utils.Cache`) among the call's
+    arguments, or None."""
+    for value in (*args, *kwargs.values()):
+        if value is not None and any(
+            c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__
+        ):
+            return type(value).__name__
+    return None
+
+
+def _block_fallback(group: _BlockGroup, reason: str, *, warn: bool = False) -> None:
+    """The blocks cannot run compiled (compile failed: compile_region has printed the one line; or `reason`):
+    every instance of the group gets its original forward back, the patches left out inside them are
+    installed, and the report says so (with `warn`, a warning too)."""
     group.fell_back = True
     for module in group.modules:
         state = module.__dict__.get(STATE)
         if state is not None and state.shared is group:
             _restore(module)
-            _report_left(state, f"torch.compile failed ({error}): runs its original forward")
+            _report_left(state, f"{reason}: runs its original forward")
+    parts = group.install_parts()
+    if warn and group.modules:
+        name = type(group.modules[0]).__name__
+        also = f"; patched inside them instead: {', '.join(parts)}" if parts else ""
+        warnings.warn(
+            f"opadvisor.patch: {name} x{len(group.modules)} not compiled (compile_blocks): {reason}{also}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def _library_class(cls: type) -> bool:
@@ -773,12 +807,17 @@ def patch(
     report = PatchReport(type(model).__name__)
     blocks_patcher = next((p for p in patchers if p.fix.name == "compile_blocks"), None)
     blocks = _compile_blocks(model, blocks_patcher, check, report) if blocks_patcher else {}
+    asked = rules is not None or unsafe
+    parts: dict[str, list[tuple[nn.Module, str]]] = {}  # block path -> the modules inside it
     for path, module in model.named_modules():
         block = block_of(path, blocks)
         if block is not None:
             _left_in_block(module, path, patchers, blocks[block], report)
+            parts.setdefault(block, []).append((module, path))
             continue
-        _patch_one(module, path, patchers, check, report, rules is not None or unsafe)
+        _patch_one(module, path, patchers, check, report, asked)
+    _defer_parts(model, parts, functools.partial(_install_parts, patchers=patchers, check=check,
+                                                 report=report, asked=asked))  # fmt: skip
     _drop_known_containers(report)
     model.__dict__[REPORT] = report
     if not quiet:
@@ -856,6 +895,9 @@ def _patch_one(
         report.left.append((path, qualified, f"unknown architecture: opadvisor has no patch for {qualified}"))
 
 
+_INSIDE_BLOCK = "inside a compiled"  # how `_left_in_block` reports a module it leaves
+
+
 def _left_in_block(
     module: nn.Module, path: str, patchers: list[_Patcher], block: str, report: PatchReport
 ) -> None:
@@ -864,8 +906,43 @@ def _left_in_block(
     qualified = _qualified(type(module))
     names = [p.fix.name for p in patchers if qualified in p.fix.classes and p.check(module) is None]
     if names:
-        reason = f"inside a compiled {_short(block)} (compile_blocks: torch.compile fuses its ops), not {', '.join(names)}"
+        reason = f"{_INSIDE_BLOCK} {_short(block)} (compile_blocks: torch.compile fuses its ops), not {', '.join(names)}"
         report.left.append((path, qualified, reason))
+
+
+def _defer_parts(
+    model: nn.Module, parts: dict[str, list[tuple[nn.Module, str]]], install: Callable[..., list[str]]
+) -> None:
+    """Give each compiled block group the installation of the patches left out inside its blocks."""
+    by_group: dict[int, tuple[_BlockGroup, list[tuple[nn.Module, str]]]] = {}
+    for block, inside in parts.items():
+        group = model.get_submodule(block).__dict__[STATE].shared
+        by_group.setdefault(id(group), (group, []))[1].extend(inside)
+    for group, inside in by_group.values():
+        group.install_parts = functools.partial(install, group, inside)
+
+
+def _install_parts(
+    group: _BlockGroup,
+    inside: list[tuple[nn.Module, str]],
+    *,
+    patchers: list[_Patcher],
+    check: bool,
+    report: PatchReport,
+    asked: bool,
+) -> list[str]:
+    """After the blocks of `group` fell back: install the patches `_left_in_block` left out in them (the
+    blocks themselves excepted); returns the fixes installed, as "fix xN"."""
+    installed: dict[str, int] = {}
+    for module, path in inside:
+        if any(module is m for m in group.modules):
+            continue
+        report.left[:] = [e for e in report.left if not (e[0] == path and e[2].startswith(_INSIDE_BLOCK))]
+        before = len(report.patched)
+        _patch_one(module, path, patchers, check, report, asked)
+        for _, _, fix in report.patched[before:]:
+            installed[fix] = installed.get(fix, 0) + 1
+    return [f"{fix} x{n}" for fix, n in installed.items()]
 
 
 def _looks_like_a_block(module: nn.Module) -> bool:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
-from test_patch import batch, losses, tiny_bert
+from test_patch import batch, losses, tiny_bert, tiny_gpt2
 
 import opadvisor
 from opadvisor.libraries import repeated_blocks
@@ -99,6 +99,37 @@ def test_a_compile_failure_is_one_line_and_the_original_forward(monkeypatch, cap
     layers = [reason for _, cls, reason in report.left if cls.endswith("BertLayer")]
     assert not report.patched and len(layers) == 2 and all("torch.compile failed" in r for r in layers)
     torch._dynamo.reset()
+
+
+def test_blocks_given_a_kv_cache_fall_back_to_their_parts_patches(graphs, capsys) -> None:
+    """GPT-2 trains with use_cache=True by default: every block updates the cache at its own layer index,
+    which would recompile a shared compiled forward per layer (and run uncompiled past dynamo's limit, 8).
+    The blocks then keep their original forward, with a warning, and the patches left out inside them
+    (the tanh GELU) are installed after all; with use_cache=False they compile."""
+    reference = tiny_gpt2()
+    model = copy.deepcopy(reference)
+    opadvisor.patch(model, rules=[*BLOCKS, "fuse_region"], quiet=True)
+    with pytest.warns(
+        RuntimeWarning, match=r"GPT2Block x2 not compiled .*KV cache \(DynamicCache\).*hf_gelu_tanh x2"
+    ):
+        got = losses(model, 3)
+    assert got == pytest.approx(losses(reference, 3), rel=1e-5)
+    assert graphs == []
+    report = opadvisor.patch_report(model)
+    assert sorted(fix for _, _, fix in report.patched) == ["hf_gelu_tanh", "hf_gelu_tanh"]
+    assert not any("inside a compiled" in reason for _, _, reason in report.left)
+    blocks = [
+        reason
+        for path, _, reason in report.left
+        if path.startswith("transformer.h.") and path.count(".") == 2
+    ]
+    assert len(blocks) == 2 and all("use_cache=False" in r for r in blocks)
+    assert all(P.STATE not in block.__dict__ for block in model.transformer.h)
+
+    model = tiny_gpt2()
+    opadvisor.patch(model, rules=BLOCKS, quiet=True)
+    model(**batch(), use_cache=False).loss.backward()
+    assert len(graphs) >= 1 and all(P.STATE in block.__dict__ for block in model.transformer.h)
 
 
 def test_inside_an_outer_compile_the_original_runs(graphs) -> None:

@@ -148,6 +148,14 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable:
     return apply
 
 
+def is_kv_cache(value: object) -> bool:
+    """Whether `value` is a transformers KV cache (a `transformers.cache_utils.Cache`: DynamicCache, ...),
+    told by its classes' names so that transformers is never imported here."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__
+    )
+
+
 def cuda_graph_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (False on builds without CUDA)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -18,6 +18,11 @@ another value captures another graph. Outputs: tensors, and tuples, lists, dicts
 (HuggingFace's ModelOutput, an OrderedDict subclass, comes back as a ModelOutput of the same class), with
 None / number / string leaves kept as captured.
 
+A transformers KV cache in the output cannot be returned by a graph: where the call left `use_cache` at the
+model's default (a causal LM training with use_cache=True fills a cache nobody reads), the forward is
+captured with use_cache=False instead, with a warning (its output's past_key_values is None); where the
+caller passed use_cache itself, it runs eagerly.
+
 Each call runs the original forward eagerly, which is always correct, unless all of these hold:
 
 - gradients are enabled, every tensor argument is a CUDA tensor, every other argument is hashable and holds
@@ -63,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import linecache
 import os
 import traceback
@@ -75,6 +81,7 @@ import torch
 import torch.nn as nn
 
 from . import region
+from ._backend import is_kv_cache
 
 MAX_GRAPHS = 4  # input signatures captured per module; further ones run eagerly (memory per graph)
 WARMUP_ITERS = 3  # make_graphed_callables' warm-up passes before capture (cuDNN/cuBLAS lazy init)
@@ -99,6 +106,11 @@ _TENSOR = object()  # a tensor's slot in a call's static layout
 
 class NotGraphable(Exception):
     """A call or an output that a CUDA graph cannot stand for; the message says why."""
+
+
+class CacheOutput(NotGraphable):
+    """The output holds a transformers KV cache (a model called with use_cache=True, the default of causal
+    LMs, also while training): a graph cannot return that object."""
 
 
 def split_call(
@@ -164,6 +176,10 @@ def _flatten(out: Any, tensors: list[torch.Tensor]) -> Any:
         return ("map", out, keys, [_flatten(out[k], tensors) for k in keys])
     if isinstance(out, (tuple, list)):
         return ("seq", type(out), [_flatten(v, tensors) for v in out])
+    if is_kv_cache(out):
+        raise CacheOutput(
+            f"the output holds a {type(out).__name__} (a KV cache), which a graph cannot return"
+        )
     raise NotGraphable(f"the output holds a {type(out).__name__}, which cannot be rebuilt from a graph")
 
 
@@ -284,7 +300,7 @@ class GraphedForward:
         device = tensors[0].device
         stream = torch.cuda.current_stream(device)
         try:
-            graphed = self._graphed_with_compiled_regions(layout, sample)
+            graphed = self._graphed_without_a_cache_output(layout, sample)
         except NotGraphable as exc:  # found while warming up, before any capture began
             self.disabled_reason = str(exc)
             return None
@@ -299,6 +315,19 @@ class GraphedForward:
             return None
         graph = self.graphs[key] = _Graph(graphed.forward, params, graphed.output_spec)
         return graph
+
+    def _graphed_without_a_cache_output(self, layout: tuple, sample: tuple[torch.Tensor, ...]) -> _Capture:
+        """The graphed surface; where the forward returns a KV cache because the call left `use_cache` at the
+        model's default (a causal LM training: the cache is filled and never read), captured with
+        use_cache=False instead, with a warning (the output's past_key_values is None then)."""
+        try:
+            return self._graphed_with_compiled_regions(layout, sample)
+        except CacheOutput as exc:
+            without = _layout_without_cache(self.original, layout)
+            if without is None:
+                raise
+            self._warn(f"is graphed with use_cache=False: {exc} (its past_key_values is None)")
+            return self._graphed_with_compiled_regions(without, sample)
 
     def _graphed_with_compiled_regions(self, layout: tuple, sample: tuple[torch.Tensor, ...]) -> _Capture:
         """The graphed surface (make_graphed_callables replaces its forward). Compiled regions inside the
@@ -331,6 +360,19 @@ class GraphedForward:
             self.warned.add(message)
             name = type(self.module).__name__
             warnings.warn(f"opadvisor.kernels.cuda_graphed: {name} {message}", RuntimeWarning, stacklevel=4)
+
+
+def _layout_without_cache(forward: Any, layout: tuple) -> tuple | None:
+    """`layout` with the keyword argument use_cache=False added, or None when the call passed use_cache
+    itself (by name or position) or the forward takes no such parameter."""
+    n_args, names, slots = layout
+    try:
+        params = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "use_cache" in names or "use_cache" not in params or params.index("use_cache") < n_args:
+        return None
+    return n_args, (*names, "use_cache"), (*slots, (bool, False))
 
 
 def _make_graphed(module: nn.Module, surface: _Capture, sample: tuple[torch.Tensor, ...]) -> _Capture:

@@ -683,12 +683,7 @@ def _compiled_block(module: nn.Module, state: _State, *args, **kwargs):
 def _kv_cache_in(args: tuple, kwargs: dict) -> str | None:
     """The class name of a transformers KV cache (a `transformers.cache_utils.Cache`) among the call's
     arguments, or None."""
-    for value in (*args, *kwargs.values()):
-        if value is not None and any(
-            c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__
-        ):
-            return type(value).__name__
-    return None
+    return next((type(v).__name__ for v in (*args, *kwargs.values()) if _backend.is_kv_cache(v)), None)
 
 
 def _block_fallback(group: _BlockGroup, reason: str, *, warn: bool = False) -> None:

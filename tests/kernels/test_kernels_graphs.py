@@ -581,6 +581,58 @@ def test_huggingface_model_called_with_keywords():
     assert b.forward.disabled_reason is None and len(b.forward.graphs) == 1
 
 
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_a_cache_output_is_refused_and_use_cache_false_is_only_added_where_it_may_be():
+    class LM(nn.Module):
+        def forward(self, input_ids, labels=None, use_cache=None):
+            return input_ids
+
+    forward = LM().forward
+    _, layout = graphs.split_call((), {"input_ids": torch.ones(2), "labels": torch.ones(2)}, cuda=False)
+    n_args, names, slots = graphs._layout_without_cache(forward, layout)
+    args, kwargs = graphs.rebuild_call((torch.ones(2), torch.zeros(2)), (n_args, names, slots))
+    assert args == () and kwargs["use_cache"] is False and set(kwargs) == {"input_ids", "labels", "use_cache"}
+    _, asked = graphs.split_call((), {"input_ids": torch.ones(2), "use_cache": True}, cuda=False)
+    assert graphs._layout_without_cache(forward, asked) is None  # the caller chose: respected
+    _, positional = graphs.split_call((torch.ones(2), None, True), {}, cuda=False)
+    assert graphs._layout_without_cache(forward, positional) is None
+    assert graphs._layout_without_cache(lambda input_ids: input_ids, layout) is None
+
+
+@pytest.mark.gpu
+def test_a_causal_lm_training_with_its_default_cache_is_graphed_without_it():
+    """GPT-2 called as `model(**batch)` while training fills a DynamicCache (use_cache defaults to True),
+    which a graph cannot return: it is captured with use_cache=False (one warning) and trains as the
+    eager model does."""
+    torch.manual_seed(0)
+    a = _tiny_gpt2().cuda()
+    b = _tiny_gpt2().cuda()
+    b.load_state_dict(a.state_dict())
+    cuda_graphed(b)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b)]
+    with pytest.warns(RuntimeWarning, match=r"graphed with use_cache=False: the output holds a DynamicCache"):
+        for step in range(3):
+            ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)).cuda()
+            losses = []
+            for m, opt in zip((a, b), opts, strict=True):
+                out = m(input_ids=ids, labels=ids)
+                out.loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(out.loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+    assert out.past_key_values is None
+    assert b.forward.disabled_reason is None and len(b.forward.graphs) == 1
+
+
 # ---------------------------------------------------------------------------------------------------
 # Compiled regions inside a graphed forward (compile_blocks under cuda_graphed)
 # ---------------------------------------------------------------------------------------------------

@@ -364,12 +364,17 @@ class GraphedForward:
 
 def _layout_without_cache(forward: Any, layout: tuple) -> tuple | None:
     """`layout` with the keyword argument use_cache=False added, or None when the call passed use_cache
-    itself (by name or position) or the forward takes no such parameter."""
+    itself (by name or position) or the forward takes no such parameter. A forward replaced on the instance
+    by a wrapper taking (*args, **kwargs) (opadvisor.patch's) is read through to its class's forward."""
     n_args, names, slots = layout
     try:
-        params = list(inspect.signature(forward).parameters)
+        params = list(inspect.signature(forward).parameters.values())
+        owner = getattr(forward, "__self__", None)
+        if owner is not None and any(p.kind is p.VAR_KEYWORD for p in params):
+            params = list(inspect.signature(type(owner).forward).parameters.values())[1:]  # without self
     except (TypeError, ValueError):
         return None
+    params = [p.name for p in params]
     if "use_cache" in names or "use_cache" not in params or params.index("use_cache") < n_args:
         return None
     return n_args, (*names, "use_cache"), (*slots, (bool, False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import subprocess
 import sys
+import types
 import warnings
 from collections import OrderedDict, namedtuple
 from pathlib import Path
@@ -605,6 +606,11 @@ def test_a_cache_output_is_refused_and_use_cache_false_is_only_added_where_it_ma
     _, positional = graphs.split_call((torch.ones(2), None, True), {}, cuda=False)
     assert graphs._layout_without_cache(forward, positional) is None
     assert graphs._layout_without_cache(lambda input_ids: input_ids, layout) is None
+    patched = LM()  # a forward replaced on the instance by a (*args, **kwargs) wrapper: read the class's
+    patched.forward = types.MethodType(
+        lambda self, *args, **kwargs: LM.forward(self, *args, **kwargs), patched
+    )
+    assert graphs._layout_without_cache(patched.forward, layout) == (n_args, names, slots)
 
 
 @pytest.mark.gpu

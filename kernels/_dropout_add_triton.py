@@ -74,6 +74,14 @@ def bias_dropout_add_fwd_kernel(
     tl.store(Y + yoff, rne_bf16(r + v, RNE).to(Y.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _load_dy(DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc):
+    """dy at `rows` x the column block, as float32 (0 outside the tensor)."""
+    ok = (rows < n_rows)[:, None] & col_ok[None, :]
+    dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
+    return tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold", "rows_per_prog"])
 def bias_dropout_add_bwd_kernel(
     DY,
@@ -103,32 +111,43 @@ def bias_dropout_add_bwd_kernel(
     RNE: tl.constexpr,
     I64: tl.constexpr,
     SEED_PTR: tl.constexpr,
+    STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
-    """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program."""
+    """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program.
+
+    The partial sum stays a [ROWS, BLOCK] tile until the loop ends (one cross-row reduction per program,
+    not one per iteration). STAGES pipelines the loop's loads (tl.range); PREFETCH loads the next rows' dy
+    before the current rows' mask is computed (rows past the program's own are read, never written)."""
     k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     pid_r = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
     col_ok = cols < n_cols
     c = widen(cols, I64)[None, :]
-    acc = tl.zeros((BLOCK,), tl.float32)
+    acc = tl.zeros((ROWS, BLOCK), tl.float32)
     first = widen(pid_r, I64) * rows_per_prog
-    for r0 in range(0, rows_per_prog, ROWS):
+    if PREFETCH:
+        dy = _load_dy(DY, first + tl.arange(0, ROWS), c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc)
+    for r0 in tl.range(0, rows_per_prog, ROWS, num_stages=STAGES):
         rows = first + r0 + tl.arange(0, ROWS)
         ok = (rows < n_rows)[:, None] & col_ok[None, :]
-        dyo = _row_offsets(rows, D1, D2, sdy0, sdy1, sdy2)
-        dy = tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
+        if PREFETCH:
+            cur = dy
+            dy = _load_dy(DY, rows + ROWS, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc)
+        else:
+            cur = _load_dy(DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc)
         doff = rows[:, None] * n_cols + c
         if BYTE_MASK:
             keep = tl.load(KEEP + doff, mask=ok, other=0) != 0
         else:
             keep = keep_mask(k0, k1, stream, threshold, rows, col0, ROWS, BLOCK, INTERLEAVE)
-        dx = tl.where(keep & ok, dy * keep_scale, 0.0)
+        dx = tl.where(keep & ok, cur * keep_scale, 0.0)
         tl.store(DX + doff, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok)
         if HAS_BIAS:
-            acc += tl.sum(dx, axis=0)
+            acc += dx
     if HAS_BIAS:
-        tl.store(DB + widen(pid_r, I64) * n_cols + cols, acc, mask=col_ok)
+        tl.store(DB + widen(pid_r, I64) * n_cols + cols, tl.sum(acc, axis=0), mask=col_ok)
 
 
 @triton.jit

@@ -13,6 +13,7 @@ in the forward (compared on the GPU in benchmarks/kernels.py; see RESULTS.md for
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -176,8 +177,29 @@ def _forward(x, bias, residual, p, seed):
     return y, keep
 
 
-def _programs_target(device: torch.device) -> int:
-    return 4 * _backend.multiprocessors(device)
+@dataclasses.dataclass(frozen=True)
+class BackwardConfig:
+    """How the backward launches: `bias_dropout_add_bwd_kernel` on a grid of about `programs_per_sm`
+    programs per multiprocessor (split into column blocks of up to `block` columns, each program looping over
+    a run of rows, `rows` rows an iteration, `warps` warps; rows narrower than `block` take more rows an
+    iteration, the tile staying rows x block elements), `stages` pipelining its loop's loads, `prefetch`
+    loading the next rows before the current ones' mask is drawn, `interleave` one Philox call per four
+    columns (the same bits as one per element, see `keep_mask`); then `bias_grad_kernel` summing the partial
+    sums in tiles of `sum_rows` x `sum_cols`, `sum_warps` warps."""
+
+    rows: int = 1
+    block: int = 2048
+    warps: int = 4
+    programs_per_sm: int = 4
+    stages: int = 1
+    prefetch: bool = False
+    interleave: bool = False
+    sum_rows: int = 32
+    sum_cols: int = 64
+    sum_warps: int = 4
+
+
+BACKWARD_CONFIG = BackwardConfig()
 
 
 class BackwardPlan(NamedTuple):
@@ -195,37 +217,48 @@ class BackwardPlan(NamedTuple):
     partial_shape: tuple[int, int] | None
 
 
+def _bwd_geometry(n_rows: int, n_cols: int, config: BackwardConfig, programs: int):
+    """(ROWS, BLOCK, grid, rows per program): the config's tile, narrowed to the rows' width, over a grid of
+    about `programs` programs (at least one tile of rows each)."""
+    block = min(max(16, triton_next_power_of_2(n_cols)), config.block)
+    rows = max(1, config.rows * config.block // block)
+    col_blocks = triton_cdiv(n_cols, block)
+    row_progs = max(1, min(triton_cdiv(n_rows, rows), programs // col_blocks))
+    rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
+    return rows, block, (triton_cdiv(n_rows, rows_per_prog), col_blocks), rows_per_prog
+
+
 @functools.lru_cache(maxsize=4096)
-def _bwd_plan(shape, dy_strides, dtypes, device, flags, tile):
+def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
     """The BackwardPlan for one layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no
-    dbias); flags: (BYTE_MASK, SEED_PTR, INTERLEAVE). Each backward program sums dbias over a run of rows
-    of one column block."""
+    dbias); flags: (BYTE_MASK, SEED_PTR). Each backward program sums dbias over a run of rows of one
+    column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
-    rows, block, warps = _config(n_cols, tile)
-    col_blocks = triton_cdiv(n_cols, block)
-    row_progs = max(1, min(triton_cdiv(n_rows, rows), _programs_target(device) // col_blocks))
-    rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
-    row_progs = triton_cdiv(n_rows, rows_per_prog)
+    programs = config.programs_per_sm * _backend.multiprocessors(device)
+    rows, block, grid, rows_per_prog = _bwd_geometry(n_rows, n_cols, config, programs)
     _, dx_dtype, b_dtype = dtypes
     _, bwd, bias_grad = _launchers()
     _backend.check_launch_device(device)
-    byte_mask, seed_ptr, interleave = flags
+    byte_mask, seed_ptr = flags
     meta = {
-        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": config.interleave,
         "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
-        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]), "num_warps": warps,
+        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]),
+        "STAGES": config.stages, "PREFETCH": config.prefetch, "num_warps": config.warps,
     }  # fmt: skip
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
-    launch = bwd.prepare((row_progs, col_blocks), meta)
+    launch = bwd.prepare(grid, meta)
     if b_dtype is None:
         return BackwardPlan(launch, ints, None, None)
     rne = bias_grad.interpreted and b_dtype == torch.bfloat16
-    sum_meta = {"BLOCK_R": 32, "BLOCK_C": 64, "RNE": rne, "num_warps": 4}
-    sum_launch = bias_grad.prepare((triton_cdiv(n_cols, 64),), sum_meta)
-    return BackwardPlan(launch, ints, sum_launch, (row_progs, n_cols))
+    sum_meta = {
+        "BLOCK_R": config.sum_rows, "BLOCK_C": config.sum_cols, "RNE": rne, "num_warps": config.sum_warps
+    }  # fmt: skip
+    sum_launch = bias_grad.prepare((triton_cdiv(n_cols, config.sum_cols),), sum_meta)
+    return BackwardPlan(launch, ints, sum_launch, (grid[0], n_cols))
 
 
 def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
@@ -240,12 +273,12 @@ def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     if prepared is not None and dy.stride() == prepared[0] and dy.dtype == prepared[1]:
         plan = prepared[2]
     else:
-        flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+        flags = (byte_mask, isinstance(seed, torch.Tensor))
         dtypes = (dy.dtype, x_dtype, b_dtype)
-        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
+        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
         if plan is None:
             dy = dy.contiguous()
-            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, TILE)
+            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
     tail = (
         keep if byte_mask else dx,
         *plan.ints,
@@ -269,8 +302,8 @@ def _prepare_backward(y, info, byte_mask, seed):
     x_dtype, b_dtype, _, p, need_dx, need_db, _ = info
     if not (p > 0 and (need_dx or need_db)) or y.numel() == 0:
         return None
-    flags = (byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
-    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, TILE)
+    flags = (byte_mask, isinstance(seed, torch.Tensor))
+    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, BACKWARD_CONFIG)
     return None if plan is None else (y.stride(), y.dtype, plan)
 
 

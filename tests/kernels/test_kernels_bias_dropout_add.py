@@ -156,10 +156,14 @@ def test_bias_gradient_over_many_partial_sums(device, monkeypatch):
     columns that fill neither tile: the same dbias as the reference's float64 sum, rounded once; twice the
     same bits (the sums run in a fixed order)."""
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
-    monkeypatch.setattr(dropout_add, "_programs_target", lambda device: 150)
-    monkeypatch.setattr(dropout_add, "TILE", 64)  # the plan cache keys on TILE: fresh plans
+    # the plan cache keys on the config: fresh plans. 80 programs a multiprocessor (the interpreter counts
+    # one), 2 column blocks of 64: 40 programs a column block, 2 rows each
+    config = dropout_add.BackwardConfig(rows=1, block=64, programs_per_sm=80, sum_rows=32, sum_cols=64)
+    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIG", config)
+    if device.type == "cuda":
+        monkeypatch.setattr(dropout_add._backend, "multiprocessors", lambda device: 1)
     torch.manual_seed(5)
-    x = torch.randn(80, 100, device=device)  # 2 column blocks of 64 (TILE), 40 programs a column block
+    x = torch.randn(80, 100, device=device)
     residual = torch.randn(80, 100, device=device)
     bias = torch.randn(100, device=device).bfloat16()
     dy = torch.randn(80, 100, device=device)

@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
-"""Which backward launch configuration gets bias_dropout_add's forward + backward closest to copy bandwidth.
+"""Which backward (mask mode, launch configuration) gets bias_dropout_add's forward + backward closest to copy
+bandwidth.
 
-    python3 -P benchmarks/bda_sweep.py [--out DIR] [--quick] [--budget SECONDS]
+    python3 -P benchmarks/bda_sweep.py [--out DIR] [--quick] [--budget SECONDS] [--rounds N] [--rep MS]
 
 The cases: bf16 x, bias, residual and dy at [16384,4096], [8192,4096], [16384,1024] (benchmarks/kernels.py's
 shapes) and BERT-base's [8192,768], p=0.1, GPU time alone (triton.testing.do_bench_cudagraph: CUDA-graph
 replays, median; no launch or Python time; the kernels run at every size, as under graph capture). Each
-candidate is a `dropout_add.BackwardConfig` set as BACKWARD_CONFIG: the backward kernel's tile (rows x
-block, warps), programs per multiprocessor, pipelined loads (stages), a prefetch of the next rows, the Philox
-layout, and the tile of `bias_grad_kernel` (the partial dbias sums added up).
+candidate is a MASK_MODE ("philox": the backward recomputes the keep mask from the seed; "bits": the forward
+stores it, one bit an element) and a `dropout_add.BackwardConfig` set as BACKWARD_CONFIG: the backward
+kernel's tile (rows x block, warps), programs per multiprocessor, fewest rows a program, pipelined loads
+(stages), a prefetch of the next rows, and the tile of `bias_grad_kernel` (the partial dbias sums added up).
 
 Phase 1 times the backward alone (dx + partial dbias + bias_grad_kernel, the launches autograd makes) at
-[16384,4096] for tile x programs per multiprocessor; phase 2 takes phase 1's three best and tries stages,
-prefetch and the interleaved Philox layout; phase 3 tries the sum kernel's tiles on the best. The three best
-and the shipped configuration are then timed at every shape: backward alone, forward + backward through
-autograd (kernels.py's "graph" column for this op), the backward without dbias (how much the sums cost), and
-checked on the GPU (dx bit for bit against the shipped configuration's, dbias against a float64 sum, twice
-the same bits). Beside each time: % of the copy bandwidth measured in this process (a 2 GiB device-to-device
-copy, bytes read + written: kernels.py's "% copy"; bytes: forward x, residual, y; backward dy, dx), and the
-compiled backward kernel's registers per thread and spills. Writes DIR/bda_sweep.md and .json (also after
-each phase); prints the table last. `--budget` stops starting new phase-1/2/3 candidates after that many
-seconds so the finals still run. About two and a half minutes on an H200.
+[16384,4096] for mask mode x tile x programs per multiprocessor; phase 2 takes each mode's three best and
+tries stages, prefetch and fewest rows; phase 3 tries the sum kernel's tiles on each mode's best. The shipped
+candidate and each mode's two best are then timed at every shape: backward alone, forward + backward through
+autograd (the measurement of kernels.py's "graph" column: its own bench_graph and _fwd_bwd), the forward per
+mode, the backward without dbias (what the sums cost), and checked on the GPU (dx bit for bit against the
+shipped candidate's, dbias against a float64 sum, twice the same bits). Beside each time: % of the copy
+bandwidth measured in this process (a 2 GiB device-to-device copy, bytes read + written: kernels.py's
+"% copy"; bytes as kernels.py counts them: forward x, residual, y; backward dy, dx; a stored mask's bytes are
+not counted, so they cost percent), and the compiled backward kernel's registers per thread and spills.
+Writes DIR/bda_sweep.md and .json (also after each phase); prints the table last. `--budget` stops starting
+new phase-1/2/3 candidates after that many seconds so the finals still run. About two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -42,6 +46,7 @@ P = 0.1
 SEED = (1, 2, 3)
 DEVICE = "cuda"
 SHAPES = [(16384, 4096), (8192, 4096), (16384, 1024), (8192, 768)]
+MASKS = ("philox", "bits")
 # (rows, block, warps) x programs per multiprocessor: phase 1
 TILES = [
     (1, 2048, 4),
@@ -53,9 +58,18 @@ TILES = [
     (8, 512, 8),
     (4, 256, 2),
 ]
-PER_SM = (4, 8, 12, 16)
+PER_SM = (4, 8, 16)
+# phase 2's changes to the best tiles
+CHANGES = ({"stages": 3}, {"prefetch": True}, {"min_rows": 64}, {"prefetch": True, "min_rows": 64})
 # bias_grad_kernel tiles (sum_rows, sum_cols, sum_warps): phase 3
-SUM_TILES = [(32, 64, 4), (64, 32, 4), (128, 16, 4), (32, 32, 2)]
+SUM_TILES = [(32, 64, 4), (128, 16, 4), (64, 32, 4), (256, 8, 4)]
+
+
+class Candidate(NamedTuple):
+    """MASK_MODE (how the backward gets the keep mask) and BACKWARD_CONFIG."""
+
+    mask: str
+    config: object
 
 
 def _bench_module():
@@ -71,8 +85,11 @@ def _shape_label(shape) -> str:
     return f"[{shape[0]},{shape[1]}]"
 
 
-def _label(c) -> str:
-    parts = [f"{c.rows}x{c.block} w{c.warps} {c.programs_per_sm}/SM"]
+def _label(cand: Candidate) -> str:
+    c = cand.config
+    parts = [f"{cand.mask}: {c.rows}x{c.block} w{c.warps} {c.programs_per_sm}/SM"]
+    if c.min_rows > 1:
+        parts.append(f"min_rows={c.min_rows}")
     if c.stages > 1:
         parts.append(f"stages={c.stages}")
     if c.prefetch:
@@ -84,7 +101,8 @@ def _label(c) -> str:
 
 
 class Case:
-    """One shape's bf16 tensors (x, bias, residual with grad; dy) and its byte counts."""
+    """One shape's bf16 tensors (x, bias, residual with grad; dy), the masks the forward stores per
+    MASK_MODE, and the byte counts (kernels.py's: the stored mask's bytes are not counted)."""
 
     def __init__(self, rows: int, cols: int) -> None:
         bf16 = torch.bfloat16
@@ -93,8 +111,16 @@ class Case:
         self.b = torch.randn(cols, device=DEVICE, dtype=bf16, requires_grad=True)
         self.r = torch.randn(rows, cols, device=DEVICE, dtype=bf16, requires_grad=True)
         self.dy = torch.randn(rows, cols, device=DEVICE, dtype=bf16)
+        self.masks: dict[str, torch.Tensor | None] = {}
         n = rows * cols
         self.bytes = {"fwd": 3 * 2 * n, "bwd": 2 * 2 * n, "bwd no dbias": 2 * 2 * n, "fwd+bwd": 5 * 2 * n}
+
+    def mask(self, da, mask: str):
+        """The keep mask the forward stores in MASK_MODE `mask` (None for "philox"), for SEED."""
+        if mask not in self.masks:
+            with torch.no_grad():
+                self.masks[mask] = da._forward(self.x, self.b, self.r, P, SEED)[1]
+        return self.masks[mask]
 
 
 class Sweep:
@@ -111,16 +137,17 @@ class Sweep:
             self.cases[shape] = Case(*shape)
         return self.cases[shape]
 
-    def set(self, config) -> None:
-        self.da.BACKWARD_CONFIG = config
+    def set(self, cand: Candidate) -> None:
+        self.da.MASK_MODE = cand.mask
+        self.da.BACKWARD_CONFIG = cand.config
         self.da._bwd_plan.cache_clear()
 
     def fn(self, case: Case, mode: str):
         bf16 = torch.bfloat16
-        if mode == "bwd":
-            return functools.partial(self.da._backward_kernel, case.dy, None, bf16, bf16, P, SEED)
-        if mode == "bwd no dbias":
-            return functools.partial(self.da._backward_kernel, case.dy, None, bf16, None, P, SEED)
+        if mode in ("bwd", "bwd no dbias"):
+            b_dtype = bf16 if mode == "bwd" else None
+            keep = case.mask(self.da, self.da.MASK_MODE)
+            return functools.partial(self.da._backward_kernel, case.dy, keep, bf16, b_dtype, P, SEED)
         if mode == "fwd":
             args = (case.x.detach(), case.b.detach(), case.r.detach(), P)
             return functools.partial(_no_grad_call, self.bda, args)
@@ -128,61 +155,63 @@ class Sweep:
             self.kb._fwd_bwd, self.bda, (case.x, case.b, case.r, P), [case.x, case.b, case.r], case.dy
         )
 
-    def time(self, config, shape, mode: str) -> float:
-        self.set(config)
+    def time(self, cand: Candidate, shape, mode: str) -> float:
+        self.set(cand)
         return self.kb.bench_graph(self.fn(self.case(shape), mode))
 
-    def note(self, phase: str, config, shape, mode: str, ms: float) -> dict:
+    def note(self, phase: str, cand: Candidate, shape, mode: str, ms: float) -> dict:
         case = self.case(shape)
         gbs = case.bytes[mode] / ms / 1e6
-        regs, spills = self.registers(case) if mode == "bwd" else (None, None)
+        regs, spills = self.registers(case, cand.mask) if mode == "bwd" else (None, None)
         row = {
-            "phase": phase, "shape": case.label, "mode": mode, "config": dataclasses.asdict(config),
-            "label": _label(config), "ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / self.copy_gbs,
-            "regs": regs, "spills": spills,
+            "phase": phase, "shape": case.label, "mode": mode, "mask": cand.mask,
+            "config": dataclasses.asdict(cand.config), "label": _label(cand), "ms": ms, "GBps": gbs,
+            "pct_copy": 100 * gbs / self.copy_gbs, "regs": regs, "spills": spills,
         }  # fmt: skip
         self.rows.append(row)
         print(
-            f"[{phase}] {case.label:12s} {mode:12s} {row['label']:52s} {ms:.4f} ms {row['pct_copy']:5.1f}% copy "
+            f"[{phase}] {case.label:12s} {mode:12s} {row['label']:60s} {ms:.4f} ms {row['pct_copy']:5.1f}% copy "
             f"regs {regs} spills {spills}",
             flush=True,
         )
         return row
 
-    def registers(self, case: Case) -> tuple[int | None, int | None]:
+    def registers(self, case: Case, mask: str) -> tuple[int | None, int | None]:
         """(registers per thread, spills) of the backward kernel compiled for this case, if Triton says."""
         plan = self.da._bwd_plan(
             case.dy.shape, case.dy.stride(), (case.dy.dtype, case.dy.dtype, case.dy.dtype), case.dy.device,
-            (False, False), self.da.BACKWARD_CONFIG,
+            (None if mask == "philox" else mask, False), self.da.BACKWARD_CONFIG,
         )  # fmt: skip
         for compiled in plan.launch.compiled.values():
             return getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
         return None, None
 
-    def run(self, config, shape, mode: str, phase: str) -> float:
+    def run(self, cand: Candidate, shape, mode: str, phase: str) -> float:
         """Time and note; a configuration that fails to compile or run is reported and skipped."""
         try:
-            ms = self.time(config, shape, mode)
+            ms = self.time(cand, shape, mode)
         except Exception as exc:  # one candidate's failure must not lose the sweep
-            print(f"[{phase}] {_label(config):52s} failed: {exc!r}", flush=True)
+            print(f"[{phase}] {_label(cand):60s} failed: {exc!r}", flush=True)
             return float("inf")
-        return self.note(phase, config, shape, mode, ms)["ms"]
+        return self.note(phase, cand, shape, mode, ms)["ms"]
 
-    def check(self, config, shipped, shape) -> dict:
-        """dx bit for bit against the shipped configuration's, dbias against a float64 sum of the same dx
+    def check(self, cand: Candidate, shipped: Candidate, shape) -> dict:
+        """dx bit for bit against the shipped candidate's, dbias against a float64 sum of the same dx
         (relative error), and the same dbias bits twice."""
         case = self.case(shape)
         bf16 = torch.bfloat16
         self.set(shipped)
-        dx_ref, _ = self.da._backward_kernel(case.dy, None, bf16, bf16, P, SEED)
-        self.set(config)
-        dx, db = self.da._backward_kernel(case.dy, None, bf16, bf16, P, SEED)
-        _, db2 = self.da._backward_kernel(case.dy, None, bf16, bf16, P, SEED)
-        keep = self.da.philox_keep_like(case.dy, SEED, P)
-        exact = torch.where(keep, case.dy.double() / (1 - P), 0.0).sum(0)
+        dx_ref, _ = self.da._backward_kernel(case.dy, case.mask(self.da, shipped.mask), bf16, bf16, P, SEED)
+        self.set(cand)
+        keep = case.mask(self.da, cand.mask)
+        dx, db = self.da._backward_kernel(case.dy, keep, bf16, bf16, P, SEED)
+        _, db2 = self.da._backward_kernel(case.dy, keep, bf16, bf16, P, SEED)
+        exact = torch.where(self.da.philox_keep_like(case.dy, SEED, P), case.dy.double() / (1 - P), 0.0).sum(
+            0
+        )
         rel = ((db.double() - exact).norm() / exact.norm()).item()
         row = {
-            "shape": case.label, "label": _label(config), "dx_bits_equal_shipped": torch.equal(dx, dx_ref),
+            "shape": case.label, "label": _label(cand), "dx_bits_equal_shipped": torch.equal(dx, dx_ref),
             "dbias_rel_err": rel, "dbias_deterministic": torch.equal(db, db2),
         }  # fmt: skip
         self.checks.append(row)
@@ -198,69 +227,76 @@ def _no_grad_call(f, args):
         return f(*args)
 
 
-def best_configs(rows: list[dict], n: int, phase_filter=None) -> list:
-    """The n fastest distinct configurations among rows (backward alone at the first shape)."""
+def best_candidates(rows: list[dict], n: int, mask: str | None = None) -> list[Candidate]:
+    """The n fastest distinct candidates among rows (backward alone at the first shape), of one mask mode
+    or any."""
     from opadvisor.kernels import dropout_add
 
     seen: dict[str, dict] = {}
     for r in sorted(rows, key=lambda r: r["ms"]):
-        if (
-            r["mode"] == "bwd"
-            and r["shape"] == _shape_label(SHAPES[0])
-            and (phase_filter is None or r["phase"] in phase_filter)
-        ):
+        if r["mode"] == "bwd" and r["shape"] == _shape_label(SHAPES[0]) and mask in (None, r["mask"]):
             seen.setdefault(r["label"], r)
-    return [dropout_add.BackwardConfig(**r["config"]) for r in list(seen.values())[:n]]
+    return [Candidate(r["mask"], dropout_add.BackwardConfig(**r["config"])) for r in list(seen.values())[:n]]
 
 
-def phase1(sweep: Sweep, shipped, quick: bool, deadline: float) -> None:
+def phase1(sweep: Sweep, shipped: Candidate, quick: bool, deadline: float) -> None:
     tiles = TILES[:4] if quick else TILES
-    for rows, block, warps in tiles:
-        for per_sm in (4, 8) if quick else PER_SM:
-            if time.time() > deadline:
-                return
-            config = dataclasses.replace(shipped, rows=rows, block=block, warps=warps, programs_per_sm=per_sm)
-            sweep.run(config, SHAPES[0], "bwd", "1")
+    for mask in MASKS:
+        for rows, block, warps in tiles:
+            for per_sm in (4, 8) if quick else PER_SM:
+                if time.time() > deadline:
+                    return
+                config = dataclasses.replace(
+                    shipped.config, rows=rows, block=block, warps=warps, programs_per_sm=per_sm
+                )
+                sweep.run(Candidate(mask, config), SHAPES[0], "bwd", "1")
 
 
 def phase2(sweep: Sweep, deadline: float) -> None:
-    for base in best_configs(sweep.rows, 3):
-        for change in ({"stages": 2}, {"stages": 3}, {"prefetch": True}, {"interleave": True}):
-            if time.time() > deadline:
-                return
-            sweep.run(dataclasses.replace(base, **change), SHAPES[0], "bwd", "2")
+    for mask in MASKS:
+        for base in best_candidates(sweep.rows, 3, mask):
+            for change in CHANGES:
+                if time.time() > deadline:
+                    return
+                sweep.run(Candidate(mask, dataclasses.replace(base.config, **change)), SHAPES[0], "bwd", "2")
 
 
 def phase3(sweep: Sweep, deadline: float) -> None:
-    base = best_configs(sweep.rows, 1)[0]
-    for sum_rows, sum_cols, sum_warps in SUM_TILES:
-        if time.time() > deadline:
-            return
-        config = dataclasses.replace(base, sum_rows=sum_rows, sum_cols=sum_cols, sum_warps=sum_warps)
-        sweep.run(config, SHAPES[0], "bwd", "3")
+    for mask in MASKS:
+        base = best_candidates(sweep.rows, 1, mask)[0]
+        for sum_rows, sum_cols, sum_warps in SUM_TILES:
+            if time.time() > deadline:
+                return
+            config = dataclasses.replace(
+                base.config, sum_rows=sum_rows, sum_cols=sum_cols, sum_warps=sum_warps
+            )
+            sweep.run(Candidate(mask, config), SHAPES[0], "bwd", "3")
 
 
-def finals(sweep: Sweep, shipped, rounds: int) -> list:
-    """The three best and the shipped configuration: backward alone at every shape (interleaved rounds,
-    median), forward + backward at every shape, the backward without dbias at the first, the forward once
-    per shape (it does not depend on the backward's configuration), and the GPU checks."""
-    finalists = [shipped] + [c for c in best_configs(sweep.rows, 4) if c != shipped][:3]
+def finals(sweep: Sweep, shipped: Candidate, rounds: int) -> list[Candidate]:
+    """The shipped candidate and the two best of each mask mode: backward alone at every shape (interleaved
+    rounds, median), forward + backward at every shape, the forward once per shape and mask mode, the
+    backward without dbias at the first shape, and the GPU checks."""
+    finalists = [shipped]
+    for mask in MASKS:
+        finalists += [c for c in best_candidates(sweep.rows, 3, mask) if c not in finalists][:2]
     for shape in SHAPES:
         times: dict[int, list[float]] = {i: [] for i in range(len(finalists))}
         for _ in range(rounds):
-            for i, config in enumerate(finalists):
-                times[i].append(sweep.time(config, shape, "bwd"))
-        for i, config in enumerate(finalists):
-            sweep.note("final", config, shape, "bwd", statistics.median(times[i]))
-        for config in finalists:
-            sweep.run(config, shape, "fwd+bwd", "final")
-        sweep.run(shipped, shape, "fwd", "final")
+            for i, cand in enumerate(finalists):
+                times[i].append(sweep.time(cand, shape, "bwd"))
+        for i, cand in enumerate(finalists):
+            sweep.note("final", cand, shape, "bwd", statistics.median(times[i]))
+        for cand in finalists:
+            sweep.run(cand, shape, "fwd+bwd", "final")
+        for mask in MASKS:
+            sweep.run(next(c for c in finalists if c.mask == mask), shape, "fwd", "final")
         sweep.save()
-    for config in finalists:
-        sweep.run(config, SHAPES[0], "bwd no dbias", "final")
-    for config in finalists[1:]:
+    for cand in finalists:
+        sweep.run(cand, SHAPES[0], "bwd no dbias", "final")
+    for cand in finalists[1:]:
         for shape in (SHAPES[0], SHAPES[3]):
-            sweep.check(config, shipped, shape)
+            sweep.check(cand, shipped, shape)
     return finalists
 
 
@@ -275,7 +311,7 @@ def report(
         f"(2 GiB, read + write). Command: `{env['command']}`. bias_dropout_add bf16 p=0.1, GPU time (CUDA graph "
         "replays, median). bwd = dx + partial dbias + bias_grad_kernel; fwd+bwd through autograd.",
         "",
-        "| phase | shape | pass | backward config | ms | % copy | regs | spills |",
+        "| phase | shape | pass | mask mode: backward config | ms | % copy | regs | spills |",
         "|---|---|---|---|---:|---:|---:|---:|",
     ]
     order = {"final": 0, "3": 1, "2": 2, "1": 3, "shipped": 4}
@@ -335,7 +371,7 @@ def main() -> int:
     }  # fmt: skip
     print(json.dumps(env), flush=True)
     sweep = Sweep(kb, dropout_add, bias_dropout_add, copy_gbs, args.out, env)
-    shipped = dropout_add.BACKWARD_CONFIG
+    shipped = Candidate(dropout_add.MASK_MODE, dropout_add.BACKWARD_CONFIG)
     deadline = t0 + args.budget
     sweep.run(shipped, SHAPES[0], "bwd", "shipped")
     phase1(sweep, shipped, args.quick, deadline)
@@ -353,7 +389,8 @@ def main() -> int:
     ship = "; ".join(
         f"{r['shape']} {r['ms']:.4f} ms {r['pct_copy']:.1f}%" for r in final if r["label"] == _label(shipped)
     )
-    winner = f"BACKWARD_CONFIG = {dropout_add.BackwardConfig(**top['config'])!r}: fwd+bwd {summary} (shipped: {ship})"
+    config = dropout_add.BackwardConfig(**top["config"])
+    winner = f"MASK_MODE = {top['mask']!r}, BACKWARD_CONFIG = {config!r}: fwd+bwd {summary} (shipped: {ship})"
     report(args.out, env, sweep.rows, sweep.checks, winner)
     print(f"finalists {len(finalists)}; total {time.time() - t0:.0f} s", flush=True)
     return 0

@@ -4,8 +4,8 @@ Forward:  y = residual + where(keep, (x + bias) / (1 - p), 0)
 Backward: dx = where(keep, dy / (1 - p), 0);  dbias = sum over rows of dx;  dresidual = dy (no kernel)
           (each backward program sums dbias over its rows in float32; `bias_grad_kernel` adds those up and
           writes dbias in the bias's dtype: two launches, no PyTorch op between them)
-The keep mask is recomputed from the seed (see `_rng`), or read back from a 1-byte mask when the
-launcher asks for one (BYTE_MASK; kept to compare the two on the GPU).
+The keep mask is recomputed from the seed (see `_rng`), or read back from the mask the forward stored
+when the launcher asks for one: one bit an element (BIT_MASK) or one byte (BYTE_MASK, kept to compare).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def bias_dropout_add_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     BYTE_MASK: tl.constexpr,
+    BIT_MASK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
@@ -70,8 +71,37 @@ def bias_dropout_add_fwd_kernel(
         v = tl.where(keep, v * keep_scale, 0.0)
         if BYTE_MASK:
             tl.store(KEEP + yoff, keep.to(tl.uint8), mask=ok)
+        if BIT_MASK:
+            _store_bits(KEEP, keep & ok, rows, col0, n_rows, n_cols, ROWS, BLOCK)
     r = tl.load(R + ro[:, None] + c * src, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + yoff, rne_bf16(r + v, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _bit_offsets(rows, col0, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """(offsets, in-bounds) of the mask bytes of `rows` x columns col0 .. col0 + BLOCK - 1: a row's bits
+    take ceil(n_cols / 8) bytes, column c is bit c % 8 of byte c // 8 (col0 is a multiple of 8)."""
+    j = col0 // 8 + tl.arange(0, BLOCK // 8)
+    ok = (rows < n_rows)[:, None] & (j * 8 < n_cols)[None, :]
+    return rows[:, None] * ((n_cols + 7) // 8) + j[None, :], ok
+
+
+@triton.jit
+def _store_bits(KEEP, keep, rows, col0, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The keep mask [ROWS, BLOCK] packed eight columns a byte (see `_bit_offsets`)."""
+    eight = tl.reshape(keep.to(tl.int32), (ROWS, BLOCK // 8, 8))
+    packed = tl.sum(eight << tl.arange(0, 8)[None, None, :], axis=2)
+    off, ok = _bit_offsets(rows, col0, n_rows, n_cols, ROWS, BLOCK)
+    tl.store(KEEP + off, packed.to(tl.int8), mask=ok)
+
+
+@triton.jit
+def _load_bits(KEEP, rows, col0, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """The keep mask [ROWS, BLOCK] that `_store_bits` packed (int8 bytes: sign extension sets only bits above 7)."""
+    off, ok = _bit_offsets(rows, col0, n_rows, n_cols, ROWS, BLOCK)
+    packed = tl.load(KEEP + off, mask=ok, other=0).to(tl.int32)
+    eight = (packed[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+    return tl.reshape(eight, (ROWS, BLOCK)) != 0
 
 
 @triton.jit
@@ -105,6 +135,7 @@ def bias_dropout_add_bwd_kernel(
     SEED,
     HAS_BIAS: tl.constexpr,
     BYTE_MASK: tl.constexpr,
+    BIT_MASK: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr,
@@ -140,6 +171,8 @@ def bias_dropout_add_bwd_kernel(
         doff = rows[:, None] * n_cols + c
         if BYTE_MASK:
             keep = tl.load(KEEP + doff, mask=ok, other=0) != 0
+        elif BIT_MASK:
+            keep = _load_bits(KEEP, rows, col0, n_rows, n_cols, ROWS, BLOCK)
         else:
             keep = keep_mask(k0, k1, stream, threshold, rows, col0, ROWS, BLOCK, INTERLEAVE)
         dx = tl.where(keep & ok, cur * keep_scale, 0.0)

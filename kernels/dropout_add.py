@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -116,7 +117,8 @@ def _config(n_cols: int, tile: int) -> tuple[int, int, int]:
 def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
     """(Launch, integer args, output dtype) for one layout, or None when it needs a copy first.
 
-    dtypes: (x, bias or None, residual); flags: (DROPOUT, BYTE_MASK, SEED_PTR, INTERLEAVE). Cached: a
+    dtypes: (x, bias or None, residual); flags: (DROPOUT, stored mask: None, "byte" or "bits", SEED_PTR,
+    INTERLEAVE). Cached: a
     training step that repeats its shapes pays for the layout arithmetic once."""
     got = layout.row_layout(shape, [x_strides, r_strides], len(shape) - 1)
     if got is None:
@@ -128,9 +130,10 @@ def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
     out_dtype = _promote(x_dtype, b_dtype, r_dtype)
     launcher = _launchers()[0]
     _backend.check_launch_device(device)
-    dropout, byte_mask, seed_ptr, interleave = flags
+    dropout, stored, seed_ptr, interleave = flags
     meta = {
-        "HAS_BIAS": b_dtype is not None, "DROPOUT": dropout, "BYTE_MASK": byte_mask, "INTERLEAVE": interleave,
+        "HAS_BIAS": b_dtype is not None, "DROPOUT": dropout, "BYTE_MASK": stored == "byte",
+        "BIT_MASK": stored == "bits", "INTERLEAVE": interleave,
         "RNE": launcher.interpreted and out_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
         "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [x_strides, r_strides]),
         "num_warps": warps,
@@ -154,14 +157,42 @@ def _promote(x_dtype, b_dtype, r_dtype):
     return torch.promote_types(dtype, b_dtype) if b_dtype is not None else dtype
 
 
+def _stored_mask(p: float) -> str | None:
+    """The mask the forward stores for the backward: None (recomputed from the seed), "byte" or "bits"."""
+    return MASK_MODE if p > 0 and MASK_MODE != "philox" else None
+
+
+def _empty_mask(shape, stored: str | None, device) -> torch.Tensor:
+    """An empty tensor for the mask the forward stores, or an empty one for none. "byte": uint8 of x's shape;
+    "bits": int8 (the dtype tells the backward which), rows of ceil(n_cols / 8) bytes, column c in bit c % 8
+    of byte c // 8."""
+    if stored is None:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if stored == "byte":
+        return torch.empty(shape, dtype=torch.uint8, device=device)
+    return torch.empty(_bits_shape(shape), dtype=torch.int8, device=device)
+
+
+def _bits_shape(shape) -> tuple[int, int]:
+    n_cols = shape[-1] if len(shape) else 1
+    return (math.prod(shape) // max(n_cols, 1), triton_cdiv(n_cols, 8))
+
+
+def _mask_kind(keep: torch.Tensor | None, dy: torch.Tensor) -> str | None:
+    """Which mask the backward reads: None (none stored: recompute from the seed), "byte" or "bits"."""
+    if keep is None or keep.numel() == 0:
+        return None
+    return "bits" if keep.dtype == torch.int8 else "byte"
+
+
 def _forward(x, bias, residual, p, seed):
-    """(y, keep bytes or None): the 1-byte mask only in MASK_MODE "byte"."""
-    byte_mask = p > 0 and MASK_MODE == "byte"
+    """(y, the stored keep mask or None): a mask only in MASK_MODE "byte" or "bits"."""
+    stored = _stored_mask(p)
+    keep = None if stored is None else _empty_mask(x.shape, stored, x.device)
     if x.numel() == 0:
-        y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
-        return y, (torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None)
+        return torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device), keep
     dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype)
-    flags = (p > 0, byte_mask, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
+    flags = (p > 0, stored, isinstance(seed, torch.Tensor), RNG_INTERLEAVE)
     plan = _fwd_plan(x.shape, x.stride(), residual.stride(), dtypes, x.device, flags, TILE)
     if plan is None:
         _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
@@ -169,9 +200,8 @@ def _forward(x, bias, residual, p, seed):
         plan = _fwd_plan(x.shape, x.stride(), residual.stride(), dtypes, x.device, flags, TILE)
     launch, ints, out_dtype = plan
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    keep = torch.empty(x.shape, dtype=torch.uint8, device=x.device) if byte_mask else None
     launch(
-        (x, x if bias is None else bias, residual, y, keep if byte_mask else y, *ints,
+        (x, x if bias is None else bias, residual, y, y if keep is None else keep, *ints,
          *_rng.dropout_scalars(p), *_rng.seed_args(seed, y))
     )  # fmt: skip
     return y, keep
@@ -182,7 +212,8 @@ class BackwardConfig:
     """How the backward launches: `bias_dropout_add_bwd_kernel` on a grid of about `programs_per_sm`
     programs per multiprocessor (split into column blocks of up to `block` columns, each program looping over
     a run of rows, `rows` rows an iteration, `warps` warps; rows narrower than `block` take more rows an
-    iteration, the tile staying rows x block elements), `stages` pipelining its loop's loads, `prefetch`
+    iteration, the tile staying rows x block elements; fewer programs where each would get under `min_rows`
+    rows: each program writes a row of partial sums), `stages` pipelining its loop's loads, `prefetch`
     loading the next rows before the current ones' mask is drawn, `interleave` one Philox call per four
     columns (the same bits as one per element, see `keep_mask`); then `bias_grad_kernel` summing the partial
     sums in tiles of `sum_rows` x `sum_cols`, `sum_warps` warps."""
@@ -191,6 +222,7 @@ class BackwardConfig:
     block: int = 2048
     warps: int = 4
     programs_per_sm: int = 4
+    min_rows: int = 1
     stages: int = 1
     prefetch: bool = False
     interleave: bool = False
@@ -223,7 +255,7 @@ def _bwd_geometry(n_rows: int, n_cols: int, config: BackwardConfig, programs: in
     block = min(max(16, triton_next_power_of_2(n_cols)), config.block)
     rows = max(1, config.rows * config.block // block)
     col_blocks = triton_cdiv(n_cols, block)
-    row_progs = max(1, min(triton_cdiv(n_rows, rows), programs // col_blocks))
+    row_progs = max(1, min(triton_cdiv(n_rows, max(rows, config.min_rows)), programs // col_blocks))
     rows_per_prog = triton_cdiv(triton_cdiv(n_rows, row_progs), rows) * rows
     return rows, block, (triton_cdiv(n_rows, rows_per_prog), col_blocks), rows_per_prog
 
@@ -231,7 +263,7 @@ def _bwd_geometry(n_rows: int, n_cols: int, config: BackwardConfig, programs: in
 @functools.lru_cache(maxsize=4096)
 def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
     """The BackwardPlan for one layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no
-    dbias); flags: (BYTE_MASK, SEED_PTR). Each backward program sums dbias over a run of rows of one
+    dbias); flags: (stored mask: None, "byte" or "bits"; SEED_PTR). Each backward program sums dbias over a run of rows of one
     column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
@@ -242,9 +274,10 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
     _, dx_dtype, b_dtype = dtypes
     _, bwd, bias_grad = _launchers()
     _backend.check_launch_device(device)
-    byte_mask, seed_ptr = flags
+    stored, seed_ptr = flags
     meta = {
-        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": byte_mask, "INTERLEAVE": config.interleave,
+        "HAS_BIAS": b_dtype is not None, "BYTE_MASK": stored == "byte", "BIT_MASK": stored == "bits",
+        "INTERLEAVE": config.interleave,
         "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
         "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]),
         "STAGES": config.stages, "PREFETCH": config.prefetch, "num_warps": config.warps,
@@ -264,23 +297,24 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
 def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     """(dx, dbias in b_dtype, or None when b_dtype is None) for a dropout forward.
 
-    `keep`: the forward's 1-byte mask, or None / an empty tensor when the mask is recomputed from `seed`.
+    `keep`: the forward's stored mask (bytes or bits, see `_mask_shape`), or None / an empty tensor when the
+    mask is recomputed from `seed`.
     `prepared`: `_prepare_backward`'s (dy strides, dy dtype, BackwardPlan), used when dy matches it."""
-    byte_mask = keep is not None and keep.numel() > 0
+    stored = _mask_kind(keep, dy)
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, (dy.new_zeros(dy.shape[-1], dtype=b_dtype) if b_dtype is not None else None)
     if prepared is not None and dy.stride() == prepared[0] and dy.dtype == prepared[1]:
         plan = prepared[2]
     else:
-        flags = (byte_mask, isinstance(seed, torch.Tensor))
+        flags = (stored, isinstance(seed, torch.Tensor))
         dtypes = (dy.dtype, x_dtype, b_dtype)
         plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
         if plan is None:
             dy = dy.contiguous()
             plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
     tail = (
-        keep if byte_mask else dx,
+        dx if stored is None else keep,
         *plan.ints,
         *_rng.dropout_scalars(p),
         *_rng.seed_args(seed, dx),
@@ -295,14 +329,14 @@ def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     return dx, dbias
 
 
-def _prepare_backward(y, info, byte_mask, seed):
+def _prepare_backward(y, info, stored, seed):
     """(dy strides, dy dtype, BackwardPlan) for a dy laid out like the output `y` (as autograd passes it),
     looked up while the forward runs, so the backward (on the autograd engine's device thread, where Python
     is slow) checks dy's strides and dtype and launches; None when no kernel runs backward."""
     x_dtype, b_dtype, _, p, need_dx, need_db, _ = info
     if not (p > 0 and (need_dx or need_db)) or y.numel() == 0:
         return None
-    flags = (byte_mask, isinstance(seed, torch.Tensor))
+    flags = (stored, isinstance(seed, torch.Tensor))
     plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, BACKWARD_CONFIG)
     return None if plan is None else (y.stride(), y.dtype, plan)
 
@@ -330,7 +364,7 @@ def _grad_info(ctx, x, bias, residual, p) -> tuple:
 
 class BiasDropoutAddFunction(torch.autograd.Function):
     """Eager-mode autograd around the kernels: nothing but the dtypes, p, the seed and which gradients are
-    needed is kept for backward (and the 1-byte mask in MASK_MODE "byte"), and the backward is the two
+    needed is kept for backward (and the mask in MASK_MODE "byte" or "bits"), and the backward is the two
     kernel launches."""
 
     @staticmethod
@@ -340,7 +374,8 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         if keep is not None:
             ctx.save_for_backward(keep)
         info = _grad_info(ctx, x, bias, residual, p)
-        ctx.args = (info, seed, keep is not None, _prepare_backward(y, info, keep is not None, seed))
+        stored = _stored_mask(p)
+        ctx.args = (info, seed, stored is not None, _prepare_backward(y, info, stored, seed))
         return y
 
     @staticmethod
@@ -365,15 +400,15 @@ def bias_dropout_add_fwd_op(
     seed = _rng.draw_op_seed(x.device, "opadvisor::bias_dropout_add_fwd") if p > 0 else _NO_SEED
     y, keep = _forward(x, bias, residual, p, seed)
     if keep is None:
-        keep = torch.empty(0, dtype=torch.uint8, device=x.device)
+        keep = _empty_mask(x.shape, None, x.device)
     return y, keep, torch.tensor(seed, dtype=torch.int64)
 
 
 @bias_dropout_add_fwd_op.register_fake
 def _(x, bias, residual, p):
     y = torch.empty(x.shape, dtype=_out_dtype(x, bias, residual), device=x.device)
-    byte_mask = p > 0 and MASK_MODE == "byte"
-    keep = torch.empty(x.shape if byte_mask else (0,), dtype=torch.uint8, device=x.device)
+    stored = _stored_mask(p)
+    keep = _empty_mask(x.shape, stored, x.device)
     return y, keep, torch.empty(3, dtype=torch.int64, device="cpu")
 
 

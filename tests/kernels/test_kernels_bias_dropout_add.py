@@ -64,7 +64,7 @@ def test_matches_reference_fp32(shape, with_bias, p, device, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("mode", ["philox", "byte"])
+@pytest.mark.parametrize("mode", ["philox", "byte", "bits"])
 def test_low_precision_within_twice_eager_error(dtype, mode, device, monkeypatch):
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
     monkeypatch.setattr(dropout_add, "MASK_MODE", mode)
@@ -87,6 +87,58 @@ def test_low_precision_within_twice_eager_error(dtype, mode, device, monkeypatch
     assert rel_err(y, y_ref) <= 2 * rel_err(y_e, y_ref) + 1e-7
     for g, g_e, g_ref in zip(grads, grads_e, grads_ref, strict=True):
         assert rel_err(g, g_ref) <= 2 * rel_err(g_e, g_ref) + 1e-7
+
+
+@pytest.mark.parametrize("mode", ["byte", "bits"])
+@pytest.mark.parametrize("shape", [(5, 1), (3, 100), (2, 3, 67), (4, 1025)])
+def test_stored_masks_give_the_recomputed_masks_bits(mode, shape, device, monkeypatch):
+    """A mask stored by the forward (one byte or one bit an element, rows whose width is no multiple of 8
+    included) gives the backward the same bits as recomputing it from the seed: y, dx, dbias, dresidual
+    equal to MASK_MODE "philox"'s."""
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    torch.manual_seed(3)
+    x, residual, dy = (torch.randn(shape, device=device).bfloat16() for _ in range(3))
+    bias = torch.randn(shape[-1], device=device).bfloat16()
+    run = lambda: _run(lambda a, b, r: bias_dropout_add(a, b, r, 0.3), x, bias, residual, dy)  # noqa: E731
+    y_ref, grads_ref = run()
+    monkeypatch.setattr(dropout_add, "MASK_MODE", mode)
+    y, grads = run()
+    assert torch.equal(y, y_ref)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dropout_add.BackwardConfig(rows=4, block=64, programs_per_sm=3),
+        dropout_add.BackwardConfig(
+            rows=2, block=32, programs_per_sm=5, prefetch=True, sum_rows=8, sum_cols=16
+        ),
+        dropout_add.BackwardConfig(rows=1, block=128, programs_per_sm=2, stages=2, interleave=True),
+        dropout_add.BackwardConfig(rows=8, block=16, programs_per_sm=7, prefetch=True, min_rows=16),
+    ],
+    ids=["rows4", "prefetch", "stages-interleave", "narrow-min-rows"],
+)
+@pytest.mark.parametrize("mode", ["philox", "bits"])
+def test_backward_configs_same_dx_and_dbias(config, mode, device, monkeypatch):
+    """Every backward launch configuration (tiles, grid, pipelining, prefetch, Philox layout, sum tile) gives
+    dx bit for bit as the default's and dbias as the float64 sum rounded once, the same bits twice."""
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    monkeypatch.setattr(dropout_add, "MASK_MODE", mode)
+    torch.manual_seed(4)
+    x, residual, dy = (torch.randn(37, 100, device=device) for _ in range(3))
+    bias = torch.randn(100, device=device).bfloat16()
+    run = lambda: _run(lambda a, b, r: bias_dropout_add(a, b, r, 0.2), x, bias, residual, dy)  # noqa: E731
+    _, (dx_ref, _, _) = run()
+    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIG", config)
+    _, (dx, dbias, _) = run()
+    _, (_, again, _) = run()
+    keep = dropout_add.philox_keep_like(x, FIXED_SEED, 0.2)
+    expected = torch.where(keep, dy.double() / 0.8, 0.0).sum(0)
+    assert torch.equal(dx, dx_ref)
+    torch.testing.assert_close(dbias, expected.bfloat16(), rtol=8e-3, atol=8e-3)
+    assert torch.equal(again, dbias)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

@@ -243,7 +243,7 @@ def phase1(sweep: Sweep, shipped: Candidate, quick: bool, deadline: float) -> No
     tiles = TILES[:4] if quick else TILES
     for mask in MASKS:
         for rows, block, warps in tiles:
-            for per_sm in (4, 8) if quick else PER_SM:
+            for per_sm in (4, 16) if quick else PER_SM:
                 if time.time() > deadline:
                     return
                 config = dataclasses.replace(

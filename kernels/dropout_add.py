@@ -7,8 +7,9 @@ Layers: `_dropout_add_triton` kernels -> `_forward` / `_backward_kernel` (launch
 default, under torch.compile. `reference_bias_dropout_add` is the PyTorch version and the oracle.
 
 Backward saves no mask: the keep mask is recomputed from the seed (Philox, see `_rng`), so the only state
-kept between forward and backward is three integers. `MASK_MODE = "byte"` instead stores a 1-byte mask
-in the forward (compared on the GPU in benchmarks/kernels.py; see RESULTS.md for the choice).
+kept between forward and backward is three integers. `MASK_MODE = "byte"` / `"bits"` instead store a
+1-byte / 1-bit mask in the forward (compared on the GPU in benchmarks/kernels.py and bda_sweep.py; see
+RESULTS.md for the choice). The backward's launch is `BACKWARD_CONFIG`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ from . import _layout as layout
 from ._launch import Launch, Launcher
 from .softmax import triton_cdiv, triton_next_power_of_2
 
-# Elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an H200), how
-# the backward gets the keep mask ("philox": recomputed, measured faster than reading a 1-byte mask), and
-# the Philox layout (see softmax.RNG_INTERLEAVE; one call per element measured 5% faster here).
+# The forward's elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an
+# H200; the backward's launch is BACKWARD_CONFIG), how the backward gets the keep mask ("philox":
+# recomputed, measured faster than reading a 1-byte mask; "bits", one bit an element stored by the forward:
+# the backward alone measured 0.085 ms against philox's 0.092 at [16384, 4096], but the forward's packing
+# made it 2.8x slower, fwd+bwd 0.370 vs 0.194 ms, ninth session), and the forward's Philox layout (see
+# softmax.RNG_INTERLEAVE; one call per element measured 5% faster here).
 TILE = 2048
-MASK_MODE = "philox"  # or "byte"
+MASK_MODE = "philox"  # or "byte", "bits"
 RNG_INTERLEAVE = False
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
@@ -231,7 +235,16 @@ class BackwardConfig:
     sum_warps: int = 4
 
 
-BACKWARD_CONFIG = BackwardConfig()
+# Measured on an H200 (ninth session, benchmarks/bda_sweep.py, GPU time from CUDA-graph replays, bf16, p=0.1):
+# the backward alone at [16384, 4096] went from 0.108 ms (58% of copy; the eighth session's BackwardConfig(),
+# one 2048-wide row an iteration, 4 programs a multiprocessor: too few loads in flight) to 0.092 (68%);
+# fwd+bwd 0.2086 -> 0.1940 ms (75.2% -> 80.9% of copy), [8192, 4096] 71.4% -> 75.0%, [16384, 1024] 64.4% ->
+# 69.7%, BERT-base's [8192, 768] 0.0364 -> 0.0288 ms (min_rows keeps small tensors from spreading into
+# programs of a few rows, each writing a row of partial sums). Pipelined loads (stages) and the interleaved
+# Philox layout measured no faster (the compiler already shares one Philox call among a quad's columns).
+BACKWARD_CONFIG = BackwardConfig(
+    rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=True, sum_rows=256, sum_cols=8
+)
 
 
 class BackwardPlan(NamedTuple):

@@ -182,7 +182,7 @@ def _bits_shape(shape) -> tuple[int, int]:
     return (math.prod(shape) // max(n_cols, 1), triton_cdiv(n_cols, 8))
 
 
-def _mask_kind(keep: torch.Tensor | None, dy: torch.Tensor) -> str | None:
+def _mask_kind(keep: torch.Tensor | None) -> str | None:
     """Which mask the backward reads: None (none stored: recompute from the seed), "byte" or "bits"."""
     if keep is None or keep.numel() == 0:
         return None
@@ -310,10 +310,10 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
 def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     """(dx, dbias in b_dtype, or None when b_dtype is None) for a dropout forward.
 
-    `keep`: the forward's stored mask (bytes or bits, see `_mask_shape`), or None / an empty tensor when the
+    `keep`: the forward's stored mask (bytes or bits, see `_empty_mask`), or None / an empty tensor when the
     mask is recomputed from `seed`.
     `prepared`: `_prepare_backward`'s (dy strides, dy dtype, BackwardPlan), used when dy matches it."""
-    stored = _mask_kind(keep, dy)
+    stored = _mask_kind(keep)
     dx = torch.empty(dy.shape, dtype=x_dtype, device=dy.device)
     if dy.numel() == 0:
         return dx, (dy.new_zeros(dy.shape[-1], dtype=b_dtype) if b_dtype is not None else None)
@@ -387,8 +387,7 @@ class BiasDropoutAddFunction(torch.autograd.Function):
         if keep is not None:
             ctx.save_for_backward(keep)
         info = _grad_info(ctx, x, bias, residual, p)
-        stored = _stored_mask(p)
-        ctx.args = (info, seed, stored is not None, _prepare_backward(y, info, stored, seed))
+        ctx.args = (info, seed, keep is not None, _prepare_backward(y, info, _mask_kind(keep), seed))
         return y
 
     @staticmethod

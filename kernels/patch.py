@@ -642,10 +642,11 @@ class _BlockGroup:
     class's forward, so dynamo, whose cache is keyed by the code, traces it once for all of them."""
 
     forward: Callable[..., Any]  # compile_region(cls.forward): called as forward(module, *args, **kwargs)
+    # (group) -> the fixes it installed: the patches left out inside these blocks, for when they fall back
+    install_parts: Callable[[_BlockGroup], list[str]]
     modules: list[nn.Module] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # the modules' paths in the model
     fell_back: bool = False
-    # installs the patches left out inside these blocks, for when the blocks fall back (set by `patch`)
-    install_parts: Callable[[], list[str]] = lambda: []
 
 
 def _check_block(module: nn.Module) -> str | None:
@@ -696,7 +697,7 @@ def _block_fallback(group: _BlockGroup, reason: str, *, warn: bool = False) -> N
         if state is not None and state.shared is group:
             _restore(module)
             _report_left(state, f"{reason}: runs its original forward")
-    parts = group.install_parts()
+    parts = group.install_parts(group)
     if warn and group.modules:
         name = type(group.modules[0]).__name__
         also = f"; patched inside them instead: {', '.join(parts)}" if parts else ""
@@ -711,9 +712,15 @@ def _library_class(cls: type) -> bool:
     return _qualified(cls) in TORCH_BLOCKS or _is_library(cls)
 
 
-def _compile_blocks(model: nn.Module, patcher: _Patcher, check: bool, report: PatchReport) -> dict[str, str]:
+def _compile_blocks(
+    model: nn.Module,
+    patcher: _Patcher,
+    check: bool,
+    report: PatchReport,
+    install_parts: Callable[[_BlockGroup], list[str]],
+) -> dict[str, str]:
     """Install compile_blocks on each of the model's repeated library blocks; returns those compiled
-    ({path: qualified class})."""
+    ({path: qualified class}). `install_parts`: what a group that falls back calls (`_install_parts`)."""
     classes = {path: type(m) for path, m in model.named_modules()}
     found = repeated_blocks(
         {path: _qualified(cls) for path, cls in classes.items()},
@@ -735,10 +742,12 @@ def _compile_blocks(model: nn.Module, patcher: _Patcher, check: bool, report: Pa
         cls = type(module)
         group = groups.get(cls)
         if group is None:
-            group = groups[cls] = _BlockGroup(_region.compile_region(cls.forward, **BLOCK_COMPILE_OPTIONS))
+            forward = _region.compile_region(cls.forward, **BLOCK_COMPILE_OPTIONS)
+            group = groups[cls] = _BlockGroup(forward, install_parts)
         _install(module, path, patcher, check, report)
         module.__dict__[STATE].shared = group
         group.modules.append(module)
+        group.paths.append(path)
         report.patched.append((path, qualified, patcher.fix.name))
         compiled[path] = qualified
     return compiled
@@ -801,18 +810,17 @@ def patch(
     patchers = _selected(rules, unsafe)
     report = PatchReport(type(model).__name__)
     blocks_patcher = next((p for p in patchers if p.fix.name == "compile_blocks"), None)
-    blocks = _compile_blocks(model, blocks_patcher, check, report) if blocks_patcher else {}
     asked = rules is not None or unsafe
-    parts: dict[str, list[tuple[nn.Module, str]]] = {}  # block path -> the modules inside it
+    install_parts = functools.partial(
+        _install_parts, patchers=patchers, check=check, report=report, asked=asked
+    )
+    blocks = _compile_blocks(model, blocks_patcher, check, report, install_parts) if blocks_patcher else {}
     for path, module in model.named_modules():
         block = block_of(path, blocks)
         if block is not None:
             _left_in_block(module, path, patchers, blocks[block], report)
-            parts.setdefault(block, []).append((module, path))
             continue
         _patch_one(module, path, patchers, check, report, asked)
-    _defer_parts(model, parts, functools.partial(_install_parts, patchers=patchers, check=check,
-                                                 report=report, asked=asked))  # fmt: skip
     _drop_known_containers(report)
     model.__dict__[REPORT] = report
     if not quiet:
@@ -905,38 +913,22 @@ def _left_in_block(
         report.left.append((path, qualified, reason))
 
 
-def _defer_parts(
-    model: nn.Module, parts: dict[str, list[tuple[nn.Module, str]]], install: Callable[..., list[str]]
-) -> None:
-    """Give each compiled block group the installation of the patches left out inside its blocks."""
-    by_group: dict[int, tuple[_BlockGroup, list[tuple[nn.Module, str]]]] = {}
-    for block, inside in parts.items():
-        group = model.get_submodule(block).__dict__[STATE].shared
-        by_group.setdefault(id(group), (group, []))[1].extend(inside)
-    for group, inside in by_group.values():
-        group.install_parts = functools.partial(install, group, inside)
-
-
 def _install_parts(
-    group: _BlockGroup,
-    inside: list[tuple[nn.Module, str]],
-    *,
-    patchers: list[_Patcher],
-    check: bool,
-    report: PatchReport,
-    asked: bool,
+    group: _BlockGroup, *, patchers: list[_Patcher], check: bool, report: PatchReport, asked: bool
 ) -> list[str]:
-    """After the blocks of `group` fell back: install the patches `_left_in_block` left out in them (the
-    blocks themselves excepted); returns the fixes installed, as "fix xN"."""
+    """After the blocks of `group` fell back: install the patches `_left_in_block` left out inside them;
+    returns the fixes installed, as "fix xN"."""
     installed: dict[str, int] = {}
-    for module, path in inside:
-        if any(module is m for m in group.modules):
-            continue
-        report.left[:] = [e for e in report.left if not (e[0] == path and e[2].startswith(_INSIDE_BLOCK))]
-        before = len(report.patched)
-        _patch_one(module, path, patchers, check, report, asked)
-        for _, _, fix in report.patched[before:]:
-            installed[fix] = installed.get(fix, 0) + 1
+    for block, block_path in zip(group.modules, group.paths, strict=True):
+        for sub_path, module in block.named_modules():
+            if not sub_path:
+                continue  # the block itself
+            path = f"{block_path}.{sub_path}"
+            report.left[:] = [e for e in report.left if not (e[0] == path and e[2].startswith(_INSIDE_BLOCK))]
+            before = len(report.patched)
+            _patch_one(module, path, patchers, check, report, asked)
+            for _, _, fix in report.patched[before:]:
+                installed[fix] = installed.get(fix, 0) + 1
     return [f"{fix} x{n}" for fix, n in installed.items()]
 
 

@@ -343,7 +343,7 @@ class GraphedForward:
         del graphed
         region.compile_missed(missed)
         graphed = _make_graphed(self.module, self._surface(layout), sample)
-        left = sorted({getattr(m.region.fn, "__qualname__", "?") for m in region.take_capture_misses()})
+        left = sorted({m.region.name for m in region.take_capture_misses()})
         if left:
             self._warn(
                 f"{', '.join(left)} runs uncompiled inside its CUDA graph (no compiled code fits its call)"

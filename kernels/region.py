@@ -63,6 +63,10 @@ class _Region:
     status: str = PENDING
     error: str | None = None
 
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
     def call(self, args: tuple, kwargs: dict) -> Any:
         if self.status == FAILED or torch.compiler.is_compiling():
             return self.fn(*args, **kwargs)
@@ -97,9 +101,8 @@ class _Region:
         # the message's lines joined: inductor's "backend='inductor' raised:" puts the cause on the next line
         words = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
         self.error = f"{type(exc).__name__}: {words[:300]}"
-        name = getattr(self.fn, "__qualname__", repr(self.fn))
         print(
-            f"opadvisor.kernels.compile_region: {name} runs uncompiled: torch.compile failed ({self.error})",
+            f"opadvisor.kernels.compile_region: {self.name} runs uncompiled: torch.compile failed ({self.error})",
             file=sys.stderr,
         )
 
@@ -240,7 +243,7 @@ def compile_missed(misses: list[CaptureMiss]) -> list[str]:
             if region.status == COMPILED:
                 _run_backward(region, out, (args, kwargs))
         if region.status == COMPILED:
-            names.append(getattr(region.fn, "__qualname__", repr(region.fn)))
+            names.append(region.name)
     return sorted(set(names))
 
 

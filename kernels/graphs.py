@@ -20,7 +20,7 @@ None / number / string leaves kept as captured.
 
 A transformers KV cache in the output cannot be returned by a graph: where the call left `use_cache` at the
 model's default (a causal LM training with use_cache=True fills a cache nobody reads), the forward is
-captured with use_cache=False instead, with a warning (its output's past_key_values is None); where the
+captured with use_cache=False instead, with a warning (its output holds no cache); where the
 caller passed use_cache itself, it runs eagerly.
 
 Each call runs the original forward eagerly, which is always correct, unless all of these hold:
@@ -319,14 +319,14 @@ class GraphedForward:
     def _graphed_without_a_cache_output(self, layout: tuple, sample: tuple[torch.Tensor, ...]) -> _Capture:
         """The graphed surface; where the forward returns a KV cache because the call left `use_cache` at the
         model's default (a causal LM training: the cache is filled and never read), captured with
-        use_cache=False instead, with a warning (the output's past_key_values is None then)."""
+        use_cache=False instead, with a warning (the output holds no cache then)."""
         try:
             return self._graphed_with_compiled_regions(layout, sample)
         except CacheOutput as exc:
             without = _layout_without_cache(self.original, layout)
             if without is None:
                 raise
-            self._warn(f"is graphed with use_cache=False: {exc} (its past_key_values is None)")
+            self._warn(f"is graphed with use_cache=False: {exc} (it returns no KV cache)")
             return self._graphed_with_compiled_regions(without, sample)
 
     def _graphed_with_compiled_regions(self, layout: tuple, sample: tuple[torch.Tensor, ...]) -> _Capture:

@@ -204,18 +204,19 @@ def source_fingerprint(function: Callable[..., Any], prefix: str | None = None) 
     return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]
 
 
-# The forwards the replacements reproduce (transformers 5.17 and 5.23 agree on these; the same on Python
-# 3.11 and 3.12).
+# The forwards the replacements reproduce (transformers 5.17 to 5.24; the same on Python 3.11 and 3.12).
 _FINGERPRINTS: dict[str, frozenset[str]] = {
-    "BertSelfAttention.forward": frozenset({"c9aff623cb3bee7b"}),
+    # 5.24 renamed the cache argument past_key_values -> cache and passes its **kwargs to cache.update
+    "BertSelfAttention.forward": frozenset({"c9aff623cb3bee7b", "981d4541628e79d8"}),
     "BertSelfAttention.eager": frozenset({"7e3246ffb0cd92ec"}),  # modeling_bert.eager_attention_forward
     "BertOutput.forward": frozenset({"3799d79263d3217e"}),  # BertSelfOutput.forward is the same code
-    "GPT2Attention.forward": frozenset({"9776498c57bbfab9"}),
+    "GPT2Attention.forward": frozenset({"9776498c57bbfab9", "c4aacbab42a83441"}),  # 5.24: as BERT's
     "GPT2Attention.eager": frozenset({"129ae75c51935f73"}),  # modeling_gpt2.eager_attention_forward
     "NewGELUActivation.forward": frozenset({"9d0b9dd7175386e1"}),
     "BertForMaskedLM.forward": frozenset({"9b5ba72bf54eebe4"}),
-    # 5.17 and 5.23 differ in how the hidden states are sliced for logits_to_keep, not in the loss
-    "GPT2LMHeadModel.forward": frozenset({"a598ab66858c87fb", "6e1be7c84478d45d"}),
+    # 5.17 and 5.23 differ in how the hidden states are sliced for logits_to_keep, not in the loss; 5.24 in the
+    # cache's name only
+    "GPT2LMHeadModel.forward": frozenset({"a598ab66858c87fb", "6e1be7c84478d45d", "3c72e5d417e3c073"}),
     "ForCausalLMLoss": frozenset({"0637640fcbd0cbda"}),  # transformers.loss.loss_utils
     "fixed_cross_entropy": frozenset({"7c2fdd59ca33bb6a"}),
 }
@@ -289,6 +290,45 @@ def _hf_eager(module: nn.Module) -> str | None:
     return None
 
 
+# -- the attention's arguments, under either name of its KV cache ----------------------------------------------
+# transformers 5.24 renamed the attention forwards' `past_key_values` to `cache` (same position) and hands the
+# forward's **kwargs on to `cache.update`; a replacement reads the call by the installed class's names.
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+@functools.cache
+def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds)
+
+
+def _arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name, positional ones named as the module's class names them."""
+    names = _named_parameters(type(module).forward)[1:]  # without self
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def _kv_cache(arguments: dict[str, Any]) -> Any:
+    """The KV cache the call passed, under either name, or None. (An empty DynamicCache is falsy: compared
+    with None, never tested for truth.)"""
+    for name in _CACHE_NAMES:
+        if arguments.get(name) is not None:
+            return arguments[name]
+    return None
+
+
+def _update_cache(module: nn.Module, cache: Any, k: torch.Tensor, v: torch.Tensor, arguments: dict[str, Any]):
+    """(keys, values) after the original's `cache.update` for this layer: the self-attention half of an
+    encoder-decoder cache; where the class names it `cache` (5.24), with its **kwargs passed as `kwargs=`."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    named = _named_parameters(type(module).forward)
+    if "cache" not in named:
+        return cache.update(k, v, module.layer_idx)
+    extra = {n: a for n, a in arguments.items() if n not in named and n not in _CACHE_NAMES}
+    return cache.update(k, v, module.layer_idx, kwargs=extra)
+
+
 # -- BERT-family self-attention --------------------------------------------------------------------------------
 def _check_bert_attention(module: nn.Module) -> str | None:
     cls = type(module)
@@ -311,11 +351,11 @@ def _sdpa_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | 
     return mask.clamp(min=torch.finfo(like.dtype).min).to(like.dtype)
 
 
-def _bert_attention(
-    module: nn.Module, state: _State, hidden_states, attention_mask=None, past_key_values=None, **kwargs
-):
-    if past_key_values is not None:  # a decoder's cache: the original handles it
-        return state.original(hidden_states, attention_mask, past_key_values, **kwargs)
+def _bert_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
+    arguments = _arguments(module, (hidden_states, *args), kwargs)
+    if _kv_cache(arguments) is not None:  # a decoder's cache: the original handles it
+        return state.original(hidden_states, *args, **kwargs)
+    attention_mask = arguments.get("attention_mask")
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.attention_head_size)
     q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
@@ -381,35 +421,17 @@ def _check_gpt2_attention(module: nn.Module) -> str | None:
     )
 
 
-def _gpt2_attention(
-    module: nn.Module,
-    state: _State,
-    hidden_states,
-    past_key_values=None,
-    attention_mask=None,
-    encoder_hidden_states=None,
-    encoder_attention_mask=None,
-    output_attentions=False,
-    **kwargs,
-):
-    if encoder_hidden_states is not None:
-        return state.original(
-            hidden_states,
-            past_key_values=past_key_values,
-            attention_mask=attention_mask,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_attention_mask=encoder_attention_mask,
-            output_attentions=output_attentions,
-            **kwargs,
-        )
+def _gpt2_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
+    arguments = _arguments(module, (hidden_states, *args), kwargs)
+    if arguments.get("encoder_hidden_states") is not None:
+        return state.original(hidden_states, *args, **kwargs)
     q, k, v = module.c_attn(hidden_states).split(module.split_size, dim=2)
     shape = (*k.shape[:-1], -1, module.head_dim)
     q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-    if (
-        past_key_values is not None
-    ):  # GPT2Model passes a cache in training too (use_cache): fill it as the original
-        cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-        k, v = cache.update(k, v, module.layer_idx)
+    cache = _kv_cache(arguments)
+    if cache is not None:  # GPT2Model passes a cache in training too (use_cache): fill it as the original
+        k, v = _update_cache(module, cache, k, v, arguments)
+    attention_mask = arguments.get("attention_mask")
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -558,13 +580,6 @@ def _check_causal_lm(module: nn.Module) -> str | None:
             cls, "fixed_cross_entropy", fixed, None
         )
     return problem or _no_hooks(module)
-
-
-@functools.cache
-def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
-    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return tuple(n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds)
 
 
 def _labels_out(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict, Any]:

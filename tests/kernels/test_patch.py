@@ -129,6 +129,54 @@ def test_patched_gpt2_trains_with_the_originals_losses(kernel_path) -> None:
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
 
 
+def _cache_name(cls: type) -> str:
+    """The name the installed transformers gives the KV cache argument (5.24 renamed it)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _decode(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of a prompt, then of two tokens fed one at a time through the KV cache the model returned."""
+    name = _cache_name(type(model))
+    out = model(input_ids=ids[:, :8], use_cache=True)
+    logits = [out.logits]
+    for i in (8, 9):
+        out = model(input_ids=ids[:, i : i + 1], use_cache=True, **{name: out[name]})
+        logits.append(out.logits)
+    return logits
+
+
+def test_patched_gpt2_decodes_through_its_kv_cache_as_the_original() -> None:
+    original = tiny_gpt2().eval()
+    patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    assert "hf_gpt2_attention" in {fix for _, _, fix in P.patch_report(patched).patched}
+    ids = batch()["input_ids"]
+    with torch.no_grad():
+        for got, want in zip(_decode(patched, ids), _decode(original, ids), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_patched_gpt2_attention_takes_its_cache_by_position_and_by_name() -> None:
+    """GPT2Attention called directly, its cache passed in the argument's place and by its name: the keys and
+    values the cache holds afterwards and the output are the original's."""
+    from transformers.cache_utils import DynamicCache
+
+    original = tiny_gpt2().eval()
+    patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    name = _cache_name(type(original.transformer.h[0].attn))
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    results = []
+    for model in (original, patched):
+        attn = model.transformer.h[0].attn
+        by_position, by_name = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        with torch.no_grad():
+            outs = (attn(x, by_position)[0], attn(x, **{name: by_name})[0])
+        results.append((*outs, by_position.layers[0].keys, by_name.layers[0].values))
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_encoder_layer_and_multihead_attention(kernel_path) -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)

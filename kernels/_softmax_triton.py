@@ -7,7 +7,8 @@ otherwise. A mask row that all ROWS rows of a program share ([B,1,1,S] padding m
 (MASK_SHARED, decided by the launcher). Math is float32 whatever the storage dtype. The forward of rows
 held whole in registers can also run on a persistent grid (PERSISTENT: each program loops over tiles, STAGES
 pipelining the loads); `softmax.FORWARD_CONFIGS` picks, per row block, from what
-benchmarks/softmax_sweep.py measured.
+benchmarks/softmax_sweep.py measured. Rows of a power of two columns wider than one warp's 16-byte vectors
+are held in SPLIT pieces a thread, each warp with whole rows (`_fwd_tile_split`, SPLIT from the launcher).
 
 Forward, per row:  s = x * scale;  s = where(mask, fill, s) (bool) or s + mask (additive)
                    p = exp(s - max s) / sum exp(s - max s)   (0 for a row whose s are all -inf)
@@ -72,9 +73,33 @@ def _fwd_tile(
     scale, fill, keep_scale, threshold, k0, k1, stream,
     MASK: tl.constexpr, ZERO_MASKED: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
     BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """The forward of rows [tile * ROWS, +ROWS), each held whole in registers (rows up to BLOCK columns),
+    as one [ROWS, BLOCK] tile (SPLIT = 1) or in SPLIT pieces a row (`_fwd_tile_split`)."""
+    if SPLIT > 1:
+        _fwd_tile_split(
+            tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+            sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
+            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, SPLIT, EVEN, SCALED,
+        )  # fmt: skip
+    else:
+        _fwd_tile_flat(
+            tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
+            sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
+            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED,
+        )  # fmt: skip
+
+
+@triton.jit
+def _fwd_tile_flat(
+    tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc, sy0, sy1, sy2, syc,
+    scale, fill, keep_scale, threshold, k0, k1, stream,
+    MASK: tl.constexpr, ZERO_MASKED: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
     MASK_SHARED: tl.constexpr,
 ):  # fmt: skip
-    """The forward of rows [tile * ROWS, +ROWS), each held whole in registers (rows up to BLOCK columns)."""
+    """`_fwd_tile` with SPLIT = 1: the tile as [ROWS, BLOCK]."""
     first = widen(tile, I64) * ROWS
     rows = first + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -97,6 +122,82 @@ def _fwd_tile(
         keep = keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE)
         p = tl.where(keep, p * keep_scale, 0.0)
     tl.store(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _load_tile(ptr, ok, other, EVEN: tl.constexpr):
+    if EVEN:  # every element of the tile is in bounds: no predicates
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=ok, other=other)
+
+
+@triton.jit
+def _store_tile(ptr, value, ok, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptr, value)
+    else:
+        tl.store(ptr, value, mask=ok)
+
+
+@triton.jit
+def _fwd_tile_split(
+    tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc, sy0, sy1, sy2, syc,
+    scale, fill, keep_scale, threshold, k0, k1, stream,
+    MASK: tl.constexpr, ZERO_MASKED: tl.constexpr, DROPOUT: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr,
+    MASK_SHARED: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, SCALED: tl.constexpr,
+):  # fmt: skip
+    """`_fwd_tile` with the tile held as [ROWS, SPLIT, BLOCK // SPLIT]: column j * (BLOCK // SPLIT) + c of row
+    r at [r, j, c]. BLOCK // SPLIT is what one warp's lanes cover with 16-byte vectors, so the compiler's
+    layout puts the SPLIT pieces of a row in one thread and the warps along the rows: the row max and sum
+    need no exchange between warps (no shared memory, no barrier), where the [ROWS, BLOCK] tile spreads a row
+    over warps. EVEN: every tile is whole (no bounds predicates); SCALED: scale is not 1 (else no multiply).
+    Same arithmetic as `_fwd_tile_flat`; the row sum adds the pieces first (another order)."""
+    PIECE: tl.constexpr = BLOCK // SPLIT
+    first = widen(tile, I64) * ROWS
+    rows = first + tl.arange(0, ROWS)
+    xo = _row_offsets(rows, D1, D2, sx0, sx1, sx2)[:, None, None]
+    yo = _row_offsets(rows, D1, D2, sy0, sy1, sy2)[:, None, None]
+    piece = widen(tl.arange(0, SPLIT), I64)[None, :, None] * PIECE
+    cols = piece + widen(tl.arange(0, PIECE), I64)[None, None, :]
+    ok = (rows < n_rows)[:, None, None] & (cols < n_cols)
+    s = _load_tile(X + xo + cols * sxc, ok, 0.0, EVEN).to(tl.float32)
+    if SCALED:
+        s = s * scale
+    masked = ok & False
+    if MASK != 0:
+        if MASK_SHARED:  # one mask row for the whole tile (each warp's loads of it hit L1)
+            mo = tl.broadcast_to(_row_offsets(first, D1, D2, sm0, sm1, sm2), (ROWS, 1, 1))
+        else:
+            mo = _row_offsets(rows, D1, D2, sm0, sm1, sm2)[:, None, None]
+        # Runs of 8 columns, as far as the compiler knows: it then loads the mask 8 elements a thread, in
+        # x's layout (16 bytes of bool take another layout and a shuffle through shared memory).
+        mv = _load_tile(M + mo + (cols // 8 * 8 + cols % 8) * smc, ok, 0, EVEN)
+        if MASK == 1:
+            masked = mv != 0
+            if not EVEN:
+                masked = masked & ok
+            s = tl.where(masked, fill, s)
+        else:
+            s = s + mv.to(tl.float32)
+    if not EVEN:
+        s = tl.where(ok, s, float("-inf"))
+    m = tl.max(tl.max(s, axis=1), axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)[:, None, None]
+    e = tl.exp(s - m)
+    den = tl.sum(tl.sum(e, axis=1), axis=1)
+    p = e * tl.where(den > 0, 1.0 / tl.where(den > 0, den, 1.0), 0.0)[:, None, None]
+    if ZERO_MASKED:
+        p = tl.where(masked, 0.0, p)
+    yoff = yo + cols * syc
+    if DROPOUT:
+        _store_tile(P + yoff, rne_bf16(p, RNE).to(P.dtype.element_ty), ok, EVEN)
+        keep = tl.reshape(
+            keep_mask(k0, k1, stream, threshold, rows, 0, ROWS, BLOCK, INTERLEAVE), (ROWS, SPLIT, PIECE)
+        )
+        p = tl.where(keep, p * keep_scale, 0.0)
+    _store_tile(Y + yoff, rne_bf16(p, RNE).to(Y.dtype.element_ty), ok, EVEN)
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold"])
@@ -142,6 +243,9 @@ def masked_softmax_fwd_kernel(
     SEED_PTR: tl.constexpr,
     PERSISTENT: tl.constexpr,
     STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EVEN: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """LOOPED: one tile of ROWS rows per program, its rows read in BLOCK-column pieces (twice). Otherwise
     each row is held whole: one tile per program, or with PERSISTENT a grid of fewer programs each looping
@@ -188,13 +292,13 @@ def masked_softmax_fwd_kernel(
             _fwd_tile(
                 tile, X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
                 sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
-                MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED,
+                MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, SPLIT, EVEN, SCALED,
             )  # fmt: skip
     else:
         _fwd_tile(
             tl.program_id(0), X, M, Y, P, n_rows, n_cols, D1, D2, sx0, sx1, sx2, sxc, sm0, sm1, sm2, smc,
             sy0, sy1, sy2, syc, scale, fill, keep_scale, threshold, k0, k1, stream,
-            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED,
+            MASK, ZERO_MASKED, DROPOUT, ROWS, BLOCK, INTERLEAVE, RNE, I64, MASK_SHARED, SPLIT, EVEN, SCALED,
         )  # fmt: skip
 
 

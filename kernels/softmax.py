@@ -36,6 +36,14 @@ LOOP_BLOCK = 4096
 # True: one Philox call per 4 columns, its words interleaved in registers; False: one call per element,
 # same bits. True is what the softmax benchmark measured; bias_dropout_add measured False faster.
 RNG_INTERLEAVE = True
+# True: the forward holds a row of a power of two columns, more than one warp's lanes cover with 16-byte
+# vectors, in SPLIT pieces per thread, so that each warp has whole rows and the row max and sum need no
+# barrier (_softmax_triton._fwd_tile_split; `_row_split` says where). Measured on an H200 (tenth session,
+# benchmarks/softmax_sweep.py, GPU time), split / not: [32,16,512,512] bf16 pad mask fwd 0.143 / 0.160 ms
+# (88% / 79% of copy), fwd+bwd 0.326 / 0.351; BERT's [16,12,512,512] add mask + scale + dropout fwd 0.097 /
+# 0.102, fwd+bwd 0.178 / 0.185; bf16 rows of 1024 and float32 rows of 512 faster too. Same dropout mask;
+# y and dx differ from the unsplit kernel's in float32 rounding only (24 of 6.3M y elements by one step).
+ROW_SPLIT = True
 # On CUDA, tensors with fewer elements run the plain chain (`eager_masked_softmax`) instead. From Python a
 # kernel call costs more host time than the chain's few ops (an autograd.Function whose backward runs Python
 # on the autograd engine's device thread: ~0.2 ms fwd+bwd against the chain's ~0.15-0.19 ms on an H200
@@ -270,7 +278,7 @@ def _launch_plan(
 ):  # fmt: skip
     """(Launch, integer args) of the forward (strides: x's) or backward (strides: dy's) kernel for one
     layout, or None when it needs a copy first. dtypes: (x, x) or (dy, the saved probabilities); flags:
-    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE); mask_meta: (shape, strides, dtype) or None;
+    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE, ROW_SPLIT, scale != 1); mask_meta: (shape, strides, dtype) or None;
     forward: the forward's ForwardConfig or None. Cached: the per-call work is the lookup."""
     mask_sh = None if mask_meta is None else mask_meta[:2]
     plan = _plan(shape, strides, mask_sh, dim, max_block, loop_block, None if backward else forward)
@@ -282,14 +290,37 @@ def _launch_plan(
         ints = (n_rows, n_cols, d1, d2, *st[8:12], *st[0:4], *st[4:8], *st[8:12])
     else:
         grid, meta = _forward_grid(grid, meta, forward, device)
+        meta.update(_split_meta(ints[0], ints[1], dtypes[0], meta, flags, max_block, loop_block))
     launcher = _launchers()[1 if backward else 0]
     _backend.check_launch_device(device)
-    mask_kind, zero_masked, dropout, seed_ptr, interleave = flags
+    mask_kind, zero_masked, dropout, seed_ptr, interleave, _, _ = flags
     full = {
         "MASK": mask_kind, "ZERO_MASKED": zero_masked, "DROPOUT": dropout, "INTERLEAVE": interleave,
         "RNE": launcher.interpreted and dtypes[1] == torch.bfloat16, "SEED_PTR": seed_ptr, **meta,
     }  # fmt: skip
     return launcher.prepare(grid, full), ints
+
+
+def _split_meta(n_rows, n_cols, dtype, meta, flags, max_block, loop_block) -> dict:
+    """The forward's SPLIT, EVEN and SCALED constexprs (see _softmax_triton._fwd_tile_split; with SPLIT = 1
+    the other two are fixed, the plain tile not using them)."""
+    split = _row_split(n_cols, dtype, max_block, loop_block) if flags[5] and not meta["LOOPED"] else 1
+    if split == 1:
+        return {"SPLIT": 1, "EVEN": False, "SCALED": True}
+    even = n_rows % meta["ROWS"] == 0 and n_cols == meta["BLOCK"]
+    return {"SPLIT": split, "EVEN": even, "SCALED": flags[6]}
+
+
+def _row_split(n_cols: int, dtype: torch.dtype, max_block: int, loop_block: int) -> int:
+    """The forward's SPLIT for rows of `n_cols` held whole: BLOCK over the columns one warp covers in
+    16-byte vectors, for rows of a power of two columns (rows of other lengths load less than 16 bytes at a
+    time unless their strides allow it; not measured) where `_config` gives at least a row per warp; else 1.
+    Configurations with no more warps than rows keep the warps along the rows and sum a row in one order."""
+    rows, block, looped, warps = _config(n_cols, max_block, loop_block)
+    warp_cols = 32 * max(1, 16 // dtype.itemsize)
+    if looped or n_cols != block or rows < warps or block <= warp_cols:
+        return 1
+    return block // warp_cols
 
 
 def _forward_grid(grid, meta, forward: ForwardConfig | None, device: torch.device):
@@ -301,11 +332,12 @@ def _forward_grid(grid, meta, forward: ForwardConfig | None, device: torch.devic
     return grid, {**meta, "PERSISTENT": persistent, "STAGES": forward.stages if persistent else 1}
 
 
-def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype):
+def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype, scaled=True):
     """(Launch, integer args, t, mask): t is x (forward) or dy (backward), out_dtype the dtype of y / saved
-    and dx; t and mask copied to contiguous first when their layout needs it (warned once)."""
+    and dx, scaled whether the forward's scale is not 1; t and mask copied to contiguous first when their
+    layout needs it (warned once)."""
     flags = (_mask_kind(mask), zero_masked and mask is not None, p > 0, isinstance(seed, torch.Tensor),
-             RNG_INTERLEAVE)  # fmt: skip
+             RNG_INTERLEAVE, ROW_SPLIT, scaled)  # fmt: skip
     mask_meta = None if mask is None else (tuple(mask.shape), mask.stride(), mask.dtype)
     forward = None if backward else _forward_config(t.shape[dim])
     key = (t.shape, t.stride(), mask_meta, dim, (t.dtype, out_dtype), t.device, flags, MAX_BLOCK, LOOP_BLOCK)
@@ -314,7 +346,7 @@ def _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype):
         _dispatch.warn_fallback(OP, "inputs whose batch dimensions do not merge into three are copied first")
         t = t.contiguous()
         mask = None if mask is None else mask.expand(t.shape).contiguous()
-        return _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype)
+        return _launch_for(backward, t, mask, dim, zero_masked, p, seed, out_dtype, scaled)
     return (*got, t, mask)
 
 
@@ -324,7 +356,7 @@ def _forward(x, mask, dim, scale, fill_value, zero_masked, p, seed):
     saved = torch.empty(x.shape, dtype=x.dtype, device=x.device) if p > 0 else None
     if x.numel() == 0:
         return y, saved
-    launch, ints, x, mask = _launch_for(False, x, mask, dim, zero_masked, p, seed, x.dtype)
+    launch, ints, x, mask = _launch_for(False, x, mask, dim, zero_masked, p, seed, x.dtype, scale != 1.0)
     launch(
         (x, _mask_arg(mask, x), y, y if saved is None else saved, *ints,
          scale, fill_value, *_rng.dropout_scalars(p), *_rng.seed_args(seed, y))

@@ -162,24 +162,73 @@ def test_one_warp_forwards_are_refused():
 
 @pytest.mark.parametrize("config", FORWARD_CONFIGS, ids=str)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
-def test_forward_configs_compute_the_same_bits(config, dropout_p, device, monkeypatch):
+@pytest.mark.parametrize("n_cols", [40, 512])
+def test_forward_configs_compute_the_same_bits(config, dropout_p, n_cols, device, monkeypatch):
     """Every forward configuration the sweep may choose (benchmarks/softmax_sweep.py: rows, warps, the shared
     mask row, a persistent grid) gives the default's bits, dropout mask included, and the backward (which
-    keeps `_config`'s launch) its gradient; 23 tiles, so a persistent grid loops."""
+    keeps `_config`'s launch) its gradient; 23 tiles, so a persistent grid loops. 512 columns: rows held in
+    two pieces (ROW_SPLIT)."""
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
     torch.manual_seed(2)
-    x = torch.randn(2, 3, 15, 40, device=device).to(torch.bfloat16) * 3
+    x = torch.randn(2, 3, 15, n_cols, device=device).to(torch.bfloat16) * 3
     mask = _padding_mask(x.shape, device)
     dy = torch.randn_like(x)
     kw = dict(scale=0.5, zero_masked=True, dropout_p=dropout_p)
     y0, (dx0,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
-    monkeypatch.setattr(softmax, "FORWARD_CONFIGS", {64: config})
+    monkeypatch.setattr(softmax, "FORWARD_CONFIGS", {softmax.triton_next_power_of_2(n_cols): config})
     launch, _, _, _ = softmax._launch_for(False, x, mask, 3, True, dropout_p, FIXED_SEED, x.dtype)
     assert (launch.meta["ROWS"], launch.meta["num_warps"]) == (config.rows, config.warps)
     assert launch.meta["PERSISTENT"] == (config.programs_per_sm > 0)
     y, (dx,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
     assert torch.equal(y, y0)
     assert torch.equal(dx, dx0)
+
+
+@pytest.mark.parametrize(
+    "n_cols,dtype,split",
+    [(512, torch.bfloat16, 2), (1024, torch.float16, 4), (512, torch.float32, 4), (256, torch.bfloat16, 1),
+     (500, torch.bfloat16, 1), (2048, torch.bfloat16, 1), (32768, torch.bfloat16, 1)],
+)  # fmt: skip
+def test_row_split_follows_the_row_length(n_cols, dtype, split):
+    """Rows of a power of two columns wider than one warp's 16-byte vectors are held in pieces where
+    `_config` has a warp per row or more (512 bf16 columns: 8 rows on 4 warps); 500 columns, 2048 (2 rows on 8
+    warps) and looped rows are not."""
+    assert softmax._row_split(n_cols, dtype, softmax.MAX_BLOCK, softmax.LOOP_BLOCK) == split
+
+
+def test_row_split_off_launches_one_piece(monkeypatch):
+    x = torch.randn(2, 2, 4, 512, dtype=torch.bfloat16)
+    got = softmax._launch_for(False, x, None, 3, False, 0.0, FIXED_SEED, x.dtype)[0].meta["SPLIT"]
+    monkeypatch.setattr(softmax, "ROW_SPLIT", False)
+    off = softmax._launch_for(False, x, None, 3, False, 0.0, FIXED_SEED, x.dtype)[0].meta["SPLIT"]
+    assert (got, off) == (2, 1)
+
+
+@pytest.mark.parametrize("kind", ["bool", "add"])
+@pytest.mark.parametrize("dtype,n_cols", [(torch.float32, 256), (torch.bfloat16, 512)], ids=str)
+@pytest.mark.parametrize("rows", [7, 8], ids=["partial-tile", "whole-tiles"])
+def test_row_split_matches_reference(kind, dtype, n_cols, rows, device, monkeypatch):
+    """The split forward (2 pieces a row; a shared padding mask row or an additive one; scale and dropout;
+    the last tile partial, or every tile whole: EVEN): the reference's values and gradients, the dropout mask
+    the reference draws bit for bit."""
+    monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
+    torch.manual_seed(6)
+    x = (torch.randn(2, 2, rows, n_cols, device=device) * 3).to(dtype)
+    pad = _padding_mask(x.shape, device)
+    mask = pad if kind == "bool" else torch.where(pad, -10000.0, 0.0).to(device)
+    meta = softmax._launch_for(False, x, mask, 3, False, 0.25, FIXED_SEED, dtype)[0].meta
+    assert meta["SPLIT"] == 2 and meta["EVEN"] == (rows == 8)
+    dy = torch.randn_like(x)
+    keep = softmax.philox_keep_like(x, -1, FIXED_SEED, 0.25)
+    kw = dict(scale=0.5, zero_masked=kind == "bool", dropout_p=0.25)
+    y, (dx,) = grad_of(lambda t: masked_softmax(t, mask, **kw), x, dy)
+    assert torch.equal(y != 0, keep & ~pad.expand_as(keep))
+    y_ref, dx_ref = _ref64(x, mask, dy, keep=keep, **kw)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dx.double(), dx_ref, rtol=1e-5, atol=1e-6)
+    else:  # bf16 storage: within a few roundings
+        assert rel_err(y, y_ref) < 8e-3 and rel_err(dx, dx_ref) < 8e-3
 
 
 def test_additive_mask_gets_its_gradient(device):

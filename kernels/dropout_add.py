@@ -36,6 +36,9 @@ from .softmax import triton_cdiv, triton_next_power_of_2
 TILE = 2048
 MASK_MODE = "philox"  # or "byte", "bits"
 RNG_INTERLEAVE = False
+# The forward draws its mask with `keep_rows_cols` (Philox's first rounds per row and per column, not per
+# element; the same bits as `keep_mask`) where rows fit in int32.
+SPLIT_RNG = True
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
 # call costs 0.1-0.2 ms more host time than the chain's (a Python autograd.Function, whose backward also
@@ -128,6 +131,7 @@ def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_x, s_r) = got
+    i64 = layout.needs_int64(shape, [x_strides, r_strides])
     rows, block, warps = _config(n_cols, tile)
     grid = (triton_cdiv(n_rows, rows), triton_cdiv(n_cols, block))
     x_dtype, b_dtype, r_dtype = dtypes
@@ -139,7 +143,7 @@ def _fwd_plan(shape, x_strides, r_strides, dtypes, device, flags, tile):
         "HAS_BIAS": b_dtype is not None, "DROPOUT": dropout, "BYTE_MASK": stored == "byte",
         "BIT_MASK": stored == "bits", "INTERLEAVE": interleave,
         "RNE": launcher.interpreted and out_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
-        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [x_strides, r_strides]),
+        "ROWS": rows, "BLOCK": block, "I64": i64, "FLAT": n_rows == d2, "SPLIT_RNG": SPLIT_RNG and not i64,
         "num_warps": warps,
     }  # fmt: skip
     return launcher.prepare(grid, meta), (n_rows, n_cols, d1, d2, *s_x, *s_r), out_dtype
@@ -233,6 +237,9 @@ class BackwardConfig:
     sum_rows: int = 32
     sum_cols: int = 64
     sum_warps: int = 4
+    split_rng: bool = False
+    evict_first: bool = False
+    max_registers: int = 0
 
 
 # Measured on an H200 (ninth session, benchmarks/bda_sweep.py, GPU time from CUDA-graph replays, bf16, p=0.1):
@@ -243,7 +250,15 @@ class BackwardConfig:
 # programs of a few rows, each writing a row of partial sums). Pipelined loads (stages) and the interleaved
 # Philox layout measured no faster (the compiler already shares one Philox call among a quad's columns).
 BACKWARD_CONFIG = BackwardConfig(
-    rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=True, sum_rows=256, sum_cols=8
+    rows=8,
+    block=256,
+    warps=4,
+    programs_per_sm=16,
+    min_rows=64,
+    prefetch=True,
+    sum_rows=256,
+    sum_cols=8,
+    split_rng=True,
 )
 
 
@@ -282,6 +297,7 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
+    i64 = layout.needs_int64(shape, [dy_strides])
     programs = config.programs_per_sm * _backend.multiprocessors(device)
     rows, block, grid, rows_per_prog = _bwd_geometry(n_rows, n_cols, config, programs)
     _, dx_dtype, b_dtype = dtypes
@@ -292,9 +308,12 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
         "HAS_BIAS": b_dtype is not None, "BYTE_MASK": stored == "byte", "BIT_MASK": stored == "bits",
         "INTERLEAVE": config.interleave,
         "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
-        "ROWS": rows, "BLOCK": block, "I64": layout.needs_int64(shape, [dy_strides]),
-        "STAGES": config.stages, "PREFETCH": config.prefetch, "num_warps": config.warps,
+        "ROWS": rows, "BLOCK": block, "I64": i64, "FLAT": n_rows == d2, "SPLIT_RNG": config.split_rng and not i64,
+        "POLICY": "evict_first" if config.evict_first else "",
+        "STAGES": config.stages, "PREFETCH": int(config.prefetch), "num_warps": config.warps,
     }  # fmt: skip
+    if config.max_registers:
+        meta["maxnreg"] = config.max_registers
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
     launch = bwd.prepare(grid, meta)
     if b_dtype is None:

@@ -8,27 +8,26 @@ bandwidth.
 The cases: bf16 x, bias, residual and dy at [16384,4096], [8192,4096], [16384,1024] (benchmarks/kernels.py's
 shapes) and BERT-base's [8192,768], p=0.1, GPU time alone (triton.testing.do_bench_cudagraph: CUDA-graph
 replays, median; no launch or Python time; the kernels run at every size, as under graph capture). Each
-candidate is a `dropout_add.BackwardConfig` set as BACKWARD_CONFIG (the backward kernel's tile: rows x block,
-warps; programs per multiprocessor; fewest rows a program; how many tiles of dy it loads ahead (prefetch);
-the keep mask drawn by `keep_rows_cols` (split_rng: Philox's first rounds per row and per column) or by
-`keep_mask`; an evict-first L2 policy on dy and dx; a register cap; the tile of `bias_grad_kernel`, which adds
+candidate is a `dropout_add.BACKWARD_CONFIGS` (a `BackwardConfig` per row width: the backward kernel's tile,
+rows x block and warps; programs per multiprocessor; fewest rows a program; a prefetch of the next rows; the
+keep mask drawn by `keep_rows_cols`, split_rng, or by `keep_mask`; the tile of `bias_grad_kernel`, which adds
 the partial dbias sums up) and the forward's SPLIT_RNG. MASK_MODE stays "philox" (the ninth session measured
 "bits": its forward's packing lost more than its backward won).
 
 Phase 1 times the backward alone (dx + partial dbias + bias_grad_kernel, the launches autograd makes) at
-[16384,4096] over tile x prefetch x programs per multiprocessor; phase 2 tries the best three with an
-evict-first policy, a register cap, fewer or more rows a program, more programs; phase 3 the sum kernel's
-tiles on the best. The ninth session's shipped backward ("ninth": keep_mask, one tile ahead), the shipped
-one and the best three are then timed at every shape: backward alone (interleaved rounds, median), forward +
-backward through autograd (the measurement of kernels.py's "graph" column: its own bench_graph and
-_fwd_bwd; "ninth" with the forward's keep_mask, the rest with SPLIT_RNG), the forward with either mask draw,
-the backward without dbias (what the sums cost), and checked on the GPU (dx bit for bit against the ninth
-session's backward, dbias against a float64 sum, twice the same bits). Beside each time: % of the copy
-bandwidth measured in this process (a 2 GiB device-to-device copy, bytes read + written: kernels.py's
-"% copy"; bytes as kernels.py counts them: forward x, residual, y; backward dy, dx), and the compiled
-backward kernel's registers per thread and spills. Writes DIR/bda_sweep.md and .json (also after each
-phase); prints the table last. `--budget` stops starting new phase-1/2/3 candidates after that many seconds
-so the finals still run; `--only-finals` skips phases 1-3 (the shipped and ninth candidates only).
+[16384,4096] over tile x prefetch x programs per multiprocessor, one config for every width; phase 2 tries the
+best three with keep_mask, fewer or more rows a program, more programs; phase 3 the sum kernel's tiles on the
+best. The finalists: the ninth session's launch ("ninth": 8 x 256 tiles and keep_mask forward and backward,
+run by this kernel), the shipped BACKWARD_CONFIGS and the three best of the phases (with --only-finals:
+`confirm_candidates`, alternatives to the shipped pairs), timed at every shape: backward alone (interleaved
+rounds, median), forward + backward through autograd (the measurement of kernels.py's "graph" column: its
+own bench_graph and _fwd_bwd), the forward with either mask draw, the backward without dbias (what the sums
+cost), and checked on the GPU (dx and y bit for bit against "ninth"'s, dbias against a float64 sum, twice
+the same bits). Beside each time: % of the copy bandwidth measured in this process (a 2 GiB
+device-to-device copy, bytes read + written: kernels.py's "% copy"; bytes as kernels.py counts them:
+forward x, residual, y; backward dy, dx), and the compiled backward kernel's registers per thread and
+spills. Writes DIR/bda_sweep.md and .json (also after each phase); prints the table last. `--budget` stops
+starting new phase-1/2/3 candidates after that many seconds so the finals still run.
 """
 
 from __future__ import annotations
@@ -53,31 +52,53 @@ DEVICE = "cuda"
 SHAPES = [(16384, 4096), (8192, 4096), (16384, 1024), (8192, 768)]
 # (rows, block, warps) x prefetch x programs per multiprocessor: phase 1 (all with split_rng)
 TILES = [(8, 256, 4), (4, 256, 4), (8, 128, 4), (2, 1024, 4), (1, 2048, 4), (4, 512, 4), (16, 256, 8)]
-PREFETCH = (1, 2)
+PREFETCH = (False, True)
 PER_SM = (8, 16)
 # phase 2's changes to the best tiles
 CHANGES = (
-    {"evict_first": True}, {"max_registers": 64}, {"min_rows": 32}, {"min_rows": 128}, {"programs_per_sm": 32},
-    {"prefetch": 0}, {"programs_per_sm": 128, "min_rows": 32},
+    {"split_rng": False}, {"min_rows": 32}, {"min_rows": 128}, {"programs_per_sm": 32},
+    {"programs_per_sm": 128, "min_rows": 32},
 )  # fmt: skip
 # bias_grad_kernel tiles (sum_rows, sum_cols, sum_warps): phase 3
 SUM_TILES = [(32, 64, 4), (128, 16, 4), (64, 32, 4), (256, 8, 4)]
 
 
 class Candidate(NamedTuple):
-    """MASK_MODE (how the backward gets the keep mask), BACKWARD_CONFIG and the forward's SPLIT_RNG."""
+    """MASK_MODE (how the backward gets the keep mask), BACKWARD_CONFIGS ((fewest columns, BackwardConfig)
+    pairs: the backward's launch per row width) and the forward's SPLIT_RNG."""
 
     mask: str
-    config: object
+    configs: tuple
     fwd_split: bool = True
 
 
+def single(config, fwd_split: bool = True) -> Candidate:
+    """A candidate with one backward config for every row width."""
+    return Candidate("philox", ((0, config),), fwd_split)
+
+
 def ninth_candidate(dropout_add) -> Candidate:
-    """The ninth session's shipped launch: keep_mask forward and backward, one tile of dy loaded ahead."""
-    config = dropout_add.BackwardConfig(
-        rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=1, sum_rows=256, sum_cols=8
+    """The ninth session's shipped launch: keep_mask forward and backward, 8 x 256 tiles, one tile of dy
+    loaded ahead (run by this session's kernel: 2-D layouts without `row_offsets`' divisions)."""
+    return single(ninth_config(dropout_add), fwd_split=False)
+
+
+def ninth_config(dropout_add):
+    return dropout_add.BackwardConfig(
+        rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=True, sum_rows=256, sum_cols=8
     )
-    return Candidate("philox", config, fwd_split=False)
+
+
+def confirm_candidates(dropout_add) -> list[Candidate]:
+    """--only-finals: alternatives to the shipped BACKWARD_CONFIGS (wide rows' config with fewer rows a
+    program, narrow rows' with fewer rows a program, the wide tile with keep_mask at every width)."""
+    (cols, wide), (_, narrow) = dropout_add.BACKWARD_CONFIGS
+    more_programs = dataclasses.replace(wide, programs_per_sm=8, min_rows=32)
+    return [
+        Candidate("philox", ((cols, more_programs), (0, narrow))),
+        Candidate("philox", ((cols, wide), (0, dataclasses.replace(narrow, min_rows=32)))),
+        single(dataclasses.replace(wide, split_rng=False)),
+    ]
 
 
 def _bench_module():
@@ -93,28 +114,29 @@ def _shape_label(shape) -> str:
     return f"[{shape[0]},{shape[1]}]"
 
 
-def _label(cand: Candidate) -> str:
-    c = cand.config
+def _config_label(c) -> str:
     parts = [f"{c.rows}x{c.block} w{c.warps} {c.programs_per_sm}/SM"]
-    if cand.mask != "philox":
-        parts.insert(0, cand.mask)
     parts.append("split" if c.split_rng else "keep_mask")
     if c.min_rows > 1:
         parts.append(f"min_rows={c.min_rows}")
     if c.stages > 1:
         parts.append(f"stages={c.stages}")
     if c.prefetch:
-        parts.append(f"prefetch={int(c.prefetch)}")
+        parts.append("prefetch")
     if c.interleave:
         parts.append("interleave")
-    if c.evict_first:
-        parts.append("evict_first")
-    if c.max_registers:
-        parts.append(f"maxnreg={c.max_registers}")
     parts.append(f"sum {c.sum_rows}x{c.sum_cols} w{c.sum_warps}")
-    if not cand.fwd_split:
-        parts.append("fwd keep_mask")
     return ", ".join(parts)
+
+
+def _label(cand: Candidate) -> str:
+    if len(cand.configs) == 1:
+        label = _config_label(cand.configs[0][1])
+    else:
+        label = "; ".join(f">={cols} cols: {_config_label(c)}" for cols, c in cand.configs)
+    if cand.mask != "philox":
+        label = f"{cand.mask}: {label}"
+    return label if cand.fwd_split else f"{label}; fwd keep_mask"
 
 
 class Case:
@@ -157,7 +179,7 @@ class Sweep:
 
     def set(self, cand: Candidate) -> None:
         self.da.MASK_MODE = cand.mask
-        self.da.BACKWARD_CONFIG = cand.config
+        self.da.BACKWARD_CONFIGS = cand.configs
         self.da.SPLIT_RNG = cand.fwd_split
         self.da._bwd_plan.cache_clear()
         self.da._fwd_plan.cache_clear()
@@ -188,7 +210,8 @@ class Sweep:
         regs, spills = self.regs.get((_label(cand), shape), (None, None)) if mode == "bwd" else (None, None)
         row = {
             "phase": phase, "shape": case.label, "mode": mode, "mask": cand.mask,
-            "config": dataclasses.asdict(cand.config), "label": _label(cand), "ms": ms, "GBps": gbs,
+            "configs": [[cols, dataclasses.asdict(c)] for cols, c in cand.configs], "fwd_split": cand.fwd_split,
+            "label": _label(cand), "ms": ms, "GBps": gbs,
             "pct_copy": 100 * gbs / self.copy_gbs, "regs": regs, "spills": spills,
         }  # fmt: skip
         self.rows.append(row)
@@ -203,7 +226,7 @@ class Sweep:
         """(registers per thread, spills) of the backward kernel compiled for this case, if Triton says."""
         plan = self.da._bwd_plan(
             case.dy.shape, case.dy.stride(), (case.dy.dtype, case.dy.dtype, case.dy.dtype), case.dy.device,
-            (None if mask == "philox" else mask, False), self.da.BACKWARD_CONFIG,
+            (None if mask == "philox" else mask, False), self.da.BACKWARD_CONFIGS,
         )  # fmt: skip
         for compiled in plan.launch.compiled.values():
             return getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
@@ -261,12 +284,18 @@ def best_candidates(rows: list[dict], n: int) -> list[Candidate]:
 
     seen: dict[str, dict] = {}
     for r in sorted(rows, key=lambda r: r["ms"]):
-        if r["mode"] == "bwd" and r["shape"] == _shape_label(SHAPES[0]) and r["phase"] != "ninth":
+        if r["mode"] == "bwd" and r["shape"] == _shape_label(SHAPES[0]) and r["phase"] in ("1", "2", "3"):
             seen.setdefault(r["label"], r)
-    return [Candidate(r["mask"], dropout_add.BackwardConfig(**r["config"])) for r in list(seen.values())[:n]]
+    return [_candidate(dropout_add, r) for r in list(seen.values())[:n]]
 
 
-def phase1(sweep: Sweep, shipped: Candidate, quick: bool, deadline: float) -> None:
+def _candidate(dropout_add, row: dict) -> Candidate:
+    """The candidate a result row was timed with."""
+    configs = tuple((cols, dropout_add.BackwardConfig(**c)) for cols, c in row["configs"])
+    return Candidate(row["mask"], configs, row["fwd_split"])
+
+
+def phase1(sweep: Sweep, base, quick: bool, deadline: float) -> None:
     tiles = TILES[:3] if quick else TILES
     for rows, block, warps in tiles:
         for prefetch in PREFETCH:
@@ -274,10 +303,10 @@ def phase1(sweep: Sweep, shipped: Candidate, quick: bool, deadline: float) -> No
                 if time.time() > deadline:
                     return
                 config = dataclasses.replace(
-                    shipped.config, rows=rows, block=block, warps=warps, programs_per_sm=per_sm,
-                    prefetch=prefetch, split_rng=True,
+                    base, rows=rows, block=block, warps=warps, programs_per_sm=per_sm, prefetch=prefetch,
+                    split_rng=True,
                 )  # fmt: skip
-                sweep.run(Candidate("philox", config), SHAPES[0], "bwd", "1")
+                sweep.run(single(config), SHAPES[0], "bwd", "1")
 
 
 def phase2(sweep: Sweep, deadline: float) -> None:
@@ -285,7 +314,7 @@ def phase2(sweep: Sweep, deadline: float) -> None:
         for change in CHANGES:
             if time.time() > deadline:
                 return
-            sweep.run(Candidate("philox", dataclasses.replace(base.config, **change)), SHAPES[0], "bwd", "2")
+            sweep.run(single(dataclasses.replace(base.configs[0][1], **change)), SHAPES[0], "bwd", "2")
 
 
 def phase3(sweep: Sweep, deadline: float) -> None:
@@ -293,16 +322,18 @@ def phase3(sweep: Sweep, deadline: float) -> None:
     for sum_rows, sum_cols, sum_warps in SUM_TILES:
         if time.time() > deadline:
             return
-        config = dataclasses.replace(base.config, sum_rows=sum_rows, sum_cols=sum_cols, sum_warps=sum_warps)
-        sweep.run(Candidate("philox", config), SHAPES[0], "bwd", "3")
+        config = dataclasses.replace(
+            base.configs[0][1], sum_rows=sum_rows, sum_cols=sum_cols, sum_warps=sum_warps
+        )
+        sweep.run(single(config), SHAPES[0], "bwd", "3")
 
 
-def finals(sweep: Sweep, ninth: Candidate, shipped: Candidate, rounds: int) -> list[Candidate]:
-    """The ninth session's candidate, the shipped one and the three best: backward alone at every shape
-    (interleaved rounds, median), forward + backward at every shape, the forward with either mask draw, the
-    backward without dbias at the first shape, and the GPU checks."""
+def finals(sweep: Sweep, ninth: Candidate, shipped: Candidate, others: list, rounds: int) -> list[Candidate]:
+    """The ninth session's candidate, the shipped one and `others` (or the three best of phases 1-3):
+    backward alone at every shape (interleaved rounds, median), forward + backward at every shape, the
+    forward with either mask draw, the backward without dbias at the first shape, and the GPU checks."""
     finalists = [ninth, shipped]
-    finalists += [c for c in best_candidates(sweep.rows, 4) if c not in finalists][:3]
+    finalists += [c for c in others or best_candidates(sweep.rows, 4) if c not in finalists][:3]
     for shape in SHAPES:
         times: dict[int, list[float]] = {i: [] for i in range(len(finalists))}
         for _ in range(rounds):
@@ -375,7 +406,9 @@ def main() -> int:
     ap.add_argument(
         "--rep", type=int, default=40, help="milliseconds of graph replays per timing (kernels.py: 60)"
     )
-    ap.add_argument("--only-finals", action="store_true", help="skip phases 1-3: shipped and ninth only")
+    ap.add_argument(
+        "--only-finals", action="store_true", help="skip phases 1-3: ninth, shipped and confirm_candidates"
+    )
     args = ap.parse_args()
     t0 = time.time()
     if not torch.cuda.is_available():
@@ -395,18 +428,19 @@ def main() -> int:
     }  # fmt: skip
     print(json.dumps(env), flush=True)
     sweep = Sweep(kb, dropout_add, bias_dropout_add, copy_gbs, args.out, env)
-    shipped = Candidate(dropout_add.MASK_MODE, dropout_add.BACKWARD_CONFIG, dropout_add.SPLIT_RNG)
+    shipped = Candidate(dropout_add.MASK_MODE, dropout_add.BACKWARD_CONFIGS, dropout_add.SPLIT_RNG)
     ninth = ninth_candidate(dropout_add)
     deadline = t0 + args.budget
     sweep.run(ninth, SHAPES[0], "bwd", "ninth")
     sweep.run(shipped, SHAPES[0], "bwd", "shipped")
     if not args.only_finals:
-        phase1(sweep, shipped, args.quick, deadline)
+        phase1(sweep, ninth_config(dropout_add), args.quick, deadline)
         sweep.save()
         phase2(sweep, deadline)
         phase3(sweep, deadline)
         sweep.save()
-    finalists = finals(sweep, ninth, shipped, args.rounds)
+    others = confirm_candidates(dropout_add) if args.only_finals else []
+    finalists = finals(sweep, ninth, shipped, others, args.rounds)
     sweep.set(shipped)
     final = [r for r in sweep.rows if r["phase"] == "final" and r["mode"] == "fwd+bwd"]
     top = min((r for r in final if r["shape"] == _shape_label(SHAPES[0])), key=lambda r: r["ms"])
@@ -416,12 +450,12 @@ def main() -> int:
     ship = "; ".join(
         f"{r['shape']} {r['ms']:.4f} ms {r['pct_copy']:.1f}%" for r in final if r["label"] == _label(shipped)
     )
-    config = dropout_add.BackwardConfig(**top["config"])
+    configs = _candidate(dropout_add, top).configs
     ninth_line = "; ".join(
         f"{r['shape']} {r['ms']:.4f} ms {r['pct_copy']:.1f}%" for r in final if r["label"] == _label(ninth)
     )
     winner = (
-        f"BACKWARD_CONFIG = {config!r}: fwd+bwd {summary} (shipped: {ship}; ninth session's: {ninth_line})"
+        f"BACKWARD_CONFIGS = {configs!r}: fwd+bwd {summary} (shipped: {ship}; ninth session's: {ninth_line})"
     )
     report(args.out, env, sweep.rows, sweep.checks, winner)
     print(f"finalists {len(finalists)}; total {time.time() - t0:.0f} s", flush=True)

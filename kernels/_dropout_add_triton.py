@@ -162,13 +162,11 @@ def _load_bits(KEEP, rows, col0, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _load_dy(
-    DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT: tl.constexpr, POLICY: tl.constexpr
-):
-    """dy at `rows` x the column block, as float32 (0 outside the tensor); POLICY: the L2 eviction policy."""
+def _load_dy(DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT: tl.constexpr):
+    """dy at `rows` x the column block, as float32 (0 outside the tensor)."""
     ok = (rows < n_rows)[:, None] & col_ok[None, :]
     dyo = _row_starts(rows, D1, D2, sdy0, sdy1, sdy2, FLAT)
-    return tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0, eviction_policy=POLICY).to(tl.float32)
+    return tl.load(DY + dyo[:, None] + c * sdyc, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["k0", "k1", "stream", "threshold", "rows_per_prog"])
@@ -205,14 +203,13 @@ def bias_dropout_add_bwd_kernel(
     PREFETCH: tl.constexpr,
     FLAT: tl.constexpr,
     SPLIT_RNG: tl.constexpr,
-    POLICY: tl.constexpr,
 ):
     """dx for rows [pid0 * rows_per_prog, +rows_per_prog) x one column block; partial dbias per program.
 
     The partial sum stays a [ROWS, BLOCK] tile until the loop ends (one cross-row reduction per program,
-    not one per iteration). STAGES pipelines the loop's loads (tl.range); PREFETCH (0, 1 or 2) loads dy that
-    many tiles of rows ahead, before the current rows' mask is drawn (rows past the program's own are read,
-    never written)."""
+    not one per iteration). STAGES pipelines the loop's loads (tl.range); PREFETCH loads the next rows' dy
+    before the current rows' mask is drawn (rows past the program's own are read, never written). FLAT and
+    SPLIT_RNG: see `_row_starts` and `keep_rows_cols`."""
     k0, k1, stream = seed_words(SEED, k0, k1, stream, SEED_PTR)
     pid_r = tl.program_id(0)
     col0 = tl.program_id(1) * BLOCK
@@ -221,28 +218,16 @@ def bias_dropout_add_bwd_kernel(
     c = widen(cols, I64)[None, :]
     acc = tl.zeros((ROWS, BLOCK), tl.float32)
     first = widen(pid_r, I64) * rows_per_prog
-    if PREFETCH >= 1:
-        dy1 = _load_dy(
-            DY, first + tl.arange(0, ROWS), c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT, POLICY
-        )
-    if PREFETCH >= 2:
-        dy2 = _load_dy(
-            DY, first + ROWS + tl.arange(0, ROWS), c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT, POLICY
-        )  # fmt: skip
+    if PREFETCH:
+        dy = _load_dy(DY, first + tl.arange(0, ROWS), c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT)
     for r0 in tl.range(0, rows_per_prog, ROWS, num_stages=STAGES):
         rows = first + r0 + tl.arange(0, ROWS)
         ok = (rows < n_rows)[:, None] & col_ok[None, :]
-        if PREFETCH >= 2:
-            cur = dy1
-            dy1 = dy2
-            dy2 = _load_dy(
-                DY, rows + 2 * ROWS, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT, POLICY
-            )
-        elif PREFETCH == 1:
-            cur = dy1
-            dy1 = _load_dy(DY, rows + ROWS, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT, POLICY)
+        if PREFETCH:
+            cur = dy
+            dy = _load_dy(DY, rows + ROWS, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT)
         else:
-            cur = _load_dy(DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT, POLICY)
+            cur = _load_dy(DY, rows, c, col_ok, n_rows, D1, D2, sdy0, sdy1, sdy2, sdyc, FLAT)
         doff = rows[:, None] * n_cols + c
         if BYTE_MASK:
             keep = tl.load(KEEP + doff, mask=ok, other=0) != 0
@@ -250,8 +235,9 @@ def bias_dropout_add_bwd_kernel(
             keep = _load_bits(KEEP, rows, col0, n_rows, n_cols, ROWS, BLOCK)
         else:
             keep = _keep(k0, k1, stream, threshold, rows, cols, col0, ROWS, BLOCK, INTERLEAVE, SPLIT_RNG)
-        dx = tl.where(keep, cur * keep_scale, 0.0)  # cur is 0 outside the tensor (the loads' `other`)
-        tl.store(DX + doff, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok, eviction_policy=POLICY)
+        # cur is 0 outside the tensor (the loads' `other`): no `& ok` here (two selects an element fewer)
+        dx = tl.where(keep, cur * keep_scale, 0.0)
+        tl.store(DX + doff, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok)
         if HAS_BIAS:
             acc += dx
     if HAS_BIAS:

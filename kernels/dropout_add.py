@@ -9,7 +9,7 @@ default, under torch.compile. `reference_bias_dropout_add` is the PyTorch versio
 Backward saves no mask: the keep mask is recomputed from the seed (Philox, see `_rng`), so the only state
 kept between forward and backward is three integers. `MASK_MODE = "byte"` / `"bits"` instead store a
 1-byte / 1-bit mask in the forward (compared on the GPU in benchmarks/kernels.py and bda_sweep.py; see
-RESULTS.md for the choice). The backward's launch is `BACKWARD_CONFIG`.
+RESULTS.md for the choice). The backward's launch is `BACKWARD_CONFIGS`' for the rows' width.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._launch import Launch, Launcher
 from .softmax import triton_cdiv, triton_next_power_of_2
 
 # The forward's elements per program (a tile of ROWS x BLOCK; 2048 measured best of 2048/4096/8192 on an
-# H200; the backward's launch is BACKWARD_CONFIG), how the backward gets the keep mask ("philox":
+# H200; the backward's launch is BACKWARD_CONFIGS), how the backward gets the keep mask ("philox":
 # recomputed, measured faster than reading a 1-byte mask; "bits", one bit an element stored by the forward:
 # the backward alone measured 0.085 ms against philox's 0.092 at [16384, 4096], but the forward's packing
 # made it 2.8x slower, fwd+bwd 0.370 vs 0.194 ms, ninth session), and the forward's Philox layout (see
@@ -37,7 +37,9 @@ TILE = 2048
 MASK_MODE = "philox"  # or "byte", "bits"
 RNG_INTERLEAVE = False
 # The forward draws its mask with `keep_rows_cols` (Philox's first rounds per row and per column, not per
-# element; the same bits as `keep_mask`) where rows fit in int32.
+# element; the same bits as `keep_mask`) where rows fit in int32: measured (tenth session, H200, GPU time)
+# 0.0972 against 0.1018 ms at [16384, 4096] (97.5% of copy), 0.0111 against 0.0124 at [8192, 768], the
+# same at [8192, 4096].
 SPLIT_RNG = True
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
@@ -223,8 +225,9 @@ class BackwardConfig:
     iteration, the tile staying rows x block elements; fewer programs where each would get under `min_rows`
     rows: each program writes a row of partial sums), `stages` pipelining its loop's loads, `prefetch`
     loading the next rows before the current ones' mask is drawn, `interleave` one Philox call per four
-    columns (the same bits as one per element, see `keep_mask`); then `bias_grad_kernel` summing the partial
-    sums in tiles of `sum_rows` x `sum_cols`, `sum_warps` warps."""
+    columns (the same bits as one per element, see `keep_mask`), `split_rng` the mask drawn by
+    `keep_rows_cols` (the same bits again; where rows fit in int32); then `bias_grad_kernel` summing the
+    partial sums in tiles of `sum_rows` x `sum_cols`, `sum_warps` warps."""
 
     rows: int = 1
     block: int = 2048
@@ -238,28 +241,33 @@ class BackwardConfig:
     sum_cols: int = 64
     sum_warps: int = 4
     split_rng: bool = False
-    evict_first: bool = False
-    max_registers: int = 0
 
 
-# Measured on an H200 (ninth session, benchmarks/bda_sweep.py, GPU time from CUDA-graph replays, bf16, p=0.1):
-# the backward alone at [16384, 4096] went from 0.108 ms (58% of copy; the eighth session's BackwardConfig(),
-# one 2048-wide row an iteration, 4 programs a multiprocessor: too few loads in flight) to 0.092 (68%);
-# fwd+bwd 0.2086 -> 0.1940 ms (75.2% -> 80.9% of copy), [8192, 4096] 71.4% -> 75.0%, [16384, 1024] 64.4% ->
-# 69.7%, BERT-base's [8192, 768] 0.0364 -> 0.0288 ms (min_rows keeps small tensors from spreading into
-# programs of a few rows, each writing a row of partial sums). Pipelined loads (stages) and the interleaved
-# Philox layout measured no faster (the compiler already shares one Philox call among a quad's columns).
-BACKWARD_CONFIG = BackwardConfig(
-    rows=8,
-    block=256,
-    warps=4,
-    programs_per_sm=16,
-    min_rows=64,
-    prefetch=True,
-    sum_rows=256,
-    sum_cols=8,
-    split_rng=True,
-)
+# The backward's launch per row width: (fewest columns, BackwardConfig) pairs, widest first; a layout takes
+# the first whose fewest columns its rows reach. Measured on an H200 (tenth session, benchmarks/bda_sweep.py,
+# GPU time from CUDA-graph replays, bf16, p=0.1; the kernel without `row_offsets`' divisions for 2-D
+# layouts and without the redundant bounds selects): rows of 4096 columns run 2 rows x 1024 columns an
+# iteration with `keep_rows_cols` (63 registers, 8 programs a multiprocessor resident; the backward alone
+# 0.078 ms at [16384, 4096], 80.8% of copy, against 0.082 for the ninth session's 8 x 256 tile and 0.089
+# for that tile with `keep_rows_cols`, whose hoisted column words take it to 72 registers, 7 resident);
+# narrower rows keep the ninth session's 8 x 256 tile with `keep_mask` (a 1024-column block would leave
+# [16384, 1024] one column block, 256 programs, and [8192, 768] a quarter of its lanes idle: fwd+bwd 0.0369
+# against 0.0285 ms there). Two tiles ahead (prefetch depth 2), an evict-first L2 policy on dy and dx,
+# a 64-register cap and 1 x 2048, 4 x 512, 4 x 256, 8 x 128, 16 x 256 tiles measured no faster.
+BACKWARD_CONFIGS = (
+    (4096, BackwardConfig(rows=2, block=1024, warps=4, programs_per_sm=32, min_rows=64, prefetch=True,
+                          sum_rows=256, sum_cols=8, split_rng=True)),
+    (0, BackwardConfig(rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=True,
+                       sum_rows=256, sum_cols=8)),
+)  # fmt: skip
+
+
+def backward_config(n_cols: int, configs=None) -> BackwardConfig:
+    """The BackwardConfig of `configs` (default BACKWARD_CONFIGS) for rows of `n_cols` columns."""
+    for fewest, config in BACKWARD_CONFIGS if configs is None else configs:
+        if n_cols >= fewest:
+            return config
+    raise ValueError(f"no backward config for rows of {n_cols} columns")
 
 
 class BackwardPlan(NamedTuple):
@@ -289,14 +297,15 @@ def _bwd_geometry(n_rows: int, n_cols: int, config: BackwardConfig, programs: in
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
+def _bwd_plan(shape, dy_strides, dtypes, device, flags, configs):
     """The BackwardPlan for one layout of dy, or None (copy first). dtypes: (dy, dx, bias or None: no
-    dbias); flags: (stored mask: None, "byte" or "bits"; SEED_PTR). Each backward program sums dbias over a run of rows of one
-    column block."""
+    dbias); flags: (stored mask: None, "byte" or "bits"; SEED_PTR); configs: BACKWARD_CONFIGS. Each backward
+    program sums dbias over a run of rows of one column block."""
     got = layout.row_layout(shape, [dy_strides], len(shape) - 1)
     if got is None:
         return None
     n_rows, n_cols, (_, d1, d2), (s_dy,) = got
+    config = backward_config(n_cols, configs)
     i64 = layout.needs_int64(shape, [dy_strides])
     programs = config.programs_per_sm * _backend.multiprocessors(device)
     rows, block, grid, rows_per_prog = _bwd_geometry(n_rows, n_cols, config, programs)
@@ -309,11 +318,8 @@ def _bwd_plan(shape, dy_strides, dtypes, device, flags, config: BackwardConfig):
         "INTERLEAVE": config.interleave,
         "RNE": bwd.interpreted and dx_dtype == torch.bfloat16, "SEED_PTR": seed_ptr,
         "ROWS": rows, "BLOCK": block, "I64": i64, "FLAT": n_rows == d2, "SPLIT_RNG": config.split_rng and not i64,
-        "POLICY": "evict_first" if config.evict_first else "",
-        "STAGES": config.stages, "PREFETCH": int(config.prefetch), "num_warps": config.warps,
+        "STAGES": config.stages, "PREFETCH": config.prefetch, "num_warps": config.warps,
     }  # fmt: skip
-    if config.max_registers:
-        meta["maxnreg"] = config.max_registers
     ints = (n_rows, n_cols, d1, d2, *s_dy, rows_per_prog)
     launch = bwd.prepare(grid, meta)
     if b_dtype is None:
@@ -341,10 +347,10 @@ def _backward_kernel(dy, keep, x_dtype, b_dtype, p, seed, prepared=None):
     else:
         flags = (stored, isinstance(seed, torch.Tensor))
         dtypes = (dy.dtype, x_dtype, b_dtype)
-        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
+        plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIGS)
         if plan is None:
             dy = dy.contiguous()
-            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIG)
+            plan = _bwd_plan(dy.shape, dy.stride(), dtypes, dy.device, flags, BACKWARD_CONFIGS)
     tail = (
         dx if stored is None else keep,
         *plan.ints,
@@ -369,7 +375,7 @@ def _prepare_backward(y, info, stored, seed):
     if not (p > 0 and (need_dx or need_db)) or y.numel() == 0:
         return None
     flags = (stored, isinstance(seed, torch.Tensor))
-    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, BACKWARD_CONFIG)
+    plan = _bwd_plan(y.shape, y.stride(), (y.dtype, x_dtype, b_dtype), y.device, flags, BACKWARD_CONFIGS)
     return None if plan is None else (y.stride(), y.dtype, plan)
 
 

@@ -117,25 +117,29 @@ def test_stored_masks_give_the_recomputed_masks_bits(mode, shape, device, monkey
         ),
         dropout_add.BackwardConfig(rows=1, block=128, programs_per_sm=2, stages=2, interleave=True),
         dropout_add.BackwardConfig(rows=8, block=16, programs_per_sm=7, prefetch=True, min_rows=16),
+        dropout_add.BackwardConfig(rows=2, block=64, programs_per_sm=3, prefetch=True, split_rng=True),
+        dropout_add.BackwardConfig(rows=4, block=32, programs_per_sm=9, split_rng=True, min_rows=8),
     ],
-    ids=["rows4", "prefetch", "stages-interleave", "narrow-min-rows"],
+    ids=["rows4", "prefetch", "stages-interleave", "narrow-min-rows", "split-rng", "split-rng-no-prefetch"],
 )
 @pytest.mark.parametrize("mode", ["philox", "bits"])
-def test_backward_configs_same_dx_and_dbias(config, mode, device, monkeypatch):
-    """Every backward launch configuration (tiles, grid, pipelining, prefetch, Philox layout, sum tile) gives
-    dx bit for bit as the default's and dbias as the float64 sum rounded once, the same bits twice."""
+@pytest.mark.parametrize("shape", [(37, 100), (3, 5, 40)], ids=["2d", "3d"])
+def test_backward_configs_same_dx_and_dbias(config, mode, shape, device, monkeypatch):
+    """Every backward launch configuration (tiles, grid, pipelining, prefetch, Philox layout and draw, sum
+    tile) gives dx bit for bit as the default's and dbias as the float64 sum rounded once, the same bits
+    twice; on a 2-D layout (rows * stride, FLAT) and a 3-D one (`row_offsets`)."""
     monkeypatch.setattr(_rng, "draw_seed", lambda device: FIXED_SEED)
     monkeypatch.setattr(dropout_add, "MASK_MODE", mode)
     torch.manual_seed(4)
-    x, residual, dy = (torch.randn(37, 100, device=device) for _ in range(3))
-    bias = torch.randn(100, device=device).bfloat16()
+    x, residual, dy = (torch.randn(shape, device=device) for _ in range(3))
+    bias = torch.randn(shape[-1], device=device).bfloat16()
     run = lambda: _run(lambda a, b, r: bias_dropout_add(a, b, r, 0.2), x, bias, residual, dy)  # noqa: E731
     _, (dx_ref, _, _) = run()
-    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIG", config)
+    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIGS", ((0, config),))
     _, (dx, dbias, _) = run()
     _, (_, again, _) = run()
     keep = dropout_add.philox_keep_like(x, FIXED_SEED, 0.2)
-    expected = torch.where(keep, dy.double() / 0.8, 0.0).sum(0)
+    expected = torch.where(keep, dy.double() / 0.8, 0.0).reshape(-1, shape[-1]).sum(0)
     assert torch.equal(dx, dx_ref)
     torch.testing.assert_close(dbias, expected.bfloat16(), rtol=8e-3, atol=8e-3)
     assert torch.equal(again, dbias)
@@ -211,7 +215,7 @@ def test_bias_gradient_over_many_partial_sums(device, monkeypatch):
     # the plan cache keys on the config: fresh plans. 80 programs a multiprocessor (the interpreter counts
     # one), 2 column blocks of 64: 40 programs a column block, 2 rows each
     config = dropout_add.BackwardConfig(rows=1, block=64, programs_per_sm=80, sum_rows=32, sum_cols=64)
-    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIG", config)
+    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIGS", ((0, config),))
     if device.type == "cuda":
         monkeypatch.setattr(dropout_add._backend, "multiprocessors", lambda device: 1)
     torch.manual_seed(5)
@@ -226,3 +230,26 @@ def test_bias_gradient_over_many_partial_sums(device, monkeypatch):
     torch.testing.assert_close(dbias, expected.bfloat16(), rtol=8e-3, atol=8e-3)
     _, (_, again, _) = _run(lambda a, b, r: bias_dropout_add(a, b, r, 0.3), x, bias, residual, dy)
     assert torch.equal(again, dbias)
+
+
+def test_backward_config_follows_the_rows_width(monkeypatch):
+    """BACKWARD_CONFIGS: the first pair whose fewest columns the rows reach."""
+    wide, narrow = dropout_add.BackwardConfig(rows=2, block=1024), dropout_add.BackwardConfig(rows=8, block=256)
+    monkeypatch.setattr(dropout_add, "BACKWARD_CONFIGS", ((4096, wide), (0, narrow)))
+    assert dropout_add.backward_config(4096) is wide
+    assert dropout_add.backward_config(8192) is wide
+    assert dropout_add.backward_config(4095) is narrow
+    assert dropout_add.backward_config(1) is narrow
+
+
+@pytest.mark.parametrize("first_row", [0, 2**31 - 6])
+def test_split_keep_mask_is_keep_mask(first_row, device):
+    """`keep_rows_cols` (Philox's first rounds per row and per column) draws `philox_keep_mask`'s bits, also
+    for rows near 2**31 (the largest an int32 row index reaches) and columns past a multiple of four."""
+    from split_keep_kernel import draw_keep
+
+    seed, p = (2**31 - 1, 12345, 7), 0.3
+    out = torch.empty(4, 16, dtype=torch.int8, device=device)
+    draw_keep[(1,)](out, first_row, _rng.threshold(p), *seed, ROWS=4, BLOCK=16)
+    expected = _rng.philox_keep_mask(seed, 4, 16, p, device, first_row=first_row)
+    assert torch.equal(out != 0, expected)

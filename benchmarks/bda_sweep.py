@@ -90,12 +90,13 @@ def ninth_config(dropout_add):
 
 
 def confirm_candidates(dropout_add) -> list[Candidate]:
-    """--only-finals: alternatives to the shipped BACKWARD_CONFIGS (wide rows' config with fewer rows a
-    program, narrow rows' with fewer rows a program, the wide tile with keep_mask at every width)."""
+    """--only-finals: alternatives to the shipped BACKWARD_CONFIGS (the wide rows' config with at least 64
+    rows a program and 32 programs a multiprocessor, the narrow rows' with at least 32 rows a program, the
+    wide tile with keep_mask at every width)."""
     (cols, wide), (_, narrow) = dropout_add.BACKWARD_CONFIGS
-    more_programs = dataclasses.replace(wide, programs_per_sm=8, min_rows=32)
+    fewer_programs = dataclasses.replace(wide, programs_per_sm=32, min_rows=64)
     return [
-        Candidate("philox", ((cols, more_programs), (0, narrow))),
+        Candidate("philox", ((cols, fewer_programs), (0, narrow))),
         Candidate("philox", ((cols, wide), (0, dataclasses.replace(narrow, min_rows=32)))),
         single(dataclasses.replace(wide, split_rng=False)),
     ]

@@ -38,8 +38,8 @@ MASK_MODE = "philox"  # or "byte", "bits"
 RNG_INTERLEAVE = False
 # The forward draws its mask with `keep_rows_cols` (Philox's first rounds per row and per column, not per
 # element; the same bits as `keep_mask`) where rows fit in int32: measured (tenth session, H200, GPU time)
-# 0.0972 against 0.1018 ms at [16384, 4096] (97.5% of copy), 0.0111 against 0.0124 at [8192, 768], the
-# same at [8192, 4096].
+# 0.0111 against 0.0124 ms at [8192, 768], 0.0251 against 0.0267 at [16384, 1024], the same at [8192, 4096];
+# at [16384, 4096] within the runs' spread (0.0972 / 0.1018 in one, 0.0977 / 0.0966 in the other).
 SPLIT_RNG = True
 # On CUDA, tensors with fewer elements run the eager chain the user wrote (`residual + dropout(x + bias)`, in
 # the inputs' dtype). The kernel saves about 5 us of GPU time per million elements (fwd+bwd, H200), and its
@@ -245,17 +245,19 @@ class BackwardConfig:
 
 # The backward's launch per row width: (fewest columns, BackwardConfig) pairs, widest first; a layout takes
 # the first whose fewest columns its rows reach. Measured on an H200 (tenth session, benchmarks/bda_sweep.py,
-# GPU time from CUDA-graph replays, bf16, p=0.1; the kernel without `row_offsets`' divisions for 2-D
-# layouts and without the redundant bounds selects): rows of 4096 columns run 2 rows x 1024 columns an
-# iteration with `keep_rows_cols` (63 registers, 8 programs a multiprocessor resident; the backward alone
-# 0.078 ms at [16384, 4096], 80.8% of copy, against 0.082 for the ninth session's 8 x 256 tile and 0.089
-# for that tile with `keep_rows_cols`, whose hoisted column words take it to 72 registers, 7 resident);
-# narrower rows keep the ninth session's 8 x 256 tile with `keep_mask` (a 1024-column block would leave
-# [16384, 1024] one column block, 256 programs, and [8192, 768] a quarter of its lanes idle: fwd+bwd 0.0369
-# against 0.0285 ms there). Two tiles ahead (prefetch depth 2), an evict-first L2 policy on dy and dx,
-# a 64-register cap and 1 x 2048, 4 x 512, 4 x 256, 8 x 128, 16 x 256 tiles measured no faster.
+# GPU time from CUDA-graph replays, bf16, p=0.1, with this session's kernel: no `row_offsets` divisions on
+# 2-D layouts, no redundant bounds selects): rows of 4096 columns run 2 rows x 1024 columns an iteration
+# with `keep_rows_cols` (63 registers: 8 programs of 4 warps a multiprocessor), at least 32 rows a program:
+# the backward alone 0.078 ms at [16384, 4096] (80.5% of copy) against 0.082 for the ninth session's
+# 8 x 256 tile, 0.084 for 2 x 1024 with `keep_mask` and 0.089 for 8 x 256 with `keep_rows_cols` (its hoisted
+# column words take it to 72 registers, 7 programs resident); fwd+bwd 0.1751 ms (90.1%), [8192, 4096]
+# 0.0948 (83.3%; 0.0966 with at least 64 rows a program). Narrower rows keep the ninth session's 8 x 256
+# tile with `keep_mask` (a 1024-column block leaves [16384, 1024] one column block and [8192, 768] a quarter
+# of its lanes idle: fwd+bwd 0.0586 against 0.0533 ms, 0.0382 against 0.0262; 32 rows a program there
+# measured slower). Two tiles ahead, an evict-first L2 policy on dy and dx, a 64-register cap and 1 x 2048,
+# 4 x 512, 4 x 256, 8 x 128, 16 x 256 tiles measured no faster (RESULTS.md, "tenth session").
 BACKWARD_CONFIGS = (
-    (4096, BackwardConfig(rows=2, block=1024, warps=4, programs_per_sm=32, min_rows=64, prefetch=True,
+    (4096, BackwardConfig(rows=2, block=1024, warps=4, programs_per_sm=8, min_rows=32, prefetch=True,
                           sum_rows=256, sum_cols=8, split_rng=True)),
     (0, BackwardConfig(rows=8, block=256, warps=4, programs_per_sm=16, min_rows=64, prefetch=True,
                        sum_rows=256, sum_cols=8)),

@@ -234,7 +234,10 @@ def test_bias_gradient_over_many_partial_sums(device, monkeypatch):
 
 def test_backward_config_follows_the_rows_width(monkeypatch):
     """BACKWARD_CONFIGS: the first pair whose fewest columns the rows reach."""
-    wide, narrow = dropout_add.BackwardConfig(rows=2, block=1024), dropout_add.BackwardConfig(rows=8, block=256)
+    wide, narrow = (
+        dropout_add.BackwardConfig(rows=2, block=1024),
+        dropout_add.BackwardConfig(rows=8, block=256),
+    )
     monkeypatch.setattr(dropout_add, "BACKWARD_CONFIGS", ((4096, wide), (0, narrow)))
     assert dropout_add.backward_config(4096) is wide
     assert dropout_add.backward_config(8192) is wide

@@ -290,10 +290,10 @@ def _hf_eager(module: nn.Module) -> str | None:
     return None
 
 
-# -- the attention's arguments, under either name of its KV cache ----------------------------------------------
+# -- the attention's arguments and its KV cache ------------------------------------------------------------------
 # transformers 5.24 renamed the attention forwards' `past_key_values` to `cache` (same position) and hands the
-# forward's **kwargs on to `cache.update`; a replacement reads the call by the installed class's names.
-_CACHE_NAMES = ("cache", "past_key_values")
+# forward's **kwargs on to `cache.update`; a replacement reads the call by the installed class's names and
+# finds the cache by its type, under whichever name.
 
 
 @functools.cache
@@ -309,24 +309,21 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
     return {**dict(zip(names, args, strict=False)), **kwargs}
 
 
-def _kv_cache(arguments: dict[str, Any]) -> Any:
-    """The KV cache the call passed, under either name, or None. (An empty DynamicCache is falsy: compared
-    with None, never tested for truth.)"""
-    for name in _CACHE_NAMES:
-        if arguments.get(name) is not None:
-            return arguments[name]
-    return None
+def _kv_cache(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The transformers KV cache (a `transformers.cache_utils.Cache`) among a call's arguments, by position
+    or under any name, or None. (An empty DynamicCache is falsy: compared with None, never tested for truth.)"""
+    return next((v for v in (*args, *kwargs.values()) if _backend.is_kv_cache(v)), None)
 
 
 def _update_cache(module: nn.Module, cache: Any, k: torch.Tensor, v: torch.Tensor, arguments: dict[str, Any]):
     """(keys, values) after the original's `cache.update` for this layer: the self-attention half of an
     encoder-decoder cache; where the class names it `cache` (5.24), with its **kwargs passed as `kwargs=`."""
-    cache = getattr(cache, "self_attention_cache", cache)
     named = _named_parameters(type(module).forward)
+    layer_cache = getattr(cache, "self_attention_cache", cache)
     if "cache" not in named:
-        return cache.update(k, v, module.layer_idx)
-    extra = {n: a for n, a in arguments.items() if n not in named and n not in _CACHE_NAMES}
-    return cache.update(k, v, module.layer_idx, kwargs=extra)
+        return layer_cache.update(k, v, module.layer_idx)
+    extra = {n: a for n, a in arguments.items() if n not in named and a is not cache}
+    return layer_cache.update(k, v, module.layer_idx, kwargs=extra)
 
 
 # -- BERT-family self-attention --------------------------------------------------------------------------------
@@ -352,10 +349,9 @@ def _sdpa_mask(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | 
 
 
 def _bert_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
-    arguments = _arguments(module, (hidden_states, *args), kwargs)
-    if _kv_cache(arguments) is not None:  # a decoder's cache: the original handles it
+    if _kv_cache(args, kwargs) is not None:  # a decoder's cache: the original handles it
         return state.original(hidden_states, *args, **kwargs)
-    attention_mask = arguments.get("attention_mask")
+    attention_mask = _arguments(module, (hidden_states, *args), kwargs).get("attention_mask")
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.attention_head_size)
     q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
@@ -428,7 +424,7 @@ def _gpt2_attention(module: nn.Module, state: _State, hidden_states, *args, **kw
     q, k, v = module.c_attn(hidden_states).split(module.split_size, dim=2)
     shape = (*k.shape[:-1], -1, module.head_dim)
     q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-    cache = _kv_cache(arguments)
+    cache = _kv_cache(args, kwargs)
     if cache is not None:  # GPT2Model passes a cache in training too (use_cache): fill it as the original
         k, v = _update_cache(module, cache, k, v, arguments)
     attention_mask = arguments.get("attention_mask")
@@ -680,12 +676,12 @@ def _compiled_block(module: nn.Module, state: _State, *args, **kwargs):
     group: _BlockGroup = state.shared
     if group.fell_back:
         return state.original(*args, **kwargs)
-    cache = _kv_cache_in(args, kwargs)
+    cache = _kv_cache(args, kwargs)
     if cache is not None:
         reason = (
-            f"a KV cache ({cache}) is passed to each block (use_cache=True while training): each block "
-            "updates it at its own layer index, so a compiled forward would recompile per layer and run "
-            "uncompiled past dynamo's limit; call the model with use_cache=False to compile them"
+            f"a KV cache ({type(cache).__name__}) is passed to each block (use_cache=True while training): "
+            "each block updates it at its own layer index, so a compiled forward would recompile per layer and "
+            "run uncompiled past dynamo's limit; call the model with use_cache=False to compile them"
         )
         _block_fallback(group, reason, warn=True)
         return state.original(*args, **kwargs)
@@ -694,12 +690,6 @@ def _compiled_block(module: nn.Module, state: _State, *args, **kwargs):
     if status == _region.FAILED and not group.fell_back:
         _block_fallback(group, f"torch.compile failed ({error})")
     return out
-
-
-def _kv_cache_in(args: tuple, kwargs: dict) -> str | None:
-    """The class name of a transformers KV cache (a `transformers.cache_utils.Cache`) among the call's
-    arguments, or None."""
-    return next((type(v).__name__ for v in (*args, *kwargs.values()) if _backend.is_kv_cache(v)), None)
 
 
 def _block_fallback(group: _BlockGroup, reason: str, *, warn: bool = False) -> None:

@@ -914,7 +914,8 @@ def _left_in_block(
     qualified = _qualified(type(module))
     names = [p.fix.name for p in patchers if qualified in p.fix.classes and p.check(module) is None]
     if names:
-        reason = f"{_INSIDE_BLOCK} {_short(block)} (compile_blocks: torch.compile fuses its ops), not {', '.join(names)}"
+        fuses = "(compile_blocks: torch.compile fuses its ops)"
+        reason = f"{_INSIDE_BLOCK} {_short(block)} {fuses}, not {', '.join(names)}"
         report.left.append((path, qualified, reason))
 
 

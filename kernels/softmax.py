@@ -278,8 +278,8 @@ def _launch_plan(
 ):  # fmt: skip
     """(Launch, integer args) of the forward (strides: x's) or backward (strides: dy's) kernel for one
     layout, or None when it needs a copy first. dtypes: (x, x) or (dy, the saved probabilities); flags:
-    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE, ROW_SPLIT, scale != 1); mask_meta: (shape, strides, dtype) or None;
-    forward: the forward's ForwardConfig or None. Cached: the per-call work is the lookup."""
+    (MASK, ZERO_MASKED, DROPOUT, SEED_PTR, INTERLEAVE, ROW_SPLIT, scale != 1); mask_meta: (shape, strides,
+    dtype) or None; forward: the forward's ForwardConfig or None. Cached: the per-call work is the lookup."""
     mask_sh = None if mask_meta is None else mask_meta[:2]
     plan = _plan(shape, strides, mask_sh, dim, max_block, loop_block, None if backward else forward)
     if plan is None:

@@ -68,6 +68,7 @@ class FamilyResult:
     findings_on_script: int = 0  # pointing at train.py
     findings_in_library: int = 0  # in an installed package (the model's config helpers, torch.nn)
     rules_found: list[str] = field(default_factory=list)
+    places: list[str] = field(default_factory=list)  # "rule path:line" of each finding
     safe_offered: list[str] = field(default_factory=list)  # "rule src/x.py:line" with an apply command
     applied: list[str] = field(default_factory=list)  # "path:line: rule: message" lines apply printed
     parity: bool | None = None
@@ -78,9 +79,13 @@ class FamilyResult:
     failures: list[str] = field(default_factory=list)
 
 
-def opadvisor(project: Path, args: list[str], timeout: float) -> Command:
-    """One CLI command in a fresh process, in the project folder; no download of any kind."""
+def opadvisor(project: Path, args: list[str], timeout: float, src_on_pythonpath: bool = False) -> Command:
+    """One CLI command in a fresh process, in the project folder; no download of any kind. With
+    `src_on_pythonpath`, src/ is on PYTHONPATH too (what attribution needed before issue 29's fix: it tells an
+    attribution failure from what comes after it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"}
+    if src_on_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(project / "src"), env.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     try:
         done = subprocess.run(
@@ -108,6 +113,7 @@ class Settings:
     verify_steps: int = 3
     timing: bool = False  # verify times both programs (GPU)
     timeout: float = 300.0  # per command
+    src_on_pythonpath: bool = False  # also put src/ on PYTHONPATH (see opadvisor())
 
 
 def _script_args(s: Settings) -> list[str]:
@@ -121,6 +127,7 @@ def _read_findings(result: FamilyResult, report: dict[str, Any]) -> None:
     result.rules_found = sorted({f["rule"] for f in findings})
     for f in findings:
         path = f["path"]
+        result.places.append(f"{f['rule']} {path}:{f['line']}")
         if f.get("library"):
             result.findings_in_library += 1
         elif path.startswith("src/") or "/src/" in path:
@@ -153,7 +160,7 @@ def _read_verify(result: FamilyResult, command: Command) -> None:
 
 def _step(result: FamilyResult, name: str, project: Path, args: list[str], s: Settings) -> Command | None:
     """Run one command; record its time; a failure goes into the result and ends the family (None)."""
-    command = opadvisor(project, args, s.timeout)
+    command = opadvisor(project, args, s.timeout, s.src_on_pythonpath)
     result.seconds[name] = round(command.seconds, 2)
     if command.failed:
         result.failures.append(f"{name}: " + command.says())
@@ -186,10 +193,11 @@ def run_family(family: Family, project: Path, s: Settings) -> FamilyResult:
     if suggest is None:
         return result
     _read_findings(result, json.loads(suggest.stdout))
-    if result.findings_on_script and not result.findings_in_src:
+    if result.findings and not result.findings_in_src:
         result.failures.append(
-            f"suggest: {result.findings_on_script} findings pinned on train.py and none in src/ "
-            "(attribution lost through the script's sys.path.insert)"
+            f"suggest: none of {result.findings} findings names the model files under src/ "
+            f"({result.findings_on_script} on train.py, {result.findings_in_library} in a library: "
+            f"{', '.join(result.places[:3])})"
         )
     apply = _step(result, "apply", project, ["apply", "--rule", "all"], s)
     if apply is None:
@@ -204,7 +212,7 @@ def run_family(family: Family, project: Path, s: Settings) -> FamilyResult:
         return result
     verify = ["verify", "--format", "json", "--no-reprofile", "--steps", str(s.verify_steps), "--warmup", "1"]
     verify += ["--repeats", "1", "--no-per-rule"] if s.timing else ["--no-timing"]
-    command = opadvisor(project, verify, s.timeout)
+    command = opadvisor(project, verify, s.timeout, s.src_on_pythonpath)
     result.seconds["verify"] = round(command.seconds, 2)
     if command.returncode is None:
         result.failures.append("verify: " + command.says())
@@ -234,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--no-bf16", action="store_true", help="fp32 (default on CUDA: bf16 autocast)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")
+    parser.add_argument(
+        "--src-on-pythonpath",
+        action="store_true",
+        help="also put each project's src/ on PYTHONPATH (tells a sys.path attribution failure from the rest)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for the projects and realcode.json")
     args = parser.parse_args(argv)
     import torch
@@ -249,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         verify_steps=8 if device == "cuda" else 3,
         timing=device == "cuda",
         timeout=args.timeout,
+        src_on_pythonpath=args.src_on_pythonpath,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     results = []

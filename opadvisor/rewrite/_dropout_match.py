@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from opadvisor.rewrite import _budget
 from opadvisor.rewrite._algebra import CONSTANTS, Converter, Poly, close, recip, same_poly
 from opadvisor.rewrite._match import bind_args, code, is_method, is_zero, qualified
 
@@ -66,6 +67,7 @@ class DropoutMatcher:
     # ---- looking through temporaries and casts ---------------------------------------------------------
     def deref(self, node: cst.BaseExpression) -> cst.BaseExpression:
         for _ in range(20):
+            _budget.check()
             if isinstance(node, (cst.Name, cst.Attribute)):
                 bound = self.resolve(node)
                 if bound is None:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.codemod import CodemodContext
 
+from opadvisor.rewrite import _budget
 from opadvisor.rewrite._algebra import Converter, activation_of
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
@@ -135,6 +136,7 @@ class Resolver:
     def resolve(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
         text = code(node)
         for j in range(self.at - 1, self.start - 1, -1):
+            _budget.check()
             value = _bindings(self.stmts[j]).get(text)
             if value is None:
                 if text in assigned(self.stmts[j]):
@@ -290,7 +292,8 @@ class FuseRegionCodemod(BlockRewriter):
         forward, backward = methods.get("forward"), methods.get("backward")
         if forward is None or backward is None:
             return
-        found = _verify_dropout_function(self, forward, backward)
+        with _budget.analysing(name, "forward"):  # read before the traversal reaches the class
+            found = _verify_dropout_function(self, forward, backward)
         if isinstance(found, str):
             self.plan.refused[name] = found
         else:

@@ -68,11 +68,12 @@ class RuleCodemod(VisitorBasedCodemodCommand):
 
     # ---- the analysis budget (see _budget.py): checked at every node; names the function being read ----
     def on_visit(self, node: cst.CSTNode) -> bool:
-        _budget.check()
         if isinstance(node, cst.Module):
             _budget.reset_scopes()  # a pass ended by SkipFile leaves its names behind
-        elif isinstance(node, cst.ClassDef | cst.FunctionDef):
-            _budget.enter(node.name.value)
+            return super().on_visit(node)
+        if isinstance(node, cst.ClassDef | cst.FunctionDef):
+            _budget.enter(node.name.value)  # before the check: an overrun here is this function's
+        _budget.check()
         return super().on_visit(node)
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:  # type: ignore[override]

@@ -314,7 +314,7 @@ def run_script(
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = argv
     sys.path.insert(0, str(target.import_root))
-    set_search_path(sys.path)
+    set_search_path(sys.path, [str(target.import_root)])
     status, exit_code, script_tb = "ended_early", None, None
     session.install()
     try:
@@ -333,9 +333,12 @@ def run_script(
     except BaseException as exc:  # the user's own failure: report it, keep what was recorded
         status, script_tb = "script_error", _user_traceback(exc, target.path)
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        recording = session.finish()
-        session.uninstall()
+        try:
+            recording = session.finish()  # first: a window still open stops with the script's sys.path
+        finally:
+            sys.argv, sys.path[:] = saved_argv, saved_path
+            os.chdir(cwd)  # a script that changed folder: the run is written, and verify reruns it, from here
+            session.uninstall()
     return record_run(session, recording, status, target, argv, out, cwd, rank, exit_code, script_tb)
 
 

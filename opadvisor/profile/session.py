@@ -47,6 +47,7 @@ from opadvisor.profile.userframes import (
     innermost_library_frame,
     innermost_user_frame,
     library_file,
+    note_search_path,
 )
 
 # library functions that build a model from a configuration or a checkpoint (how the script made it)
@@ -350,6 +351,7 @@ class Session:
             self.memory.abort()
         if self.config.cuda:
             torch.cuda.synchronize()
+        note_search_path()  # the profiler shortens its file names by sys.path as it is now, in the script
         with without_usdt_lines():
             self._profiler.stop()
         self._profiler = None

@@ -78,32 +78,106 @@ def _roots() -> tuple[str, ...]:
 
 
 _ROOTS: tuple[str, ...] | None = None
-_SEARCH: tuple[str, ...] = ()
 
 
-def set_search_path(dirs: list[str]) -> None:
-    """Folders to resolve relative file names against, in order (the profiled process's sys.path).
+@dataclass
+class _SearchState:
+    """Where the profiler's file names are looked up.
 
-    torch's Python tracer shortens file names by the sys.path entry they were found under, so a script
-    run from another folder appears as `train.py` and torch's own files as `torch/nn/...`.
+    torch's Python tracer shortens a file name by the sys.path entry (or site folder) it lies under, as
+    sys.path is when the profiler stops: inside the script, after whatever the script did to sys.path
+    and the current folder. So the folders are those of sys.path before the script ran and as the script
+    left it (each made absolute against the current folder of that moment), plus the source file of every
+    module loaded; `user_roots` are the script's folder and the folder it was started from.
     """
-    global _SEARCH
-    _SEARCH = tuple(dict.fromkeys(d or "." for d in dirs))
+
+    dirs: tuple[str, ...] = ()
+    loaded: tuple[str, ...] = ()  # absolute source files of the modules in sys.modules
+    user_roots: tuple[str, ...] = ()
+
+
+_STATE = _SearchState()
+
+
+def _clear_caches() -> None:
+    global _PACKAGE_ROOTS
+    _PACKAGE_ROOTS = None  # a site-packages folder the script put on sys.path is one too
     resolve_user_file.cache_clear()
     library_file.cache_clear()
     library_site.cache_clear()
     fused_op_module.cache_clear()
+    _loaded_by_suffix.cache_clear()
+
+
+def _absolute_dirs(dirs: list[str]) -> list[str]:
+    """sys.path entries made absolute as the import system reads them now ('' is the current folder)."""
+    return [os.path.abspath(d or os.curdir) for d in dirs if isinstance(d, str)]
+
+
+def set_search_path(dirs: list[str], user_roots: list[str] | None = None) -> None:
+    """Start over: resolve file names against `dirs` (the profiled process's sys.path before the script
+    runs) and the current folder; `user_roots`, folders whose files are the user's (the script's folder;
+    the current folder is always one)."""
+    global _STATE
+    roots = [os.getcwd(), *(user_roots or [])]
+    _STATE = _SearchState(
+        dirs=tuple(dict.fromkeys([*_absolute_dirs(dirs), os.getcwd()])),
+        user_roots=tuple(dict.fromkeys(str(Path(r).resolve()) for r in roots)),
+    )
+    _clear_caches()
+
+
+def note_search_path() -> None:
+    """Add sys.path as it is now, the current folder, and the files of every module loaded so far.
+
+    Called when a recording window stops (the moment the profiler shortens its file names) and before the
+    profile is built: a script that put its `src/` on sys.path, changed folder or loaded a module by its
+    path has its files found all the same.
+    """
+    global _STATE
+    loaded = []
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and file.endswith(".py"):
+            loaded.append(_absolute_file(file))
+    _STATE = _SearchState(
+        dirs=tuple(dict.fromkeys([*_STATE.dirs, *_absolute_dirs(sys.path), os.getcwd()])),
+        loaded=tuple(dict.fromkeys([*_STATE.loaded, *loaded])),
+        user_roots=_STATE.user_roots,
+    )
+    _clear_caches()
+
+
+def _absolute_file(file: str) -> str:
+    """A module's `__file__` made absolute: a relative one (a relative sys.path entry, a path given to
+    `spec_from_file_location`) was relative to the folder the process started in, if it is there."""
+    if os.path.isabs(file):
+        return file
+    for base in (*_STATE.user_roots[:1], os.getcwd()):
+        candidate = os.path.join(base, file)
+        if os.path.isfile(candidate):
+            return os.path.abspath(candidate)
+    return os.path.abspath(file)
+
+
+@lru_cache(maxsize=4096)
+def _loaded_by_suffix(file_name: str) -> str | None:
+    """The loaded module file whose path ends with `file_name` (a name the profiler shortened by a folder
+    no longer on sys.path); the first one loaded when several do."""
+    suffix = os.sep + os.path.normpath(file_name)
+    return next((f for f in _STATE.loaded if f.endswith(suffix) and os.path.isfile(f)), None)
 
 
 def _locate(file_name: str) -> Path | None:
     path = Path(file_name)
     if path.is_absolute():
         return path if path.is_file() else None
-    for base in (*_SEARCH, str(Path.cwd())):
+    for base in (*_STATE.dirs, os.getcwd()):
         candidate = Path(base) / path
         if candidate.is_file():
             return candidate
-    return None
+    found = _loaded_by_suffix(file_name)
+    return Path(found) if found else None
 
 
 @lru_cache(maxsize=4096)
@@ -122,18 +196,33 @@ def resolve_user_file(file_name: str) -> str | None:
     if path is None:
         return None
     resolved = str(path.resolve())
-    # The venv/prefix root contains everything installed; the user's project may live under it too
-    # (e.g. /usr/src), so only exclude the prefix when the file is in a lib/ or site-packages folder.
-    for root in _ROOTS:
-        if resolved.startswith(root + os.sep):
-            if root in (str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve())):
-                if f"{os.sep}lib{os.sep}" in resolved[len(root) :] or "site-packages" in resolved:
-                    return None
-                continue
+    # The deepest folder holding the file decides: the user's folder wins over an installation root above
+    # it (a project in /usr/src under the prefix /usr), torch or a venv inside the user's folder win over it.
+    user_root = _deepest_holding(resolved, _STATE.user_roots)
+    excluded = _deepest_holding(resolved, _ROOTS)
+    if excluded is not None and (user_root is None or len(excluded) >= len(user_root)):
+        # The venv/prefix root contains everything installed, and maybe the user's project too: only its
+        # lib/ (the standard library, site-packages) is excluded.
+        if excluded not in (str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve())):
             return None
-    if "site-packages" in resolved or "dist-packages" in resolved:
-        return None
-    return resolved
+        if "lib" in Path(resolved[len(excluded) :]).parts or _installed_below(resolved, excluded):
+            return None
+    return None if _installed_below(resolved, user_root or "") else resolved
+
+
+def _deepest_holding(resolved: str, folders: tuple[str, ...]) -> str | None:
+    """The longest of `folders` that `resolved` lies under."""
+    holding = [f for f in folders if resolved.startswith(f.rstrip(os.sep) + os.sep)]
+    return max(holding, key=len, default=None)
+
+
+_INSTALLED = frozenset({"site-packages", "dist-packages"})
+
+
+def _installed_below(resolved: str, folder: str) -> bool:
+    """Whether the file lies in a site-packages/dist-packages folder below `folder` (a folder of that name
+    above it, such as a checkout cloned into one, says nothing about the file)."""
+    return not _INSTALLED.isdisjoint(Path(resolved[len(folder) :]).parts)
 
 
 def innermost_user_frame(skip: int = 1) -> tuple[str, int, str] | None:
@@ -185,7 +274,9 @@ def _package_roots() -> tuple[str, ...]:
         roots.add(site.getusersitepackages())
     except AttributeError:  # pragma: no cover - virtualenv's old site module
         pass
-    roots.update(p for p in sys.path if p.rstrip(os.sep).endswith(("site-packages", "dist-packages")))
+    roots.update(
+        p for p in (*sys.path, *_STATE.dirs) if p.rstrip(os.sep).endswith(("site-packages", "dist-packages"))
+    )
     try:
         import torch
 

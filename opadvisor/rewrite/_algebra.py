@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from opadvisor.rewrite import _budget
 from opadvisor.rewrite._match import bind_args, code, is_method, is_torch_namespace, qualified
 
 Atom = tuple  # ("var", text) | ("fn", name, Poly)
@@ -210,6 +211,7 @@ class Converter:
     def poly(self, node: cst.BaseExpression, depth: int = 0) -> Poly | None:
         if depth > 60:
             return None
+        _budget.check()  # a chain read through temporaries: bounded by the analysis budget
         try:
             return self._poly(node, depth)
         except (ValueError, OverflowError, ZeroDivisionError):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import libcst as cst
 
+from opadvisor.rewrite import _budget
 from opadvisor.rewrite._algebra import CONSTANTS, Converter, Poly, close, recip, same_poly
 from opadvisor.rewrite._match import bind_args, code, is_method, is_zero, qualified
 
@@ -65,24 +66,28 @@ class DropoutMatcher:
 
     # ---- looking through temporaries and casts ---------------------------------------------------------
     def deref(self, node: cst.BaseExpression) -> cst.BaseExpression:
-        for _ in range(20):
-            if isinstance(node, (cst.Name, cst.Attribute)):
-                bound = self.resolve(node)
-                if bound is None:
-                    return node
-                node = bound
-                continue
-            return node
+        """What a name stands for, through temporaries (each node followed once: a cycle ends there)."""
+        seen: set[int] = set()
+        while isinstance(node, (cst.Name, cst.Attribute)) and id(node) not in seen:
+            _budget.check()
+            seen.add(id(node))
+            bound = self.resolve(node)
+            if bound is None:
+                return node
+            node = bound
         return node
 
     def _strip_casts(self, node: cst.BaseExpression) -> cst.BaseExpression:
         node = self.deref(node)
+        seen: set[int] = set()
         while (
             isinstance(node, cst.Call)
+            and id(node) not in seen
             and isinstance(node.func, cst.Attribute)
             and node.func.attr.value in CAST_METHODS
             and is_method(self.codemod, node.func)
         ):
+            seen.add(id(node))
             node = self.deref(node.func.value)
         return node
 

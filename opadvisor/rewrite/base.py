@@ -17,6 +17,8 @@ import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.metadata import PositionProvider
 
+from opadvisor.rewrite import _budget
+
 
 @dataclass(frozen=True)
 class Target:
@@ -63,6 +65,22 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         # set by a codemod that finds its own fix already in place (say why, one line): apply then says
         # "already applied" once instead of "found no code" per target
         self.already: str | None = None
+
+    # ---- the analysis budget (see _budget.py): checked at every node; names the function being read ----
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.Module):
+            _budget.reset_scopes()  # a pass ended by SkipFile leaves its names behind
+            return super().on_visit(node)
+        if isinstance(node, cst.ClassDef | cst.FunctionDef):
+            _budget.enter(node.name.value)  # before the check: an overrun here is this function's
+        _budget.check()
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:  # type: ignore[override]
+        result = super().on_leave(original_node, updated_node)
+        if isinstance(original_node, cst.ClassDef | cst.FunctionDef):
+            _budget.leave()
+        return result
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.rewrite import registry
+from opadvisor.rewrite._budget import OverBudget
 from opadvisor.rewrite.base import Target
 
 __all__ = ["check_fixes", "dry_run", "rank_applicable"]
@@ -39,6 +40,8 @@ def dry_run(
         after, result = rewrite_source(source, rule, list(targets), path, allow_unsafe=True)
     except (OSError, UserError) as exc:
         return [f"the {rule} rewrite fails here ({exc})"] * len(targets)
+    except OverBudget as exc:  # the fix is not offered: "not checked: source analysis over budget (in ...)"
+        return [str(exc)] * len(targets)
     except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
         return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
     line_map = LineMap(source, after)

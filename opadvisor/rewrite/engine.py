@@ -51,7 +51,7 @@ from libcst.codemod import CodemodContext, SkipFile
 
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
-from opadvisor.rewrite import registry
+from opadvisor.rewrite import _budget, registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 APPLIED_FILE = "applied.json"
@@ -190,7 +190,7 @@ def _run_once(
         return codemod.transform_module(module), codemod
     except SkipFile:
         return module, codemod
-    except UserError:
+    except (UserError, _budget.OverBudget):
         raise
     except Exception as exc:  # a bug in a codemod must not write anything
         raise UserError(
@@ -210,8 +210,21 @@ def rewrite_source(
 
     `options` are keyword arguments of the codemod's constructor (fp32_gemm's `mode`, say). Checks the
     result re-parses and compiles, and that the codemod is stable on it (a second run changes nothing it
-    should not); raises UserError otherwise.
+    should not); raises UserError otherwise, and OverBudget when the analysis (all its passes) runs past
+    the budget of `_budget.py`.
     """
+    with _budget.analysis_budget():
+        return _rewrite_checked(source, rule, targets, path, allow_unsafe, options)
+
+
+def _rewrite_checked(
+    source: bytes,
+    rule: str,
+    targets: Sequence[Target] | None,
+    path: Path | str,
+    allow_unsafe: bool,
+    options: dict[str, Any] | None,
+) -> tuple[bytes, RuleResult]:
     codemod_cls = registry.get_codemod(rule)
     module = _parse(source, path)
     new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options)
@@ -364,6 +377,9 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                     raise
                 messages.append(f"error: {exc} (for {rule}; the other rules go on)")
                 continue
+            except _budget.OverBudget as exc:  # reported like a skipped fix; nothing of it written
+                messages.append(f"{display_path(job.path, root)}: {rule}: {exc}")
+                continue
             if targets:
                 _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
             _say_covered(job.path, rule, covered, messages, root)
@@ -391,7 +407,11 @@ def _parity_original(job: FileJob) -> bytes | None:
         if twin is None:
             continue
         targets = None if job.targets is None else job.targets.get(rule, [])
-        new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
+        try:
+            with _budget.analysis_budget():
+                new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
+        except _budget.OverBudget:
+            continue  # the rule's own rewrite ran the same analysis, past the same budget: nothing to match
         text = new_module.bytes
     return text if text != job.original else None
 

@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import libcst as cst
 from libcst.codemod import CodemodContext
 
+from opadvisor.rewrite import _budget
 from opadvisor.rewrite._algebra import Converter, activation_of
+from opadvisor.rewrite._bindings import Resolver, block_index, simple_binding
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
 from opadvisor.rewrite._match import code, names_in, nodes_of, parent, qualified
@@ -66,86 +68,6 @@ WORDS = {
     "relpos": "DeBERTa's relative-position scores",
     "relpos_gather": "DeBERTa's relative-position scores",
 }
-
-
-# ---- temporaries bound earlier in a block ----------------------------------------------------------------
-
-
-def _bindings(stmt: cst.BaseStatement) -> dict[str, cst.BaseExpression]:
-    """Names and attributes (`mask`, `ctx.scale`) a simple `target = value` statement binds."""
-    if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-        return {}
-    small = stmt.body[0]
-    if isinstance(small, cst.Assign) and len(small.targets) == 1:
-        target = small.targets[0].target
-        if isinstance(target, (cst.Name, cst.Attribute)):
-            return {code(target): small.value}
-    return {}
-
-
-class _Assigned(cst.CSTVisitor):
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def _target(self, node: cst.CSTNode) -> None:
-        if isinstance(node, cst.Attribute):  # ctx.p = ...: binds `ctx.p`, not the names inside
-            self.names.add(code(node))
-        elif isinstance(node, cst.Subscript):  # x[i] = ...: changes x
-            self._target(node.value)
-        elif isinstance(node, (cst.Tuple, cst.List)):
-            for el in node.elements:
-                self._target(el.value)
-        elif isinstance(node, cst.StarredElement):
-            self._target(node.value)
-        elif isinstance(node, cst.Name):
-            self.names.add(node.value)
-
-    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
-        self._target(node.target)
-
-    def visit_AugAssign(self, node: cst.AugAssign) -> None:
-        self._target(node.target)
-
-    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
-        self._target(node.target)
-
-    def visit_For(self, node: cst.For) -> None:
-        self._target(node.target)
-
-    def visit_NamedExpr(self, node: cst.NamedExpr) -> None:
-        self._target(node.target)
-
-
-def assigned(stmt: cst.CSTNode) -> set[str]:
-    v = _Assigned()
-    stmt.visit(v)
-    return v.names
-
-
-class Resolver:
-    """Look up what a name (or `ctx.attr`) read by statement `at` of a block stands for: the value of the
-    nearest earlier `name = value` in the block, when nothing between rebinds it or what it reads."""
-
-    def __init__(self, stmts: Sequence[cst.BaseStatement], at: int, start: int = 0) -> None:
-        self.stmts = stmts
-        self.at = at
-        self.start = start
-        self.used: dict[str, int] = {}  # text -> statement index looked into
-
-    def resolve(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
-        text = code(node)
-        for j in range(self.at - 1, self.start - 1, -1):
-            value = _bindings(self.stmts[j]).get(text)
-            if value is None:
-                if text in assigned(self.stmts[j]):
-                    return None  # bound some other way (a loop, a tuple, +=): not followed
-                continue
-            reads = {n.value for n in names_in(value)} | {text}
-            if any(reads & assigned(self.stmts[i]) for i in range(j + 1, self.at)):
-                return None
-            self.used[text] = j
-            return value
-        return None
 
 
 # ---- the codemod ---------------------------------------------------------------------------------------------
@@ -290,7 +212,8 @@ class FuseRegionCodemod(BlockRewriter):
         forward, backward = methods.get("forward"), methods.get("backward")
         if forward is None or backward is None:
             return
-        found = _verify_dropout_function(self, forward, backward)
+        with _budget.analysing(name, "forward"):  # read before the traversal reaches the class
+            found = _verify_dropout_function(self, forward, backward)
         if isinstance(found, str):
             self.plan.refused[name] = found
         else:
@@ -332,14 +255,14 @@ class FuseRegionCodemod(BlockRewriter):
                 # as written, then through temporaries
                 conv = Converter(self, resolver.resolve)
                 poly = conv.poly(node)
-                act = activation_of(poly) if poly is not None else None
+                act = activation_of(poly) if poly is not None and not resolver.stale else None
                 if act is not None:
                     return self._activation_edit(stmts, k, node, act, conv, resolver)
             if self._classes and self._classes[-1]:
                 continue  # a dropout inside an autograd.Function goes with its backward: see leave_Call
             resolver = Resolver(stmts, k)
             dm = DropoutMatcher(self, resolver.resolve).match(node)
-            if dm is not None:
+            if dm is not None and not resolver.stale:
                 return self._dropout_edit(stmts, k, node, dm, resolver)
         return None
 
@@ -369,7 +292,7 @@ class FuseRegionCodemod(BlockRewriter):
             if j is None or text in removed:
                 continue
             removed[text] = j
-            value = _bindings(stmts[j])[text]
+            value = simple_binding(stmts[j])[text]
             pending += [
                 t for t in resolver.used if t not in still and t not in removed and _reads(value, t, set())
             ]
@@ -381,7 +304,7 @@ class FuseRegionCodemod(BlockRewriter):
                 if _reads(stmts[i], text, inside if i == k else set()):
                     line = self.stmt_lines(stmts, i, i)[0]
                     return frozenset(), f"`{text}` is read again at line {line}"
-                if text in assigned(stmts[i]):
+                if text in block_index(stmts).binds[i]:
                     break
         return frozenset(gone), None
 
@@ -689,6 +612,8 @@ def _verify_dropout_function(
         return "its backward does not apply the mask and scale to the gradient"
     if bm.p_text != dm.p_text or not bres.used_saved:
         return "its backward does not use the mask its forward saved"
+    if fres.stale or bres.stale:
+        return "it reads a name it rebinds in between (`x = x...`), which this rewrite does not follow"
     return _DropoutFunction(params, x_index, dm.p)
 
 
@@ -710,54 +635,68 @@ def _saved_for_backward(stmts: Sequence[cst.BaseStatement]) -> tuple[int, list[c
 
 class _BackwardResolver:
     """Names in the backward that come from `ctx.saved_tensors` resolve to what the forward saved; `ctx.attr`
-    to what the forward assigned it; everything through the forward's own temporaries."""
+    to what the forward assigned it; everything through the forward's own temporaries. A node inside a
+    value already followed is looked up by the resolver that returned it (relative to its binding)."""
 
     def __init__(self, backward: cst.FunctionDef, fstmts, saved, f_at: int) -> None:
-        self.fstmts = fstmts
         self.saved = saved
-        self.f_at = f_at
         self.from_saved: dict[str, int] = {}
         self.used_saved = False
         body = backward.body.body if isinstance(backward.body, cst.IndentedBlock) else []
-        self.bstmts = list(body)
-        for stmt in self.bstmts:
-            if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
-                continue
-            small = stmt.body[0]
-            if not isinstance(small, cst.Assign) or len(small.targets) != 1:
-                continue
-            target, val = small.targets[0].target, small.value
-            if isinstance(val, cst.Attribute) and val.attr.value == "saved_tensors":
-                if isinstance(target, (cst.Tuple, cst.List)):
-                    for i, el in enumerate(target.elements):
-                        if isinstance(el.value, cst.Name):
-                            self.from_saved[el.value.value] = i
-            elif (
-                isinstance(val, cst.Subscript)
-                and isinstance(val.value, cst.Attribute)
-                and val.value.attr.value == "saved_tensors"
-                and isinstance(target, cst.Name)
-                and len(val.slice) == 1
-                and isinstance(val.slice[0].slice, cst.Index)
-                and isinstance(val.slice[0].slice.value, cst.Integer)
-            ):
-                self.from_saved[target.value] = int(val.slice[0].slice.value.value)
+        bstmts = list(body)
+        self.forward = Resolver(fstmts, f_at)  # ctx.attr: what the forward assigned
+        self.at_save = Resolver(fstmts, saved[0]) if saved is not None else None
+        self.backward = Resolver(bstmts, len(bstmts) - 1)
+        for stmt in bstmts:
+            self._note_saved(stmt)
+
+    @property
+    def stale(self) -> bool:
+        resolvers = (self.forward, self.at_save, self.backward)
+        return any(r is not None and r.stale for r in resolvers)
+
+    def _note_saved(self, stmt: cst.BaseStatement) -> None:
+        """`a, b = ctx.saved_tensors` / `a = ctx.saved_tensors[0]`: which saved tensor each name is."""
+        if not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+            return
+        small = stmt.body[0]
+        if not isinstance(small, cst.Assign) or len(small.targets) != 1:
+            return
+        target, val = small.targets[0].target, small.value
+        if isinstance(val, cst.Attribute) and val.attr.value == "saved_tensors":
+            if isinstance(target, (cst.Tuple, cst.List)):
+                for i, el in enumerate(target.elements):
+                    if isinstance(el.value, cst.Name):
+                        self.from_saved[el.value.value] = i
+        elif (
+            isinstance(val, cst.Subscript)
+            and isinstance(val.value, cst.Attribute)
+            and val.value.attr.value == "saved_tensors"
+            and isinstance(target, cst.Name)
+            and len(val.slice) == 1
+            and isinstance(val.slice[0].slice, cst.Index)
+            and isinstance(val.slice[0].slice.value, cst.Integer)
+        ):
+            self.from_saved[target.value] = int(val.slice[0].slice.value.value)
 
     def resolve(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        for resolver in (self.at_save, self.forward):
+            if resolver is not None and resolver.owns(node):  # read inside a forward value
+                return resolver.resolve(node)
         text = code(node)
         if text in self.from_saved and self.saved is not None:
-            j, args = self.saved
+            _, args = self.saved
             i = self.from_saved[text]
             if i < len(args):
                 self.used_saved = True
                 saved = args[i]
                 if isinstance(saved, cst.Name):
-                    return Resolver(self.fstmts, j).resolve(saved) or None
+                    return self.at_save.resolve(saved) or None  # type: ignore[union-attr]
                 return saved
             return None
-        if isinstance(node, cst.Attribute):  # ctx.scale: what the forward assigned
-            return Resolver(self.fstmts, self.f_at).resolve(node)
-        return Resolver(self.bstmts, len(self.bstmts) - 1).resolve(node)
+        if isinstance(node, cst.Attribute):
+            return self.forward.resolve(node)
+        return self.backward.resolve(node)
 
 
 def _gather_of(codemod: FuseRegionCodemod, value: cst.BaseExpression):
@@ -792,7 +731,7 @@ def _relpos_pattern(codemod: FuseRegionCodemod, stmts: Sequence[cst.BaseStatemen
     """([(stmt, name, table, index, transposed)], [accumulation stmts], accumulator, scale) or None."""
     gathers = []
     for j, stmt in enumerate(stmts):
-        binding = _bindings(stmt)
+        binding = simple_binding(stmt)
         if len(binding) == 1:
             ((name, value),) = binding.items()
             g = _gather_of(codemod, value) if "." not in name else None
@@ -825,7 +764,7 @@ def _relpos_pattern(codemod: FuseRegionCodemod, stmts: Sequence[cst.BaseStatemen
             return None
         inputs = {n.value for n in names_in(g[2])} | {n.value for n in names_in(g[3])}
         between = [i for i in range(g[0] + 1, accs[-1]) if i not in removed]
-        if any(inputs & assigned(stmts[i]) for i in between):
+        if any(inputs & block_index(stmts).binds[i] for i in between):
             return None
     if any(_reads(stmts[i], acc_name, set()) for i in range(accs[0] + 1, accs[-1]) if i not in removed):
         return None

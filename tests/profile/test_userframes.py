@@ -1,12 +1,16 @@
-"""Which files count as the user's code: opadvisor's own files never do, wherever they are installed."""
+"""Which files count as the user's code: opadvisor's own files never do, wherever they are installed; the
+user's folder does whatever its name, and a name the profiler shortened is found where the script looked."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
+import pytest
+
 import opadvisor
-from opadvisor.profile.userframes import fused_op_module, resolve_user_file
+from opadvisor.profile.userframes import fused_op_module, note_search_path, resolve_user_file, set_search_path
 
 
 def test_the_fused_ops_files_are_not_user_code():
@@ -41,3 +45,34 @@ def test_the_fused_ops_files_are_named_and_the_wrappers_are_not(tmp_path: Path):
     script.write_text("x = 1\n", encoding="utf-8")
     assert fused_op_module(str(script)) is None
     assert fused_op_module(opadvisor.__file__) is None
+
+
+@pytest.fixture
+def search_path():
+    """set_search_path as a test leaves it: the test process's own sys.path again afterwards."""
+    yield set_search_path
+    set_search_path(sys.path)
+
+
+def test_a_project_cloned_into_a_folder_named_site_packages_is_user_code(tmp_path: Path, search_path):
+    # a folder of that name above the user's folder says nothing; one below it (a venv inside) does
+    project = tmp_path / "site-packages" / "my dist-packages clone"
+    (project / "venv" / "lib" / "site-packages" / "lib").mkdir(parents=True)
+    script, installed = project / "train.py", project / "venv" / "lib" / "site-packages" / "lib" / "m.py"
+    script.write_text("x = 1\n", encoding="utf-8")
+    installed.write_text("x = 1\n", encoding="utf-8")
+    search_path([], [str(project)])
+    assert resolve_user_file(str(script)) == str(script.resolve())
+    assert resolve_user_file(str(installed)) is None
+
+
+def test_a_name_shortened_by_a_folder_the_script_put_on_sys_path(tmp_path: Path, search_path, monkeypatch):
+    # torch shortens file names by sys.path as it is when the profiler stops, inside the script
+    model = tmp_path / "src" / "mymodel" / "model.py"
+    model.parent.mkdir(parents=True)
+    model.write_text("x = 1\n", encoding="utf-8")
+    search_path([], [str(tmp_path)])
+    assert resolve_user_file("mymodel/model.py") is None
+    monkeypatch.syspath_prepend(str(tmp_path / "src"))
+    note_search_path()
+    assert resolve_user_file("mymodel/model.py") == str(model.resolve())

@@ -1,0 +1,140 @@
+"""Source analysis is bounded: read-through-temporaries never loops (issue 29), and past its budget a
+rule's fix is reported as not checked, never hung and never half-written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import libcst as cst
+import pytest
+from typer.testing import CliRunner
+
+from opadvisor.cli import app
+from opadvisor.rewrite import _budget
+from opadvisor.rewrite._bindings import Resolver, block_index
+from opadvisor.rewrite.base import Target
+from opadvisor.rewrite.check import dry_run
+from opadvisor.rewrite.engine import rewrite_source
+
+CAST_MASK = b"""import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def forward(self, out, mask):
+        mask = mask.to(out.dtype)
+        return out * mask
+"""
+
+RMS_NORM = b"""import torch
+from torch import nn
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+"""
+
+SILU_THRICE = b"""import torch
+
+
+def f(x):
+    x = x * torch.sigmoid(x)
+    x = x * torch.sigmoid(x)
+    x = x * torch.sigmoid(x)
+    return x
+"""
+
+
+def _plain_block(n: int) -> bytes:
+    body = "".join(f"    v{i} = v{i - 1} * b + a\n" for i in range(1, n))
+    return f"import torch\n\n\ndef f(a, b):\n    v0 = a + b\n{body}    return v{n - 1}\n".encode()
+
+
+@pytest.mark.parametrize("source", [CAST_MASK, RMS_NORM, _plain_block(80)], ids=["cast", "rmsnorm", "80"])
+def test_fuse_region_reads_rebound_names_to_the_end(source):
+    after, result = rewrite_source(source, "fuse_region", None, "m.py", allow_unsafe=True)
+    assert after == source  # nothing there is a hand-written activation or dropout
+    assert result.changes == []
+
+
+def test_repeated_silu_is_rewritten_each_time():
+    after, result = rewrite_source(SILU_THRICE, "fuse_region", None, "m.py", allow_unsafe=True)
+    assert after.decode().count("x = torch.nn.functional.silu(x)") == 3
+    assert [n.line for n in result.changes] == [5, 6, 7]
+
+
+def test_a_name_read_in_its_own_binding_resolves_to_the_earlier_one():
+    stmts = list(cst.parse_module("x = a + 1\nx = x.to(t)\ny = x * 2\n").body)
+    resolver = Resolver(stmts, 2)
+    outer = stmts[2].body[0].value.left  # the x of `y = x * 2`
+    value = resolver.resolve(outer)
+    assert cst.Module([]).code_for_node(value) == "x.to(t)"
+    inner = value.func.value  # the x of `x.to(t)`: statement 0's, never statement 1 again
+    assert resolver.resolve(inner) is None  # a second binding of x is not followed ...
+    assert resolver.stale == {"x"}  # ... and the leaf it leaves means another x at y: the match is refused
+
+
+def test_resolver_follows_temporaries_relative_to_their_binding():
+    stmts = list(cst.parse_module("g = torch.sigmoid(x)\nh = g * x\ny = h + 1\n").body)
+    resolver = Resolver(stmts, 2)
+    h = resolver.resolve(stmts[2].body[0].value.left)
+    g = resolver.resolve(h.left)
+    assert cst.Module([]).code_for_node(g) == "torch.sigmoid(x)"
+    assert resolver.used == {"h": 1, "g": 0} and not resolver.stale
+
+
+def test_block_index_lookup_and_rebinding():
+    stmts = list(cst.parse_module("a = 1\nfor b in c:\n    pass\na = b\nd = a\n").body)
+    index = block_index(stmts)
+    assert index is block_index(stmts)  # built once per block
+    assert index.lookup("a", before=3).index == 2
+    assert index.lookup("a", before=2).index == 0
+    assert index.lookup("b", before=3).value is None  # bound by a loop: not followed
+    assert index.lookup("a", before=0) is None
+    assert index.rebound({"a"}, 0, 3) and not index.rebound({"a"}, 0, 2)
+
+
+def test_over_budget_names_class_and_method():
+    with _budget.analysis_budget(0.0):
+        _budget.enter("M")
+        _budget.enter("forward")
+        with pytest.raises(_budget.OverBudget) as exc:
+            _budget.check()
+    assert exc.value.where == "M.forward"
+    assert str(exc.value) == "not checked: source analysis over budget (in `M.forward`)"
+    _budget.check()  # outside a budget: nothing
+
+
+def test_over_budget_blocks_the_dry_run(tmp_path, monkeypatch):
+    monkeypatch.setenv(_budget.BUDGET_ENV, "1e-9")
+    path = tmp_path / "m.py"
+    path.write_bytes(b"def forward(x):\n    return x * torch.sigmoid(x)\n")
+    (reason,) = dry_run(path, "fuse_region", [Target(2, 2, {"chain": "silu"})])
+    assert reason == "not checked: source analysis over budget (in `forward`)"
+
+
+def test_over_budget_apply_skips_the_rule_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # forward first: the first check (a tiny budget's overrun) is made there
+    source = b"def forward(x):\n    return x * torch.sigmoid(x)\n\n\nimport torch  # noqa: E402\n"
+    model: Path = tmp_path / "m.py"
+    model.write_bytes(source)
+    monkeypatch.setenv(_budget.BUDGET_ENV, "1e-9")
+    result = CliRunner().invoke(app, ["apply", "--rule", "fuse_region", "m.py"])
+    assert "m.py: fuse_region: not checked: source analysis over budget (in `forward`)" in result.stderr
+    assert result.exit_code == 0, result.stderr
+    assert model.read_bytes() == source
+    monkeypatch.delenv(_budget.BUDGET_ENV)
+    result = CliRunner().invoke(app, ["apply", "--rule", "fuse_region", "m.py"])
+    assert result.exit_code == 0, result.stderr
+    assert "torch.nn.functional.silu(x)" in model.read_text()

@@ -70,10 +70,15 @@ class Outcome:
     file: str  # zoo/path inside the package
     status: str = "ok"  # ok | unchanged | usererror | crash | hang | noncompiling | unstable
     exit_status: int | None = None  # as `opadvisor apply` would exit (None: it hung)
-    seconds: float | None = None  # the first apply, in-process
+    seconds: float | None = (
+        None  # the first apply, in-process: CPU seconds (a loaded machine inflates wall time)
+    )
+    wall_seconds: float | None = None
     second_seconds: float | None = None
     changed_by: list[str] = field(default_factory=list)  # the rules that rewrote something
     rule_errors: list[str] = field(default_factory=list)  # rules that failed while the others went on
+    # rules that gave up on part of the file: "not checked: source analysis over budget (in `f`)"
+    over_budget: list[str] = field(default_factory=list)
     detail: str = ""  # the traceback, the user error, the compile error, the unstable rules, the hang's stack
     lines: int = 0
     rule_seconds: dict[str, float] = field(default_factory=dict)  # each rule's pass of the first apply
@@ -143,11 +148,22 @@ def _rule_errors(messages: Sequence[str]) -> list[str]:
     return [m for m in messages if m.startswith("error:")]
 
 
+def _over_budget(result) -> list[str]:  # noqa: ANN001 - engine.ApplyResult
+    """The lines where a rule says it skipped part of the file because its analysis ran over budget."""
+    notes = [
+        f"{r.rule}:{n.line}: {n.message}"
+        for f in result.files
+        for r in f.rules
+        for n in (*r.skipped, *r.notes)
+    ]
+    return [m for m in (*result.messages, *notes) if "over budget" in m]
+
+
 def _first_apply(path: Path, out: Outcome) -> bool:
     """The apply that rewrites the file; False when it did not finish normally (the outcome says why)."""
     from opadvisor.errors import UserError
 
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     try:
         result = _apply_all(path, write=True)
     except UserError as exc:
@@ -157,9 +173,11 @@ def _first_apply(path: Path, out: Outcome) -> bool:
         out.status, out.exit_status, out.detail = "crash", 1, traceback.format_exc()[-4000:]
         return False
     finally:
-        out.seconds = round(time.perf_counter() - start, 3)
+        out.seconds = round(time.process_time() - cpu_start, 3)
+        out.wall_seconds = round(time.perf_counter() - start, 3)
     out.exit_status = 0
     out.rule_errors = _rule_errors(result.messages)
+    out.over_budget = _over_budget(result)
     out.changed_by = sorted({r.rule for f in result.files for r in f.rules if r.before != r.after})
     if not result.changed:
         out.status = "unchanged"
@@ -174,14 +192,14 @@ def _check_rewrite(path: Path, out: Outcome) -> None:
     except SyntaxError as exc:
         out.status, out.detail = "noncompiling", f"{exc.__class__.__name__}: {exc}"
         return
-    start = time.perf_counter()
+    start = time.process_time()
     try:
         again = _apply_all(path, write=False)
     except BaseException:  # noqa: BLE001
         out.status, out.detail = "unstable", "the second apply failed:\n" + traceback.format_exc()[-3000:]
         return
     finally:
-        out.second_seconds = round(time.perf_counter() - start, 3)
+        out.second_seconds = round(time.process_time() - start, 3)
     if again.changed:
         rules = sorted({r.rule for f in again.files for r in f.rules if r.before != r.after})
         out.status = "unstable"
@@ -214,11 +232,11 @@ def _time_rules(folder: Path, seconds: dict[str, float]) -> None:
 
     def timed(text, rule, *args, **kwargs):  # noqa: ANN001, ANN202 - engine.rewrite_source's own signature
         (folder / "rule.txt").write_text(rule)
-        start = time.perf_counter()
+        start = time.process_time()
         try:
             return inner(text, rule, *args, **kwargs)
         finally:
-            seconds[rule] = round(seconds.get(rule, 0.0) + time.perf_counter() - start, 3)
+            seconds[rule] = round(seconds.get(rule, 0.0) + time.process_time() - start, 3)
 
     engine.rewrite_source = timed
 
@@ -249,6 +267,16 @@ class _Running:
     started: float
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time a process has used (Linux /proc; elsewhere 0, and the wall-clock cap decides). A hang is
+    judged on CPU time so that a loaded machine (2 cores shared) does not turn slow files into hangs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _hang_outcome(job: _Running, timeout: float) -> Outcome:
     """Dump the stuck process's stack (where it hangs), then kill it."""
     os.kill(job.process.pid, signal.SIGUSR1)
@@ -257,7 +285,7 @@ def _hang_outcome(job: _Running, timeout: float) -> Outcome:
     job.process.join()
     stack = _read(job.folder / "stack.txt")
     rule = _read(job.folder / "rule.txt")
-    detail = f"no answer in {timeout:g} s, in rule {rule or '?'}; stack: {_where(stack)}"
+    detail = f"no answer in {timeout:g} CPU s, in rule {rule or '?'}; stack: {_where(stack)}"
     lines = job.model.path.read_bytes().count(b"\n")
     return Outcome(job.model.key, "hang", detail=detail, lines=lines, hung_in=rule)
 
@@ -318,7 +346,7 @@ def run_files(
             for job in list(running):
                 if job.conn.poll() or not job.process.is_alive():
                     outcome = _finish(job)
-                elif time.monotonic() - job.started > timeout:
+                elif _cpu_seconds(job.process.pid) > timeout or time.monotonic() - job.started > 4 * timeout:
                     outcome = _hang_outcome(job, timeout)
                 else:
                     continue
@@ -350,6 +378,8 @@ def summarize(outcomes: Sequence[Outcome], timeout: float) -> dict:
         "files": len(outcomes),
         **counts,
         "rule_errors": sum(len(o.rule_errors) for o in outcomes),
+        "files_over_budget": sum(bool(o.over_budget) for o in outcomes),
+        "rules_over_budget": sum(len(o.over_budget) for o in outcomes),
         "p50_s": _percentile(times, 0.5),
         "p95_s": _percentile(times, 0.95),
         "max_s": max(times) if times else None,
@@ -367,17 +397,20 @@ def print_summary(summary: dict, outcomes: Sequence[Outcome]) -> None:
         f"\n{s['files']} files: {s['ok']} rewritten and checked, {s['unchanged']} unchanged, "
         f"{s['usererror']} refused (user error), {s['hang']} hangs (> {s['timeout_s']:g} s), {s['crash']} crashes, "
         f"{s['noncompiling']} non-compiling rewrites, {s['unstable']} unstable second applies; "
-        f"{s['rule_errors']} rule errors inside --rule all"
+        f"{s['rule_errors']} rule errors inside --rule all; {s['files_over_budget']} files where "
+        f"{s['rules_over_budget']} rule passes gave up (source analysis over budget)"
     )
     if s["p50_s"] is not None:
         print(
-            f"apply time per file (a hang counted as the timeout): p50 {s['p50_s']:.2f} s, "
+            f"apply CPU time per file (a hang counted as the timeout): p50 {s['p50_s']:.2f} s, "
             f"p95 {s['p95_s']:.2f} s, max {s['max_s']:.2f} s"
         )
     print(
         "slowest: " + ", ".join(f"{f} {t if isinstance(t, str) else f'{t:.1f}'} s" for f, t in s["slowest"])
     )
     for o in outcomes:
+        if o.over_budget:
+            print(f"  over budget  {o.file}: {len(o.over_budget)} rules, e.g. {o.over_budget[0][:160]}")
         if o.status in BAD or o.status == "usererror" or o.rule_errors:
             first = (o.detail.strip().splitlines() or [""])[-1][:200]
             extra = f" rule errors: {'; '.join(e[:160] for e in o.rule_errors)}" if o.rule_errors else ""

@@ -433,9 +433,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = sample(discover(args.zoo or tuple(ZOOS)), args.sample, args.match)
     print(f"checking {len(files)} files, {args.jobs} at a time, {args.timeout:g} s each at most", flush=True)
 
+    partial = args.out.with_suffix(".partial.jsonl") if args.out else None
+    if partial is not None:
+        partial.write_text("")
+
     def progress(o: Outcome) -> None:
         took = f"{o.seconds:.2f} s" if o.seconds is not None else "-"
         print(f"{o.status:<12} {took:>9}  {o.file}", flush=True)
+        if partial is not None:  # a run cut short (a command's time limit) keeps what it checked
+            with partial.open("a") as f:
+                f.write(json.dumps(asdict(o)) + "\n")
 
     outcomes = run_files(files, jobs=args.jobs, timeout=args.timeout, mem_gb=args.mem_gb, progress=progress)
     summary = summarize(outcomes, args.timeout)

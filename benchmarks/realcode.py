@@ -1,6 +1,6 @@
 """Real model families as user code, end to end through the real CLI (issue 29's proving ground).
 
-    python3 benchmarks/realcode.py --family all --size base --out /tmp/realcode     # one GPU, bf16: ~8 min
+    python3 benchmarks/realcode.py --family all --size base --jobs 4 --out /tmp/realcode  # one GPU, bf16: ~8 min
     python3 benchmarks/realcode.py --family llama --family bert --size base --out DIR
     python3 benchmarks/realcode.py --family all --size tiny --device cpu --out DIR # the CPU smoke run
 
@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bf16", action="store_true", help="fp32 (default on CUDA: bf16 autocast)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per command")
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="families at once (their step times then share the GPU: compare times only from --jobs 1)",
+    )
+    parser.add_argument(
         "--src-on-pythonpath",
         action="store_true",
         help="also put each project's src/ on PYTHONPATH (tells a sys.path attribution failure from the rest)",
@@ -257,20 +264,20 @@ def main(argv: list[str] | None = None) -> int:
         size=args.size,
         device=device,
         bf16=device == "cuda" and not args.no_bf16,
-        warmup=3 if device == "cuda" else 1,
-        steps=3 if device == "cuda" else 2,
-        verify_steps=8 if device == "cuda" else 3,
+        warmup=2 if device == "cuda" else 1,
+        steps=2,
+        verify_steps=6 if device == "cuda" else 3,
         timing=device == "cuda",
         timeout=args.timeout,
         src_on_pythonpath=args.src_on_pythonpath,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in names:
-        result = run_family(FAMILIES[name], args.out / name, s)
-        print(_row(result), flush=True)
-        results.append(result)
-        (args.out / "realcode.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
+    results: list[FamilyResult] = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each family is its own processes
+        for result in pool.map(lambda name: run_family(FAMILIES[name], args.out / name, s), names):
+            print(_row(result), flush=True)
+            results.append(result)
+            (args.out / "realcode.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     print(f"wrote {args.out / 'realcode.json'}")
     return 1 if any(r.failures for r in results) else 0
 

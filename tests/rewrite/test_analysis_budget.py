@@ -138,3 +138,30 @@ def test_over_budget_apply_skips_the_rule_and_writes_nothing(tmp_path, monkeypat
     result = CliRunner().invoke(app, ["apply", "--rule", "fuse_region", "m.py"])
     assert result.exit_code == 0, result.stderr
     assert "torch.nn.functional.silu(x)" in model.read_text()
+
+
+TWO_FUNCTIONS = b"""import torch
+
+
+def f(x):
+    return x * torch.sigmoid(x)
+
+
+def g(y):
+    return y * torch.sigmoid(y)
+"""
+
+
+def test_profile_mode_analyses_only_the_targeted_blocks():
+    from opadvisor.rewrite import _bindings
+    from opadvisor.rewrite.engine import _parse, _run_once
+    from opadvisor.rewrite.fuse_region import FuseRegionCodemod
+
+    _bindings._INDEXES.clear()
+    module = _parse(TWO_FUNCTIONS, "m.py")
+    new, codemod = _run_once(FuseRegionCodemod, module, [Target(5, 5, {"chain": "silu"})], "m.py")
+    assert "return torch.nn.functional.silu(x)" in new.code
+    assert "return y * torch.sigmoid(y)" in new.code
+    indexed = [cst.Module(list(index.stmts)).code for index in _bindings._INDEXES.values()]
+    assert any("sigmoid(x)" in text for text in indexed)
+    assert not any("sigmoid(y)" in text for text in indexed)  # g's block was never read

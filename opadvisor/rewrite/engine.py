@@ -213,7 +213,7 @@ def rewrite_source(
     should not); raises UserError otherwise, and OverBudget when the analysis (all its passes) runs past
     the budget of `_budget.py`.
     """
-    with _budget.analysis_budget():
+    with _budget.analysis_budget(lines=source.count(b"\n")):
         return _rewrite_checked(source, rule, targets, path, allow_unsafe, options)
 
 
@@ -408,7 +408,7 @@ def _parity_original(job: FileJob) -> bytes | None:
             continue
         targets = None if job.targets is None else job.targets.get(rule, [])
         try:
-            with _budget.analysis_budget():
+            with _budget.analysis_budget(lines=text.count(b"\n")):
                 new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
         except _budget.OverBudget:
             continue  # the rule's own rewrite ran the same analysis, past the same budget: nothing to match

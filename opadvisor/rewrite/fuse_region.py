@@ -231,8 +231,13 @@ class FuseRegionCodemod(BlockRewriter):
         if relpos is not None:
             edits.append(relpos)
             taken |= {relpos.last, *(relpos.removed or ())}
+        # profile mode: a match spans its statement and earlier ones, so none ending before every target can
+        # overlap one (not analysed)
+        first_line = min((t.line for t in self.targets), default=0) if self.targets is not None else 0
         for k, stmt in enumerate(stmts):
             if k in taken or not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+                continue
+            if first_line and self.stmt_lines(stmts, k, k)[1] < first_line:
                 continue
             value = getattr(stmt.body[0], "value", None)
             if not isinstance(value, cst.BaseExpression):

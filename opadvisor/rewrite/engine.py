@@ -136,11 +136,13 @@ def codemod_order(rules: Iterable[str]) -> list[str]:
 
 def location_problem(path: Path, root: Path) -> str | None:
     """Why a file may not be rewritten because of where it is, or None."""
-    if any(part in {"site-packages", "dist-packages"} for part in path.parts):
+    # Only the folders below the project count: a project cloned into a folder named site-packages is not
+    # installed code, a venv inside the project is.
+    inside = path.is_relative_to(root)
+    below = path.relative_to(root).parts if inside else path.parts
+    if any(part in {"site-packages", "dist-packages"} for part in below):
         return f"{path} is inside site-packages (installed code, not this project's); not rewriting it"
-    try:
-        path.relative_to(root)
-    except ValueError:
+    if not inside:
         return (
             f"{path} lies outside the project directory {root}; run opadvisor from the project that holds it"
         )

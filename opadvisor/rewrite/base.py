@@ -9,15 +9,16 @@ be rewritten safely is left alone and reported with `self.skip(node, reason)`; a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.metadata import PositionProvider
 
-from opadvisor.rewrite import _budget
+from opadvisor.rewrite import _budget, _metadata
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,19 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         # set by a codemod that finds its own fix already in place (say why, one line): apply then says
         # "already applied" once instead of "found no code" per target
         self.already: str | None = None
+
+    @contextmanager
+    def _handle_metadata_reference(self, module: cst.Module) -> Generator[cst.Module, None, None]:
+        """libcst's own, with the module's shared wrapper (_metadata.py): what an earlier codemod resolved on
+        the same source is not resolved again."""
+        wrapper = _metadata.wrapper_for(module)
+        old = self.context.wrapper
+        with self.resolve(wrapper):
+            self.context = replace(self.context, wrapper=wrapper)
+            try:
+                yield wrapper.module
+            finally:
+                self.context = replace(self.context, wrapper=old)
 
     # ---- the analysis budget (see _budget.py): checked at every node; names the function being read ----
     def on_visit(self, node: cst.CSTNode) -> bool:

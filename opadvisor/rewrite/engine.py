@@ -51,7 +51,7 @@ from libcst.codemod import CodemodContext, SkipFile
 
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
-from opadvisor.rewrite import _budget, registry
+from opadvisor.rewrite import _budget, _metadata, registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 APPLIED_FILE = "applied.json"
@@ -168,7 +168,7 @@ def _check_writable(path: Path) -> None:
 # ---- running one codemod on one source ---------------------------------------------------------------------
 def _parse(source: bytes, path: Path | str) -> cst.Module:
     try:
-        return cst.parse_module(source)
+        return _metadata.parse(source)  # once per text: its codemods share one metadata wrapper
     except cst.ParserSyntaxError as exc:
         raise UserError(
             f"{path}: cannot parse it (line {exc.raw_line}, column {exc.raw_column}: {exc.message}); nothing written"

@@ -209,12 +209,25 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
 
 
 def recording_entry(profiles) -> dict[str, Any]:
-    """Whether the profile recorded its whole window (False: the script ended or failed first)."""
-    return {
+    """Whether the profile recorded its whole window (False: the script ended or failed first), and why
+    it stopped (issue 30: `stopped`, `steps_seen`, `warmup_steps` where the run says)."""
+    entry: dict[str, Any] = {
         "complete": all(p.complete for p in profiles),
         "steps_recorded": min(len(p.steps) for p in profiles),
         "steps_requested": profiles[0].steps_requested,
     }
+    first = profiles[0]
+    if not entry["complete"] and first.stopped is not None:
+        entry.update(stopped=first.stopped, steps_seen=first.steps_seen, warmup_steps=first.warmup_steps)
+    return entry
+
+
+STOPPED_WORDS = {
+    "script_error": "the script raised an exception",
+    "script_exit": "the script called sys.exit",
+    "interrupted": "the script was interrupted (Ctrl-C)",
+    "ended_early": "the script ended",
+}
 
 
 def incomplete_words(profiles) -> str | None:
@@ -222,8 +235,16 @@ def incomplete_words(profiles) -> str | None:
     rec = recording_entry(profiles)
     if rec["complete"]:
         return None
+    how = STOPPED_WORDS.get(rec.get("stopped", ""), "the script stopped")
+    seen = f" after {rec['steps_seen']} step(s)" if rec.get("steps_seen") else ""
+    if rec["steps_recorded"] == 0:
+        lower = max(0, min(rec.get("steps_seen", 1) - 1, rec.get("warmup_steps", 1) - 1))
+        return (
+            f"incomplete run: {how}{seen}, in the warm-up (--warmup {rec.get('warmup_steps', '?')}): no step "
+            f"was recorded, so nothing can be measured; profile again with --warmup {lower}"
+        )
     return (
-        f"incomplete run: the script stopped before the window was complete ({rec['steps_recorded']} of "
+        f"incomplete run: {how}{seen}, before the window was complete ({rec['steps_recorded']} of "
         f"{rec['steps_requested']} steps recorded): times rest on fewer steps"
     )
 
@@ -415,6 +436,8 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     incomplete = incomplete_words(profiles)
     if incomplete:
         console.print(f"[bold yellow]{incomplete[0].upper()}{incomplete[1:]}[/bold yellow]")
+    if not first.steps:
+        return  # issue 30: stopped in the warm-up; the sentence above says what to do
     basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
     if bd["calibrated"]:
         basis += ", idle scaled to the plain step"

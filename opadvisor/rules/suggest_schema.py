@@ -291,6 +291,10 @@ SUGGEST_SCHEMA: dict[str, Any] = {
                 "complete": {"type": "boolean"},
                 "steps_recorded": {"type": "integer", "minimum": 0},  # the fewest of any rank
                 "steps_requested": {"type": "integer", "minimum": 0},
+                # issue 30, incomplete runs: why the window stopped, steps run in all, the warm-up asked
+                "stopped": {"enum": ["script_error", "script_exit", "ended_early", "interrupted"]},
+                "steps_seen": {"type": "integer", "minimum": 0},
+                "warmup_steps": {"type": "integer", "minimum": 0},
             },
         },
         # time inside torch.compile graphs, which no rule analyses (null: none ran compiled)

@@ -438,9 +438,10 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
         console.print(f"[bold yellow]{incomplete[0].upper()}{incomplete[1:]}[/bold yellow]")
     if not first.steps:
         return  # issue 30: stopped in the warm-up; the sentence above says what to do
-    basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
+    basis = "GPU" if bd["basis"] == "gpu" else "CPU, what ran at each instant"
     if bd["calibrated"]:
         basis += ", idle scaled to the plain step"
+    basis += f"; shares of {bd['of']}, {fmt_ms(bd['total_ms'])}"
     parts = "  ".join(
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
     )

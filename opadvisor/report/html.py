@@ -123,9 +123,14 @@ def _breakdown_section(p: Profile) -> str:
     bd = breakdown(p)
     parts = [q for q in bd["parts"] if q["ms"]]
     total = sum(q["ms"] for q in parts) or 1.0
-    basis = "the GPU's time" if bd["basis"] == "gpu" else "CPU time (a CPU profile has no GPU times)"
+    basis = (
+        "the GPU's time"
+        if bd["basis"] == "gpu"
+        else "what ran at each instant on the CPU, on any thread (a CPU profile has no GPU times)"
+    )
     if bd["calibrated"]:
         basis += ", its idle parts scaled to the plain step (timed without the profiler)"
+    basis += f"; the shares are of {bd['of']}, {fmt_ms(bd['total_ms'])}"
     segs, legend = [], []
     for q in parts:
         colour = PART_COLOURS.get(q["name"], "#999")

@@ -259,11 +259,14 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "calibration": CALIBRATION_SCHEMA,
         "breakdown": {
             "type": "object",
-            "required": ["basis", "step_ms", "calibrated", "parts"],
+            "required": ["basis", "step_ms", "total_ms", "of", "calibrated", "parts"],
             "additionalProperties": False,
             "properties": {
                 "basis": {"enum": ["gpu", "cpu"]},
                 "step_ms": _NUM_OR_NULL,
+                # what the parts add up to and the shares are of (issue 30): `of` says which time it is
+                "total_ms": {"type": "number"},
+                "of": {"type": "string"},
                 "calibrated": {"type": "boolean"},  # idle parts scaled to the plain step
                 "parts": {
                     "type": "array",

@@ -82,7 +82,7 @@ def suggest(
     """
     from opadvisor.errors import UserError
     from opadvisor.profile.runs import load_run
-    from opadvisor.rules.engine import analyse
+    from opadvisor.rewrite.check import analyse_checked
 
     if format not in ("table", "json", "sarif"):
         raise UserError(f"unknown format {format!r}; use table, json or sarif")
@@ -93,12 +93,9 @@ def suggest(
     if memory and chosen is not None:
         chosen.append("activation_checkpointing")
     requested = [*(chosen or []), *(["activation_checkpointing"] if memory else [])]
-    report = analyse(profiles, chosen, _split(ignore), sort=sort, requested=requested)  # type: ignore[arg-type]
-    if check:
-        from opadvisor.rewrite.check import check_fixes, rank_applicable
-
-        check_fixes(report.findings)
-        report.findings = rank_applicable(report.findings)
+    report = analyse_checked(
+        profiles, check=check, select=chosen, ignore=_split(ignore), sort=sort, requested=requested
+    )
     _warn_sources(report.findings)
     if format == "json":
         print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))
@@ -172,7 +169,7 @@ def _library_entry(library: dict[str, Any] | None) -> dict[str, Any] | None:
 def where(f) -> str:
     """file:line(-end) as the table shows it: a library file by its path within site-packages."""
     path = f.library["file"] if f.library else display_path(f.path)
-    return f"{path}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+    return f"{path}:{f.lines()}"
 
 
 def _round(v: float | None, digits: int = 3) -> float | None:
@@ -363,6 +360,7 @@ def sarif_document(report, profiles) -> dict[str, Any]:
             "time_ms_per_step": _round(f.time_ms_per_step),
             "est_saving_ms_per_step": _round(f.est_saving_ms_per_step),
             "fix": f.fix,
+            "fix_blocked": f.fix_blocked,  # why the dry run found the fix cannot be made here (or null)
             "source_status": f.source_status,
         }
         if f.evidence.profiled_time_ms_per_step is not None:
@@ -468,7 +466,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             if f.fix_blocked:
-                fix = f"no automatic fix here: {f.fix_blocked}"
+                fix = f.verdict()
             if cmd and f.advice and f.est_saving_ms_per_step == 0:
                 fix += f" (no saving claimed: {f.advice})"  # why a fix is offered that saves nothing here
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")

@@ -25,7 +25,20 @@ from opadvisor.errors import UserError
 from opadvisor.rewrite import registry
 from opadvisor.rewrite.base import Target
 
-__all__ = ["check_fixes", "dry_run", "rank_applicable"]
+__all__ = ["analyse_checked", "check_fixes", "dry_run", "rank_applicable"]
+
+
+def analyse_checked(profiles: Sequence[Any], *, check: bool = True, **options: Any) -> Any:
+    """The run's findings with their fix verdicts, computed once the same way for suggest, report and
+    apply (issue 30): `rules.engine.analyse(profiles, **options)`, each fix dry-run on its file
+    (`check_fixes`, unless `check` is False) and alternatives ranked (`rank_applicable`)."""
+    from opadvisor.rules.engine import analyse
+
+    report = analyse(profiles, **options)
+    if check:
+        check_fixes(report.findings)
+        report.findings = rank_applicable(report.findings)
+    return report
 
 
 def dry_run(

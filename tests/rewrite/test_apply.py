@@ -264,7 +264,7 @@ def test_skipped_site_says_why(project):
     project["model"].write_bytes(source)
     result = cli("--rule", "fused_softmax", "model.py")
     assert (
-        "model.py:17: fused_softmax: skipped: not fused: `scores` is read again at line 22" in result.stderr
+        "model.py:17: fused_softmax: not applied: not fused: `scores` is read again at line 22" in result.stderr
     )
     assert "nothing to rewrite" in result.stderr
     assert project["model"].read_bytes() == source

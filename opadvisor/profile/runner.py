@@ -258,6 +258,7 @@ def write_run(
             profile = session_profile(session, target, argv, cuda)
         profile.run_id, profile.stopped = final.name, stopped
         save_profile(profile, staging / runs.PROFILE_FILE)
+        runs.keep_sources(profile.sources, staging)  # issue 30: apply --force diffs against these
         if recording is not None:
             _export_trace(recording, staging / runs.TRACE_FILE)
         staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; a run folder is ordinary

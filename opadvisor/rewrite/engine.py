@@ -51,6 +51,7 @@ from libcst.codemod import CodemodContext, SkipFile
 
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
+from opadvisor.profile.runs import profiled_source
 from opadvisor.rewrite import registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
@@ -60,6 +61,9 @@ BACKUP_DIR = "backup"
 PARITY_DIR = "parity"  # the original as verify's parity run sees it, when a rule asks (PARITY_BASELINE)
 SNAPSHOT_DIR = "snapshots"  # the file after each entry (applied.json's "after"), for verify's per-rule times
 STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
+EDITED_SINCE_PROFILE = (
+    "an edit since the profile"  # who moved the lines of a file `--force` places findings on
+)
 
 
 # ---- results --------------------------------------------------------------------------------------------
@@ -351,7 +355,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 targets = []
                 for target in job.targets.get(rule, []):
                     mapped, touched_by = _map_target(target, maps)
-                    if touched_by is not None and not composes:
+                    if touched_by is not None and (not composes or touched_by == EDITED_SINCE_PROFILE):
                         covered.append((target, touched_by))
                     else:
                         targets.append(mapped)
@@ -408,10 +412,13 @@ def _say_covered(
     for target, by in covered:
         by_whom.setdefault(by, []).append(target)
     for by, targets in by_whom.items():
+        why = f"those lines were already rewritten by {by}"
+        if by == EDITED_SINCE_PROFILE:
+            why = "its lines were edited since the profile, so the finding cannot be placed on the file; profile again"
         for target in sorted(set(targets), key=lambda t: t.line):
             messages.append(
                 f"{display_path(path, root)}:{span(target.line, target.end_line)}: {target.finding_rule or rule}: "
-                f"not applied: those lines were already rewritten by {by}"
+                f"not applied: {why}"
             )
 
 
@@ -636,7 +643,7 @@ def apply_findings(
             f"(see `opadvisor explain {f.rule}`); pass --unsafe to apply it"
         )
     if explicit_rule is None:
-        applicable = _resolve_alternatives(applicable, messages, root)
+        applicable = _resolve_alternatives(applicable, messages, root, run_dir, sources)
     for f in applicable:
         routed = library_target(f)
         if routed is None and getattr(f, "library", None) is not None:
@@ -662,10 +669,22 @@ def apply_findings(
         if recorded is None:
             recorded = next((h for p, h in sources.items() if Path(p).resolve() == path), None)
         now = sha256(current)
+        earlier_label = None
         if entries and entries[-1].get("sha256_after") == now:
             backup = run_dir / entries[0]["backup"]
             if backup.is_file():
                 original = backup.read_bytes()
+        elif force and recorded is not None and recorded != now:
+            # issue 30: place the findings' lines on the edited file through a diff against the source as
+            # profiled (kept in the run); a finding whose own lines were edited is refused, never guessed
+            profiled = profiled_source(run_dir, recorded)
+            if profiled is None:
+                messages.append(
+                    f"not applied: {_rel(str(path), root)} changed since it was profiled and the run keeps no "
+                    "copy of it as profiled, so the findings' lines cannot be placed on it; profile again"
+                )
+                continue
+            original, earlier_label = profiled, EDITED_SINCE_PROFILE
         elif not force:
             if recorded is None:
                 raise UserError(
@@ -690,7 +709,7 @@ def apply_findings(
                 original,
                 targets,
                 ordered,
-                f"an earlier apply ({earlier})",
+                earlier_label or f"an earlier apply ({earlier})",
                 earlier_rules,
                 allow_unsafe,
                 keep_going=explicit_rule is None,
@@ -727,7 +746,9 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
     return key, site["path"], Target(site["line"], site["line"], details, f.rule)
 
 
-def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) -> list[Any]:
+def _resolve_alternatives(
+    findings: list[Any], messages: list[str], root: Path, run_dir: Path, sources: dict[str, str]
+) -> list[Any]:
     """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
     the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
     from opadvisor.rewrite.check import dry_run
@@ -753,7 +774,9 @@ def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) 
         library = getattr(f, "library", None) is not None  # fixed in the user's script, not at f.path
         reason = f.fix_blocked  # the dry run's verdict, made once (check_fixes) where the file is as profiled
         if reason is None and path.is_file() and not library and f.source_status != "ok":
-            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))])[0]
+            # the file changed since (apply --force): judged on the source as profiled, where its lines are
+            kept = profiled_source(run_dir, sources.get(f.path))
+            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))], kept)[0]
         if reason is None:
             dropped.add(id(other))
             messages.append(

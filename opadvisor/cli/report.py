@@ -51,7 +51,7 @@ def report(
         cmd = apply_command(f)
         return f"{cmd} {shown_run}" if cmd else None
 
-    findings = analyse_checked(profiles)  # the fix verdicts suggest and apply show (issue 30)
+    findings = analyse_checked(profiles, run_dir)  # the fix verdicts suggest and apply show (issue 30)
     page = build_html(run_dir, profiles, findings, display=display_path, apply_command=command)
     try:  # whole or not at all: written beside the target, then renamed over it
         atomic_write(target, page.encode("utf-8"))

@@ -94,7 +94,7 @@ def suggest(
         chosen.append("activation_checkpointing")
     requested = [*(chosen or []), *(["activation_checkpointing"] if memory else [])]
     report = analyse_checked(
-        profiles, check=check, select=chosen, ignore=_split(ignore), sort=sort, requested=requested
+        profiles, run_dir, check=check, select=chosen, ignore=_split(ignore), sort=sort, requested=requested
     )
     _warn_sources(report.findings)
     if format == "json":

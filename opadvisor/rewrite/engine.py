@@ -561,7 +561,7 @@ def apply_run(
     asked = [] if rule == "all" else rules
     selected = rules + withheld
     # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
-    report = analyse_checked(profiles, select=selected, requested=asked) if selected else None
+    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
     findings = report.findings if report is not None else []
     _say_withheld(withheld, {f.rule for f in findings}, messages)
     findings = [f for f in findings if f.rule not in withheld]

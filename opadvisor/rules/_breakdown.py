@@ -29,6 +29,7 @@ from typing import Any
 from opadvisor.profile.model import Profile
 from opadvisor.rules._chains import GEMM_OPS
 from opadvisor.rules._index import index_of
+from opadvisor.rules.cross_rank import interval_union
 
 LAUNCH_GAP_US = 100.0
 _BUSY_PARTS = ("matrix products", "memory-bound elementwise")
@@ -126,9 +127,11 @@ def _what_total_is(gpu: bool, calibrated: bool) -> str:
 def _cpu_parts(profile: Profile, loaders: list[tuple[float, float]]) -> list[tuple[str, float]]:
     """Each step's wall time, in ms per step, cut by what ran at each instant on any thread: a matrix
     product (at any depth), else another op (outermost ops), else data loading, else nothing recorded."""
-    matrix = _union([(o.start_us, o.end_us) for o in profile.ops if o.name in GEMM_OPS])
-    ops = _union([(o.start_us, o.end_us) for o in profile.ops if o.parent is None or o.name in GEMM_OPS])
-    with_data = _union(ops + loaders)
+    matrix = interval_union([(o.start_us, o.end_us) for o in profile.ops if o.name in GEMM_OPS])
+    ops = interval_union(
+        [(o.start_us, o.end_us) for o in profile.ops if o.parent is None or o.name in GEMM_OPS]
+    )
+    with_data = interval_union(ops + loaders)
     totals = [0.0, 0.0, 0.0, 0.0]
     for step in profile.steps:
         lo, hi = step.start_us, step.end_us
@@ -138,18 +141,6 @@ def _cpu_parts(profile: Profile, loaders: list[tuple[float, float]]) -> list[tup
     n = max(len(profile.steps), 1)
     names = ("matrix products", "other ops", "data loading", "Python and framework")
     return [(name, max(0.0, us) / 1000.0 / n) for name, us in zip(names, totals, strict=True)]
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Sorted, disjoint intervals covering the same instants."""
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            if b > merged[-1][1]:
-                merged[-1] = (merged[-1][0], b)
-        else:
-            merged.append((a, b))
-    return merged
 
 
 def _within(union: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -268,7 +268,8 @@ def test_skipped_site_says_why(project):
     project["model"].write_bytes(source)
     result = cli("--rule", "fused_softmax", "model.py")
     assert (
-        "model.py:17: fused_softmax: not applied: not fused: `scores` is read again at line 22" in result.stderr
+        "model.py:17: fused_softmax: not applied: not fused: `scores` is read again at line 22"
+        in result.stderr
     )
     assert "nothing to rewrite" in result.stderr
     assert project["model"].read_bytes() == source
@@ -297,7 +298,9 @@ def test_refuses_stale_hash_unless_forced(project):
     (project["run"] / "sources" / sha(MODEL)).write_bytes(MODEL)
     result = cli("--rule", "fused_softmax", "--force")
     assert result.exit_code == 0
-    assert "masked_softmax(" in model.read_text() and model.read_text().endswith("# edited after the profile\n")
+    assert "masked_softmax(" in model.read_text() and model.read_text().endswith(
+        "# edited after the profile\n"
+    )
 
 
 def test_refuses_file_outside_project(project, tmp_path_factory):

@@ -346,7 +346,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 # "already rewritten" / "found no code" per finding
                 n = len(job.targets.get(rule, []))
                 messages.append(
-                    f"{display_path(job.path, root)}: {rule}: already applied by an earlier apply "
+                    f"{display_path(job.path, root)}: {shown_rule(rule, job.targets.get(rule, []))}: already applied by an earlier apply "
                     f"({n} finding{'s' if n != 1 else ''}); nothing more to do"
                 )
                 continue
@@ -368,7 +368,9 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
             except UserError as exc:
                 if not job.keep_going or "cannot parse it" in str(exc):
                     raise
-                messages.append(f"error: {exc} (for {rule}; the other rules go on)")
+                messages.append(
+                    f"error: {exc} (for {shown_rule(rule, targets or [])}; the other rules go on)"
+                )
                 continue
             _name_findings(rule_result, pairs, text, job.original)
             if targets:
@@ -432,13 +434,14 @@ def _unmatched(
     root: Path,
 ) -> None:
     """Say which findings the codemod found nothing to do at (so no finding is silently dropped)."""
+    shown = shown_rule(rule, [profiled for profiled, _ in pairs])
     if result.already is not None:
-        messages.append(f"{display_path(path, root)}: {rule}: already applied: {result.already}")
+        messages.append(f"{display_path(path, root)}: {shown}: already applied: {result.already}")
         return
     if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
         if not result.changes and not result.skipped:
             messages.append(
-                f"{display_path(path, root)}: {rule}: not applied: the {rule} rewrite found no code it can "
+                f"{display_path(path, root)}: {shown}: not applied: the {shown} rewrite found no code it can "
                 "rewrite in this file"
             )
         return
@@ -452,6 +455,14 @@ def _unmatched(
                 f"{display_path(path, root)}:{span(profiled.line, profiled.end_line)}: {shown}: not applied: "
                 f"the {shown} rewrite found no code it can rewrite there"
             )
+
+
+def shown_rule(rule: str, targets: Sequence[Target]) -> str:
+    """The rule a message names: the findings' own rule for a library fix's codemod (`library_patch`,
+    `hf_attn_implementation`, ...: names `opadvisor rules` does not list, issue 30), else `rule`."""
+    if rule not in registry.LIBRARY_CODEMODS:
+        return rule
+    return ", ".join(dict.fromkeys(t.finding_rule for t in targets if t.finding_rule)) or rule
 
 
 def span(line: int, end_line: int) -> str:

@@ -73,6 +73,7 @@ class FamilyResult:
     safe_offered: list[str] = field(default_factory=list)  # "rule src/x.py:line" with an apply command
     applied: list[str] = field(default_factory=list)  # "path:line: rule: message" lines apply printed
     not_applied: list[str] = field(default_factory=list)  # "...: rule: not applied: why"
+    apply_log: str = ""  # what apply printed on stderr (its last 60 lines)
     parity: bool | None = None
     parity_message: str = ""
     step_ms_before: float | None = None
@@ -205,6 +206,7 @@ def run_family(family: Family, project: Path, s: Settings) -> FamilyResult:
     if apply is None:
         return result
     lines = apply.stderr.splitlines()
+    result.apply_log = "\n".join(lines[-60:])
     result.applied = [line for line in lines if _APPLIED.match(line) and ": not applied:" not in line]
     result.not_applied = [line for line in lines if ": not applied:" in line]
     if result.safe_offered and not result.applied:

@@ -37,6 +37,10 @@ _OVER = "rule passes give up: source analysis over budget (the file is left part
 KNOWN: dict[str, tuple[str, bool]] = {
     "timm/models/vision_transformer.py": ("hangs in activation_checkpointing (> 60 CPU s)", True),
     "timm/models/convnext.py": (f"9 {_OVER}", False),
+    "transformers/models/llama/modeling_llama.py": (
+        f"2 {_OVER} on a 2-core dev machine (none on the H200 host)",
+        False,
+    ),
     "timm/models/swin_transformer.py": (f"6 {_OVER}", False),
     "transformers/models/afmoe/modeling_afmoe.py": (f"2 {_OVER}", False),
     "transformers/models/autoformer/modeling_autoformer.py": (f"4 {_OVER}", False),

@@ -78,7 +78,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from opadvisor.libraries import FIXES, TORCH_BLOCKS, LibraryFix, block_of, fix_by_name, repeated_blocks
+from opadvisor.libraries import (
+    FIXES,
+    HF_ATTENTION_CLASSES,
+    TORCH_BLOCKS,
+    LibraryFix,
+    block_of,
+    fix_by_name,
+    repeated_blocks,
+)
 
 from . import _backend
 from . import dropout_add as _dropout_add
@@ -235,6 +243,7 @@ class _State:
     status: str = "pending"  # "pending" -> "ok" | "failed"
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
     shared: Any = None  # what the instances of one fix share (compile_blocks: the compiled forward)
+    undo: Callable[[], None] | None = None  # puts back what the patch changed beside the forward
 
 
 @dataclass(frozen=True)
@@ -243,6 +252,7 @@ class _Patcher:
     check: Callable[[nn.Module], str | None]  # why this instance is left alone, or None
     forward: Callable[..., Any]  # (module, state, *args, **kwargs) -> output
     main_output: Callable[[Any], torch.Tensor] = lambda out: out  # what the first-call check compares
+    undo: Callable[[nn.Module], None] | None = None  # what `unpatch` runs beside restoring the forward
 
 
 def _original(module: nn.Module) -> Callable[..., Any]:
@@ -762,6 +772,55 @@ def _class_named(classes: dict[str, type], qualified: str) -> type:
     return next(cls for cls in classes.values() if _qualified(cls) == qualified)
 
 
+# -- transformers' attention switch, per instance (hf_attn_switch) ----------------------------------------------
+# A model built with a computed attn_implementation (`from_pretrained(..., attn_implementation=args.attn)`)
+# that ran "eager": apply cannot write the literal, so the patch sets transformers' own switch on this
+# instance at its first call, after running both attentions on that call and comparing them. Installed on the
+# outermost transformers model only (a ForCausalLM, not the LlamaModel inside it, which shares its config).
+
+
+def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
+    """ids of the outermost transformers models in `model` (parents come before children in modules())."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return frozenset()
+    base = transformers.PreTrainedModel
+    roots: set[int] = set()
+    inside: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, base) and id(module) not in inside:
+            roots.add(id(module))
+            inside.update(id(sub) for sub in module.modules() if sub is not module)
+    return frozenset(roots)
+
+
+def _check_hf_switch(module: nn.Module) -> str | None:
+    attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if attn != "eager":
+        return f'already runs attn_implementation="{attn}" (only the eager attention is switched)'
+    if not getattr(type(module), "_supports_sdpa", False):
+        return f"{type(module).__name__} does not support attn_implementation='sdpa'"
+    if not type(module)._can_set_attn_implementation():
+        return "its attention does not go through transformers' attention interface (no switch at run time)"
+    own = next(
+        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
+    )
+    if own is not None:
+        return f"its {own} has opadvisor's own attention patch (hf_bert_self_attention / hf_gpt2_attention)"
+    return _no_hooks(module)
+
+
+def _hf_switch(module: nn.Module, state: _State, *args, **kwargs):
+    if module.config._attn_implementation != "sdpa":
+        module.set_attn_implementation("sdpa")  # once: transformers' attention reads it at every call
+    return state.original(*args, **kwargs)
+
+
+def _hf_switch_undo(module: nn.Module) -> None:
+    if module.config._attn_implementation != "eager":
+        module.set_attn_implementation("eager")
+
+
 def _first_tensor(out: Any) -> torch.Tensor:
     """The block's main output: itself, the first tensor of a tuple, or of a ModelOutput's values."""
     if isinstance(out, torch.Tensor):
@@ -778,6 +837,7 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("hf_bert_self_attention"), _check_bert_attention, _bert_attention, _first),
     _Patcher(fix_by_name("hf_bert_output"), _check_bert_output, _bert_output),
     _Patcher(fix_by_name("hf_gpt2_attention"), _check_gpt2_attention, _gpt2_attention, _first),
+    _Patcher(fix_by_name("hf_attn_switch"), _check_hf_switch, _hf_switch, _first_tensor, _hf_switch_undo),
     _Patcher(fix_by_name("hf_gelu_tanh"), _check_gelu, _gelu_tanh),
     _Patcher(fix_by_name("transformer_encoder_layer"), _check_encoder_layer, _encoder_layer),
     _Patcher(fix_by_name("mha_weights_off"), _check_mha, _mha_weights_off, _first),
@@ -820,12 +880,13 @@ def patch(
         _install_parts, patchers=patchers, check=check, report=report, asked=asked
     )
     blocks = _compile_blocks(model, blocks_patcher, check, report, install_parts) if blocks_patcher else {}
+    hf_roots = _hf_switch_roots(model)
     for path, module in model.named_modules():
         block = block_of(path, blocks)
         if block is not None:
             _left_in_block(module, path, patchers, blocks[block], report)
             continue
-        _patch_one(module, path, patchers, check, report, asked)
+        _patch_one(module, path, patchers, check, report, asked, hf_roots)
     _drop_known_containers(report)
     model.__dict__[REPORT] = report
     if not quiet:
@@ -877,10 +938,19 @@ def _qualified(cls: type) -> str:
 
 
 def _patch_one(
-    module: nn.Module, path: str, patchers: list[_Patcher], check: bool, report: PatchReport, asked: bool
+    module: nn.Module,
+    path: str,
+    patchers: list[_Patcher],
+    check: bool,
+    report: PatchReport,
+    asked: bool,
+    hf_roots: frozenset[int] = frozenset(),
 ) -> None:
     qualified = _qualified(type(module))
     candidates = [p for p in _PATCHERS if qualified in p.fix.classes]
+    switch = next((p for p in patchers if p.fix.name == "hf_attn_switch"), None)
+    if switch is not None and id(module) in hf_roots:  # for the model as a whole, whatever its class
+        candidates.append(switch)
     if STATE in module.__dict__:
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return
@@ -954,6 +1024,8 @@ def _is_library(cls: type) -> bool:
 def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool, report: PatchReport) -> None:
     state = _State(patcher.fix.name, path, module.__dict__.get("forward", _MISSING), module.forward, report)
     state.status = "pending" if check else "ok"
+    if patcher.undo is not None:
+        state.undo = functools.partial(patcher.undo, module)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _call(self, state, patcher, args, kwargs)
@@ -970,6 +1042,8 @@ def _restore(module: nn.Module) -> None:
         module.__dict__["forward"] = state.prev
     for name, value in state.attrs.items():
         setattr(module, name, value)
+    if state.undo is not None:
+        state.undo()
 
 
 def unpatch(model: nn.Module) -> nn.Module:

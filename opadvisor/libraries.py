@@ -5,7 +5,9 @@ fix, `apply` to write it, and `opadvisor.kernels.patch` (the runtime side) to kn
 swap. Three kinds of fix:
 
 - a *switch* the library already has, written by `opadvisor apply` into the user's code: HuggingFace's
-  `attn_implementation="sdpa"` where the model is built or loaded, timm's `set_fused_attn(True)` before
+  `attn_implementation="sdpa"` where the model is built or loaded (for any transformers model whose
+  attention goes through transformers' attention interface and supports SDPA; where the script computes the
+  value, `opadvisor.patch` sets the same switch per instance at run time: `hf_attn_switch`), timm's `set_fused_attn(True)` before
   the model is built, `need_weights=False` at a call of an `nn.MultiheadAttention` whose weights the
   caller drops;
 - a *patch*: `opadvisor.patch(model)` swaps, per module instance, the forward of a recognised module for
@@ -29,6 +31,9 @@ from typing import Literal
 
 __all__ = [
     "FIXES",
+    "HF_ANY",
+    "HF_ATTENTION_CLASSES",
+    "LOADERS",
     "LibraryFix",
     "bert_family_classes",
     "block_of",
@@ -70,6 +75,12 @@ HF_ATTENTION_CLASSES = (
     *bert_family_classes("SelfAttention"),
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
 )
+# Any transformers class: transformers' attention switch (attn_implementation) serves every model whose
+# attention dispatches through its attention interface (`eager_attention_forward` when it runs "eager") and
+# whose class supports SDPA; rules/_library.py checks both for each finding.
+HF_ANY = "transformers.*"
+# transformers' class methods that build or load a model (the rest build it by calling the class)
+LOADERS = ("from_pretrained", "from_config", "_from_config")
 MHA = "torch.nn.modules.activation.MultiheadAttention"
 TIMM = "timm.*"  # any timm class: the switch applies where the class's __init__ reads it (rules/_library.py)
 ENCODER_LAYER = "torch.nn.modules.transformer.TransformerEncoderLayer"
@@ -97,7 +108,7 @@ FIXES: tuple[LibraryFix, ...] = (
     LibraryFix(
         "hf_attn_implementation",
         "switch",
-        HF_ATTENTION_CLASSES,
+        (*HF_ATTENTION_CLASSES, HF_ANY),
         ATTENTION_RULES,
         "safe",
         'attn_implementation="sdpa" where the model is built: transformers\' own fused attention '
@@ -155,6 +166,16 @@ FIXES: tuple[LibraryFix, ...] = (
         ATTENTION_RULES,
         "safe",
         "GPT-2's eager attention as one causal scaled_dot_product_attention call",
+    ),
+    LibraryFix(
+        "hf_attn_switch",
+        "patch",
+        (HF_ANY,),
+        ATTENTION_RULES,
+        "safe",
+        "transformers' own switch to its SDPA attention, set per model instance at run time by "
+        'opadvisor.patch (for a model built with a computed attn_implementation that ran "eager"): '
+        "checked against the eager attention on the first call, undone by unpatch",
     ),
     LibraryFix(
         "hf_gelu_tanh",

@@ -1,6 +1,7 @@
 """Shared test setup: GPU tests are marked `gpu` and skipped where CUDA is not available; torchvision
-(which the dev extra's timm brings, and which lightning and transformers' Trainer import when it is there)
-imports on a CPU-only torch, in this process and in every process the tests start (cpu_torchvision/)."""
+(which timm brings where it is installed, as .ci/run does, and which lightning and transformers' Trainer
+import when it is there) imports on a CPU-only torch, in this process and in every process the tests
+start (cpu_torchvision/), and only there."""
 
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ def load_fixture_profile(name: str):
         return rel if not rel or Path(rel).is_absolute() else str(ROOT / rel)
 
     data["script"] = here(data["script"])
+    if data.get("argv") and Path(data["argv"][0]).name == Path(data["script"]).name:
+        data["argv"][0] = data["script"]  # recorded as the absolute path on the recording machine
     data["cwd"] = str(ROOT)
     data["sources"] = {here(k): v for k, v in data["sources"].items()}
     for key in ("ops", "annotations", "constructions"):

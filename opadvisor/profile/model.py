@@ -281,7 +281,8 @@ class Construction:
         from torch.compile and DistributedDataParallel), `cls` its qualified class, file/line where the
         user's script built or loaded it, `module` "" ; attrs: how ("constructor", "from_pretrained",
         "from_config"), package (the library of its class, None for the user's own), attn_implementation
-        (HuggingFace models: the config's, e.g. "eager" or "sdpa").
+        (HuggingFace models: the config's, e.g. "eager" or "sdpa"), supports_sdpa (with it: whether the
+        class can run transformers' SDPA attention).
 
     file/line/function are the innermost user frame at the construction; lib_file/lib_line/lib_function
     the innermost library frame inside it when a library built the object (an nn.Linear built in

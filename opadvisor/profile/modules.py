@@ -16,6 +16,7 @@ bytes of its tensor arguments, and facts of its class that the rules check the s
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,7 +93,7 @@ def _is(file_name: str, path: str) -> bool:
 
 
 def _under(file_name: str, root: str) -> bool:
-    return _resolved(file_name).startswith(root)
+    return _resolved(file_name).startswith(root.rstrip(os.sep) + os.sep)
 
 
 def _is_torch_rnn(module: Any) -> bool:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from opadvisor.libraries import LOADERS
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Calibration, Construction
 from opadvisor.profile.modules import ModuleCalls
@@ -49,9 +50,6 @@ from opadvisor.profile.userframes import (
     library_file,
     note_search_path,
 )
-
-# library functions that build a model from a configuration or a checkpoint (how the script made it)
-LOADERS = ("from_pretrained", "from_config", "_from_config")
 
 
 class WindowComplete(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -515,6 +513,8 @@ class Session:
         attn = getattr(config, "_attn_implementation", None)
         if isinstance(attn, str):
             attrs["attn_implementation"] = attn
+            # whether transformers' attention switch can give this model SDPA (rules/_library.py)
+            attrs["supports_sdpa"] = bool(getattr(cls, "_supports_sdpa", False))
         self.constructions.append(
             Construction("model", _qualified(cls), file, line, function, module="", attrs=attrs)
         )

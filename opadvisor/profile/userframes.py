@@ -130,9 +130,9 @@ def set_search_path(dirs: list[str], user_roots: list[str] | None = None) -> Non
 def note_search_path() -> None:
     """Add sys.path as it is now, the current folder, and the files of every module loaded so far.
 
-    Called when a recording window stops (the moment the profiler shortens its file names) and before the
-    profile is built: a script that put its `src/` on sys.path, changed folder or loaded a module by its
-    path has its files found all the same.
+    Called when a recording window stops, just before the profiler shortens its file names (the profile
+    is built later, with sys.path and the folder restored): a script that put its `src/` on sys.path,
+    changed folder or loaded a module by its path has its files found all the same.
     """
     global _STATE
     loaded = []

@@ -207,15 +207,27 @@ class Converter:
         self.codemod = codemod
         self.resolve = resolve or (lambda _n: None)
         self.leaves: dict[str, cst.BaseExpression] = {}  # variable text -> a node spelling it
+        # id(node) -> its Poly: a temporary read twice (`b = a * a`, `c = b * b`, ...) is converted once,
+        # not 2**n times; results cut by the depth limit are not kept (shallower, they may convert)
+        self._memo: dict[int, tuple[cst.BaseExpression, Poly | None]] = {}  # holds the node: ids stay its
+        self._cuts = 0
 
     def poly(self, node: cst.BaseExpression, depth: int = 0) -> Poly | None:
         if depth > 60:
+            self._cuts += 1
             return None
+        key = id(node)
+        if key in self._memo:
+            return self._memo[key][1]
         _budget.check()  # a chain read through temporaries: bounded by the analysis budget
+        cuts = self._cuts
         try:
-            return self._poly(node, depth)
+            result = self._poly(node, depth)
         except (ValueError, OverflowError, ZeroDivisionError):
-            return None
+            result = None
+        if self._cuts == cuts:
+            self._memo[key] = (node, result)
+        return result
 
     def _poly(self, node: cst.BaseExpression, depth: int) -> Poly | None:
         if isinstance(node, (cst.Integer, cst.Float)):

@@ -104,15 +104,8 @@ class BlockIndex:
 
     def lookup(self, text: str, before: int, start: int = 0) -> Binding | None:
         """The nearest statement in [start, before) binding `text`, or None when none does."""
-        _budget.check()
-        where = self.binders.get(text)
-        if not where:
-            return None
-        i = bisect.bisect_left(where, before) - 1
-        if i < 0 or where[i] < start:
-            return None
-        j = where[i]
-        return Binding(j, self.simple[j].get(text))
+        j = nearest_before(self.binders.get(text, ()), before, start)
+        return None if j is None else Binding(j, self.simple[j].get(text))
 
     def rebound(self, names: frozenset[str] | set[str], after: int, before: int) -> bool:
         """Whether a statement strictly between `after` and `before` binds one of `names`."""
@@ -136,6 +129,13 @@ class BlockIndex:
         if key not in self._leaves:
             self._leaves[key] = [*nodes_of(value, cst.Name), *nodes_of(value, cst.Attribute)]
         return self._leaves[key]
+
+
+def nearest_before(indices: Sequence[int], before: int, start: int = 0) -> int | None:
+    """The largest of the ascending `indices` in [start, before), or None."""
+    _budget.check()
+    i = bisect.bisect_left(indices, before) - 1
+    return indices[i] if i >= 0 and indices[i] >= start else None
 
 
 _INDEXES: dict[tuple[int, ...], BlockIndex] = {}  # the index holds its statements: their ids stay theirs

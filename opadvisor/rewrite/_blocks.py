@@ -129,9 +129,21 @@ class BlockRewriter(RuleCodemod):
             if reason is not None:
                 self.skipped.append(Note(target.line, reason))
 
+    def _targeted(self, stmts: Sequence[cst.BaseStatement]) -> bool:
+        """In profile mode, whether a target overlaps the block's lines: every edit of a block lies inside
+        it and is made only where it overlaps a target, so a block outside them all is not analysed."""
+        if self.targets is None:
+            return True
+        if not stmts:
+            return False
+        start, end = self.stmt_lines(stmts, 0, len(stmts) - 1)
+        return any(start <= t.end_line and t.line <= end for t in self.targets)
+
     def _apply(
         self, original: Sequence[cst.BaseStatement], updated: Sequence[cst.BaseStatement], indent: str
     ) -> list[cst.BaseStatement] | None:
+        if not self._targeted(original):
+            return None
         edits = self.block_edits(original, indent)
         if not edits:
             return None

@@ -20,7 +20,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 BUDGET_S = 2.0  # CPU seconds per (file, rule): a whole rewrite_source, its stability passes included
-BUDGET_ENV = "OPADVISOR_ANALYSIS_BUDGET_S"  # overrides BUDGET_S (tests prove the over-budget path with it)
+# plus this much per source line: each pass visits every node of the file, however simple (a 2,500-line
+# transformers model takes 0.4 to 0.9 CPU seconds a pass, two or three passes a rule)
+BUDGET_PER_LINE_S = 0.001
+BUDGET_ENV = "OPADVISOR_ANALYSIS_BUDGET_S"  # the whole budget, exactly (tests prove the over-budget path)
 
 
 class OverBudget(Exception):
@@ -37,38 +40,49 @@ def over_budget_message(where: str) -> str:
 
 
 # The budget counts the CPU time of the analysing thread, not the wall clock: on a loaded machine (CI,
-# several jobs on few cores) a wall-clock budget would skip fixes at random. Reading that clock costs about
-# a microsecond, so check() reads it once every CLOCK_EVERY calls.
+# several jobs on few cores) a wall-clock budget would skip fixes at random. It counts the codemods' passes
+# over the tree (`start_pass` .. `end_pass`, from the module node's visit to its leave), not parsing and
+# libcst's metadata (scopes, qualified names: about a CPU second per thousand lines, however simple the
+# code): the budget bounds the analysis, which is what can run away. Reading that clock costs about a
+# microsecond, so check() reads it once every CLOCK_EVERY calls.
 CLOCK_EVERY = 32
 
 
 @dataclass
 class _Deadline:
-    at: float  # in time.thread_time()
+    limit: float  # CPU seconds of analysis allowed
+    spent: float = 0.0  # in the passes ended so far
+    started: float | None = None  # time.thread_time() when the current pass began
     scopes: list[str] = field(default_factory=list)  # enclosing class/function names, outermost first
     calls: int = 0
 
     def where(self) -> str:
         return ".".join(self.scopes) or "<module>"
 
+    def used(self) -> float:
+        return self.spent + (time.thread_time() - self.started if self.started is not None else 0.0)
+
 
 _current: ContextVar[_Deadline | None] = ContextVar("opadvisor_analysis_deadline", default=None)
 
 
-def budget_seconds() -> float:
-    """BUDGET_S, or the environment's override when it holds a positive number."""
+def budget_seconds(lines: int = 0) -> float:
+    """BUDGET_S and BUDGET_PER_LINE_S for a file of `lines` lines, or the environment's override when it
+    holds a positive number."""
+    default = BUDGET_S + BUDGET_PER_LINE_S * lines
     try:
         value = float(os.environ.get(BUDGET_ENV, ""))
     except ValueError:
-        return BUDGET_S
-    return value if value > 0 else BUDGET_S
+        return default
+    return value if value > 0 else default
 
 
 @contextmanager
-def analysis_budget(seconds: float | None = None) -> Iterator[None]:
-    """Run the body under a fresh deadline (an enclosing one is suspended, then restored)."""
-    limit = budget_seconds() if seconds is None else seconds
-    token = _current.set(_Deadline(time.thread_time() + limit))
+def analysis_budget(seconds: float | None = None, lines: int = 0) -> Iterator[None]:
+    """Run the body under a fresh deadline (an enclosing one is suspended, then restored): `seconds`, or
+    the budget of a file of `lines` lines."""
+    limit = budget_seconds(lines) if seconds is None else seconds
+    token = _current.set(_Deadline(limit))
     try:
         yield
     finally:
@@ -81,8 +95,17 @@ def check() -> None:
     if deadline is None:
         return
     deadline.calls += 1
-    if deadline.calls % CLOCK_EVERY == 1 and time.thread_time() > deadline.at:  # the first call reads it
+    if deadline.calls % CLOCK_EVERY == 1 and deadline.used() >= deadline.limit:  # the first call reads it
         raise OverBudget(deadline.where())
+
+
+def start_pass() -> None:
+    """A codemod's traversal begins (the module node): its time counts from here."""
+    deadline = _current.get()
+    if deadline is not None:
+        deadline.spent = deadline.used()  # a pass cut short (SkipFile) still counts
+        deadline.started = time.thread_time()
+        deadline.scopes.clear()  # and leaves no names behind
 
 
 def enter(name: str) -> None:
@@ -92,10 +115,11 @@ def enter(name: str) -> None:
         deadline.scopes.append(name)
 
 
-def reset_scopes() -> None:
+def end_pass() -> None:
     deadline = _current.get()
     if deadline is not None:
-        deadline.scopes.clear()
+        deadline.spent = deadline.used()
+        deadline.started = None
 
 
 def leave() -> None:

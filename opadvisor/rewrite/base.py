@@ -69,7 +69,7 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     # ---- the analysis budget (see _budget.py): checked at every node; names the function being read ----
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, cst.Module):
-            _budget.reset_scopes()  # a pass ended by SkipFile leaves its names behind
+            _budget.start_pass()  # parsing and metadata, done by now, are not the analysis
             return super().on_visit(node)
         if isinstance(node, cst.ClassDef | cst.FunctionDef):
             _budget.enter(node.name.value)  # before the check: an overrun here is this function's
@@ -80,6 +80,8 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         result = super().on_leave(original_node, updated_node)
         if isinstance(original_node, cst.ClassDef | cst.FunctionDef):
             _budget.leave()
+        elif isinstance(original_node, cst.Module):
+            _budget.end_pass()
         return result
 
     # ---- helpers for subclasses ------------------------------------------------------------------

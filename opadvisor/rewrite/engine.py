@@ -136,11 +136,13 @@ def codemod_order(rules: Iterable[str]) -> list[str]:
 
 def location_problem(path: Path, root: Path) -> str | None:
     """Why a file may not be rewritten because of where it is, or None."""
-    if any(part in {"site-packages", "dist-packages"} for part in path.parts):
+    # Only the folders below the project count: a project cloned into a folder named site-packages is not
+    # installed code, a venv inside the project is.
+    inside = path.is_relative_to(root)
+    below = path.relative_to(root).parts if inside else path.parts
+    if any(part in {"site-packages", "dist-packages"} for part in below):
         return f"{path} is inside site-packages (installed code, not this project's); not rewriting it"
-    try:
-        path.relative_to(root)
-    except ValueError:
+    if not inside:
         return (
             f"{path} lies outside the project directory {root}; run opadvisor from the project that holds it"
         )
@@ -213,7 +215,7 @@ def rewrite_source(
     should not); raises UserError otherwise, and OverBudget when the analysis (all its passes) runs past
     the budget of `_budget.py`.
     """
-    with _budget.analysis_budget():
+    with _budget.analysis_budget(lines=source.count(b"\n")):
         return _rewrite_checked(source, rule, targets, path, allow_unsafe, options)
 
 
@@ -408,7 +410,7 @@ def _parity_original(job: FileJob) -> bytes | None:
             continue
         targets = None if job.targets is None else job.targets.get(rule, [])
         try:
-            with _budget.analysis_budget():
+            with _budget.analysis_budget(lines=text.count(b"\n")):
                 new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
         except _budget.OverBudget:
             continue  # the rule's own rewrite ran the same analysis, past the same budget: nothing to match

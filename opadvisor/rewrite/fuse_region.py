@@ -231,8 +231,13 @@ class FuseRegionCodemod(BlockRewriter):
         if relpos is not None:
             edits.append(relpos)
             taken |= {relpos.last, *(relpos.removed or ())}
+        # profile mode: a match spans its statement and earlier ones, so none ending before every target can
+        # overlap one (not analysed)
+        first_line = min((t.line for t in self.targets), default=0) if self.targets is not None else 0
         for k, stmt in enumerate(stmts):
             if k in taken or not isinstance(stmt, cst.SimpleStatementLine) or len(stmt.body) != 1:
+                continue
+            if first_line and self.stmt_lines(stmts, k, k)[1] < first_line:
                 continue
             value = getattr(stmt.body[0], "value", None)
             if not isinstance(value, cst.BaseExpression):
@@ -471,6 +476,12 @@ class FuseRegionCodemod(BlockRewriter):
                 return "it is already decorated with compile_region"
         if nodes_of(fn.body, cst.Yield):
             return "it is a generator (torch.compile compiles functions that return)"
+        step = _training_step_call(fn)
+        if step is not None:
+            return (
+                f"it runs the training step itself ({step}): compiling the loop would trace the optimizer "
+                "and recompile every step; the model's forward is the region to compile"
+            )
         cls = self._class_of(fn)
         if cls is not None and any(qualified(self, b.value) & AUTOGRAD_FUNCTION for b in cls.bases):
             why = self.plan.refused.get(cls.name.value)
@@ -501,6 +512,18 @@ FuseRegionCodemod.PARITY_BASELINE = RandomOnlyCodemod  # type: ignore[attr-defin
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
+
+
+_STEP_CALLS = frozenset({"backward", "step", "zero_grad"})
+
+
+def _training_step_call(fn: cst.FunctionDef) -> str | None:
+    """The first `loss.backward()` / `optimizer.step()` / `optimizer.zero_grad()` call in `fn`, as written: a
+    function that trains (a script's `main`, its loop) is no region to compile."""
+    for call in nodes_of(fn.body, cst.Call):
+        if isinstance(call.func, cst.Attribute) and call.func.attr.value in _STEP_CALLS:
+            return f"`{code(call.func)}()`"
+    return None
 
 
 def _comma() -> cst.Comma:

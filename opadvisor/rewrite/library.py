@@ -15,7 +15,9 @@ the user's line it goes to; the engine targets that line:
   attention. `X.from_pretrained(...)` / `X.from_config(...)` get `attn_implementation="sdpa"` (an
   explicit "eager" literal is changed); a model built by its constructor gets
   `model.set_attn_implementation("sdpa")` on the next line. Refused with the reason: a computed value
-  (`attn_implementation=args.attn`), `**kwargs` that may set it. Safe: the same function (transformers'
+  (`attn_implementation=args.attn`), `**kwargs` that may set it; `suggest` offers the run-time switch there
+  instead (`hf_attn_switch`: `opadvisor.patch` sets it per instance when the model runs "eager", so a
+  script run with `--attn flash_attention_2` keeps its choice). Safe: the same function (transformers'
   SDPA path), dropout drawing its own masks.
 - `MhaNeedWeightsCodemod` ("mha_need_weights"): at the user's call of an `nn.MultiheadAttention` whose
   weights are dropped (`out, _ = self.attn(q, k, v)`, `self.attn(q, k, v)[0]` in an assignment, a sum or
@@ -47,12 +49,12 @@ import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
+from opadvisor.libraries import LOADERS
 from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
 from opadvisor.rewrite._match import code, qualified
 from opadvisor.rewrite.base import RuleCodemod, Target
 
 PATCH_NAMES = frozenset({"opadvisor.patch", "opadvisor.kernels.patch.patch"})
-LOADERS = ("from_pretrained", "from_config", "_from_config")
 
 
 def _rules_of(targets: Sequence[Target]) -> list[str]:

@@ -44,6 +44,7 @@ from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider, ScopeProvider
 from libcst.metadata.scope_provider import ClassScope, FunctionScope, Scope
 
+from opadvisor.rewrite._bindings import nearest_before
 from opadvisor.rewrite._match import (
     bind_args,
     class_info,
@@ -113,6 +114,20 @@ def _attempt(method: Callable[..., bool]) -> Callable[..., bool]:
 
 
 @dataclass
+class _BlockNames:
+    """Per statement of a block the names it binds (`bound_names`) and their values; per name, the
+    statements binding it (ascending). Built once per block."""
+
+    values: list[dict[str, cst.BaseExpression]]
+    binders: dict[str, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for k, names in enumerate(self.values):
+            for name in names:
+                self.binders.setdefault(name, []).append(k)
+
+
+@dataclass
 class _Match:
     """One layer norm found in a block: statement indices, operands, and what makes it unsafe."""
 
@@ -132,15 +147,17 @@ class _BlockMatcher:
     """Match a layer norm ending at statement `output` of `stmts`, inlining earlier assignments."""
 
     def __init__(
-        self, codemod: ManualLayerNormCodemod, stmts: Sequence[cst.BaseStatement], start: int
+        self,
+        codemod: ManualLayerNormCodemod,
+        stmts: Sequence[cst.BaseStatement],
+        start: int,
+        bound: _BlockNames,
     ) -> None:
         self.codemod = codemod
         self.stmts = stmts
         self.start = start  # first statement of the window of consecutive simple statements
-
-        self.bound = [
-            {name: value for name, (_, value) in self.codemod.bound_names(stmt).items()} for stmt in stmts
-        ]
+        self.names = bound  # built once per block
+        self.bound = bound.values
 
     # ---- the statements -------------------------------------------------------------------------------------
     def value_of(self, k: int) -> cst.BaseExpression:
@@ -148,12 +165,10 @@ class _BlockMatcher:
 
     def binding(self, name: str, at: int) -> int | None:
         """The statement of the window that last bound `name` before statement `at` (None: before it)."""
-        for k in range(at - 1, self.start - 1, -1):
-            if name in self.bound[k]:
-                return k
-        return None
+        return nearest_before(self.names.binders.get(name, ()), at, self.start)
 
     def deref(self, expr: cst.BaseExpression, at: int, mt: _Match) -> tuple[cst.BaseExpression, int]:
+        # each step goes to a statement before `at` (relative to the binding followed): it ends
         while isinstance(expr, cst.Name):
             k = self.binding(expr.value, at)
             if k is None:
@@ -480,6 +495,9 @@ class ManualLayerNormCodemod(RuleCodemod):
         first, second = (e.value for e in small.targets[0].target.elements)  # type: ignore[attr-defined]
         return {first.value: (first, spread), second.value: (second, mean)}  # type: ignore[attr-defined]
 
+    def _values_bound(self, stmt: cst.BaseStatement) -> dict[str, cst.BaseExpression]:
+        return {name: value for name, (_, value) in self.bound_names(stmt).items()}
+
     # ---- blocks -------------------------------------------------------------------------------------------
     def leave_IndentedBlock(
         self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock
@@ -498,14 +516,20 @@ class ManualLayerNormCodemod(RuleCodemod):
     ) -> list[cst.BaseStatement] | None:
         found: list[_Match] = []
         start = 0
+        # profile mode: a match's statements end at its output, so an output ending before every target
+        # matches nothing wanted (not analysed)
+        first_line = min((t.line for t in self.targets), default=0) if self.targets is not None else 0
+        bound: _BlockNames | None = None
         for i, stmt in enumerate(original):
             if not isinstance(stmt, cst.SimpleStatementLine):
                 start = i + 1  # the window: consecutive simple statements (no control flow between)
                 continue
-            if not _is_output_stmt(stmt):
+            if not _is_output_stmt(stmt) or (first_line and self.lines_of(stmt)[1] < first_line):
                 continue
+            if bound is None:
+                bound = _BlockNames([self._values_bound(s) for s in original])
             try:
-                mt = _BlockMatcher(self, original, start).match(i)
+                mt = _BlockMatcher(self, original, start, bound).match(i)
             except _NoMatch:
                 mt = None
             if mt is not None and mt.x is not None:

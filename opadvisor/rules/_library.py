@@ -27,8 +27,18 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from opadvisor.libraries import LibraryFix, block_of, fixes_for, repeated_blocks
+import libcst as cst
+
+from opadvisor.libraries import (
+    HF_ATTENTION_CLASSES,
+    LOADERS,
+    LibraryFix,
+    block_of,
+    fixes_for,
+    repeated_blocks,
+)
 from opadvisor.profile.model import Construction, Op, Profile
+from opadvisor.rules._source import load_source
 from opadvisor.rules.finding import Finding
 
 __all__ = ["describe_library", "library_path", "library_view_path", "pattern_view"]
@@ -270,7 +280,7 @@ def _choose_fix(
     """The fix for library code that applies to this finding, or kind "none" with the reason."""
     reasons: list[str] = []
     for fix in fixes_for(owner, finding.rule):
-        reason = _not_applicable(fix, model, call, timm, block)
+        reason = _not_applicable(fix, model, call, timm, block, finding, owner)
         if reason is None:
             return _fix_entry(fix, model, call)
         reasons.append(f"{fix.name}: {reason}")
@@ -293,6 +303,8 @@ def _not_applicable(
     call: tuple[str, int] | None,
     timm: str | None = None,
     block: str | None = None,
+    finding: Finding | None = None,
+    owner: str | None = None,
 ) -> str | None:
     if fix.name == "compile_blocks" and block is None:
         return "the code does not run inside a repeated library block (a library class with two or more instances)"
@@ -306,12 +318,51 @@ def _not_applicable(
         return "the profile did not record where the script built the model"
     if fix.where == "call" and call is None:
         return "the profile did not record where the script called into the library"
-    if fix.name == "hf_attn_implementation":
-        attn = model.attrs.get("attn_implementation") if model is not None else None
-        if attn != "eager":
-            return f"the model's attn_implementation is {attn!r}, not 'eager'"
-        if model is not None and model.attrs.get("package") != "transformers":
-            return "the model is not a transformers model"
+    if fix.name in ("hf_attn_implementation", "hf_attn_switch"):
+        return _hf_switch_problem(fix, model, finding, owner)
+    return None
+
+
+def _hf_switch_problem(
+    fix: LibraryFix, model: Construction | None, finding: Finding | None, owner: str | None
+) -> str | None:
+    """Why transformers' attention switch (written as a literal, or set by opadvisor.patch) does not fix
+    this finding: the model runs another attention, is not transformers', the pattern is not the attention
+    the switch replaces, or (the literal) the script computes the value where it builds the model."""
+    assert model is not None  # fix.where == "model": checked by the caller
+    attn = model.attrs.get("attn_implementation")
+    if attn != "eager":
+        return f"the model's attn_implementation is {attn!r}, not 'eager'"
+    if model.attrs.get("package") != "transformers":
+        return "the model is not a transformers model"
+    if owner not in HF_ATTENTION_CLASSES:
+        function = (finding.function or "") if finding is not None else ""
+        if not function.endswith("eager_attention_forward"):
+            return "the pattern is not transformers' eager attention (eager_attention_forward)"
+        if model.attrs.get("supports_sdpa") is not True:
+            return f"{model.cls.rsplit('.', 1)[-1]} does not support attn_implementation='sdpa'"
+    computed = computed_attn_argument(model.file, model.line)
+    if fix.name == "hf_attn_implementation" and computed is not None:
+        return f"attn_implementation={computed} is computed where the model is built"
+    if fix.name == "hf_attn_switch" and computed is None:
+        return "the switch can be written where the model is built (hf_attn_implementation)"
+    return None
+
+
+def computed_attn_argument(path: str | None, line: int | None) -> str | None:
+    """The source of a non-literal `attn_implementation=` argument (or of `**kwargs` that may carry it) in
+    the statement at `path:line`; None when it is a string literal or absent."""
+    src = load_source(path) if path is not None and line is not None else None
+    if src is None:
+        return None
+    first, last = src.statement_span(line)
+    for site in src.calls(first, last):
+        for arg in site.node.args:
+            keyword = arg.keyword.value if arg.keyword is not None else None
+            if keyword == "attn_implementation" and not isinstance(arg.value, cst.SimpleString):
+                return cst.Module([]).code_for_node(arg.value)
+            if arg.star == "**" and site.attr in LOADERS:
+                return "**" + cst.Module([]).code_for_node(arg.value)
     return None
 
 

@@ -11,7 +11,8 @@ programs build their optimizer from the same parameters; the names are for the r
 where rms is the root mean square of every gradient element of the original: a tensor whose gradient is
 tiny next to the rest (a bias that nearly cancels) is judged against the gradient's typical size, not
 against its own near-zero norm. A tensor that has a gradient in one program and none in the other (a
-learnable temperature that a rewrite turned into a constant) is a mismatch. The worst tensor is named.
+learnable temperature that a rewrite turned into a constant) is a mismatch. The worst tensor is named:
+the first in the optimizer's order among those whose error equals the largest up to rounding (TIE_RTOL).
 
 At most MAX_ELEMENTS gradient elements are written per program (4 bytes each); a larger model's remaining
 parameters are marked skipped and said so.
@@ -155,10 +156,25 @@ def compare_gradients(before: Path, after: Path, tolerance: float) -> GradientCh
     skipped = sum(1 for e in (*b_index, *a_index) if e.get("skipped"))
     if skipped:
         check.notes.append(f"{skipped} gradient(s) not compared (over {MAX_ELEMENTS} elements, or complex)")
-    diffs.sort(key=lambda d: -d.rel_error)
-    check.worst = diffs[0] if diffs else None
+    check.worst = _named_worst(diffs)
+    diffs.sort(key=lambda d: (d is not check.worst, -d.rel_error))
     check.failing = [d for d in diffs if not d.rel_error <= tolerance]
     return check
+
+
+# Relative errors this close to the largest are the same error: a change that scales every gradient alike
+# (a loss scaled by a constant) gives each tensor the same error up to float rounding, and which tensor's
+# rounding came out largest is noise that varies from one build of torch to the next.
+TIE_RTOL = 1e-4
+
+
+def _named_worst(diffs: list[TensorDiff]) -> TensorDiff | None:
+    """The tensor named as the worst: the first in the optimizer's order whose relative error is within
+    TIE_RTOL of the largest."""
+    if not diffs:
+        return None
+    top = max(d.rel_error for d in diffs)
+    return next(d for d in diffs if d.rel_error >= top * (1 - TIE_RTOL))
 
 
 def _compare_one(

@@ -1,10 +1,13 @@
-"""The README a stranger reads first: its two commands are what `.ci/run` does, and every file of the
-repository it points at (the design notes included) exists."""
+"""The README a stranger reads first: its two commands (the user's install and job, then the tests) are what
+`.ci/run` does, the tests' installs leave a user's environment working, and every file of the repository it
+points at (the design notes included) exists."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -15,20 +18,44 @@ def _code_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
 
 
-def test_readme_starts_with_setup_and_test_commands_that_ci_runs() -> None:
+def _installs(steps: list[str]) -> list[str]:
+    return [s.replace(" --quiet", "") for s in steps if s.startswith("pip install")]
+
+
+def _ci_lines() -> list[str]:
+    return [ln.strip() for ln in CI.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_readme_starts_with_the_users_setup_then_the_tests_as_ci_runs_them() -> None:
     setup, tests = _code_blocks()[:2]
     steps = [s.strip() for s in setup.split("&&")]
     assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"], steps
-    installs = [s for s in steps if s.startswith("pip install")]
-    assert installs == ["pip install torch==2.13.0", "pip install -e '.[dev]'"], steps
+    # the user's install first: torch and the package, nothing of the tests'
+    assert _installs(steps) == ["pip install torch==2.13.0", "pip install -e ."], steps
     assert steps[-2:] == ["opadvisor profile examples/bert_train.py", "opadvisor suggest"], steps
-    test_command = tests.split("&&")[-1].strip()
-    ci_lines = [ln.strip() for ln in CI.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    # .ci/run: a new venv of its own, the README's installs in the README's order, then its test command
-    assert 'python3 -m venv "$VENV"' in ci_lines and 'rm -rf "$VENV"' in ci_lines
-    ci_installs = [ln.replace(" --quiet", "") for ln in ci_lines if ln.startswith("pip install")]
-    assert ci_installs == installs
-    assert ci_lines[-1] == test_command
+    test_steps = [s.strip() for s in tests.split("&&")]
+    assert test_steps[0] == ". .venv/bin/activate" and _installs(test_steps) == ["pip install -e '.[test]'"]
+    ci = _ci_lines()
+    # .ci/run: a new venv of its own, the README's installs in the README's order (the user's job run
+    # between them, in the user's environment), timm in CI's environment only, then the test command
+    assert 'python3 -m venv "$VENV"' in ci and 'rm -rf "$VENV"' in ci
+    assert _installs(ci) == [*_installs(steps), *_installs(test_steps), "pip install 'timm>=1.0,<2'"]
+    job = [ci.index(step) for step in steps[-2:]]
+    assert (
+        ci.index("pip install --quiet -e .") < job[0] < job[1] < ci.index("pip install --quiet -e '.[test]'")
+    )
+    assert ci[-1] == test_steps[-1]
+
+
+def test_the_users_and_the_tests_installs_bring_no_torchvision() -> None:
+    # timm brings torchvision, whose PyPI wheel breaks `from transformers import ...` beside the CPU torch:
+    # no extra the README installs (nor dev) may hold it; CI adds timm to its own environment only
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    extras = project["optional-dependencies"]
+    wanted = [*project["dependencies"], *extras["test"], *extras["dev"]]
+    assert not [r for r in wanted if re.match(r"(timm|torchvision)\b", r)], wanted
+    assert "opadvisor[test]" in extras["dev"]
 
 
 def test_ci_venv_is_ignored_and_not_the_users() -> None:

@@ -4,10 +4,10 @@ PyPI has no CPU build of torchvision: its wheel's operator library links against
 on the CPU build, and torchvision then fails at import registering fake kernels for operators that were
 never defined. On such a machine (this one, CI) this defines those operators' names, so torchvision
 imports; nothing here ever calls them (a ViT uses none of torchvision's detection operators). Where the
-library loads (a CUDA machine), this does nothing. torchvision comes with timm (the dev extra: the timm
-tests), and lightning and transformers' Trainer import it whenever it is installed, so tests/conftest.py
-runs this in the test process and puts this folder on PYTHONPATH for every process the tests start
-(`opadvisor profile`, the scripts, verify's children).
+library loads (a CUDA machine), this does nothing. torchvision comes with timm (which .ci/run installs
+for the timm tests), and lightning and transformers' Trainer import it whenever it is installed, so
+tests/conftest.py runs this in the test process and puts this folder on PYTHONPATH for every process the
+tests start (`opadvisor profile`, the scripts, verify's children); never in a user's run.
 """
 
 import importlib.abc

@@ -139,7 +139,7 @@ def test_hf_example_with_a_config_built_bert_records_a_run(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_lightning_callback_counts_optimizer_steps(project) -> None:
-    pytest.importorskip("lightning", reason="lightning is not installed (it is in the dev extra)")
+    pytest.importorskip("lightning", reason="lightning is not installed (it is in the test extra)")
     proc = run(project, "lightning_custom.py", "5", "1", "2", "2")  # 2 batches per optimizer step
     assert "global steps 5" in proc.stdout and "recorded 2 step(s)" in proc.stderr
     (run_dir,) = runs_in(project)

@@ -39,7 +39,12 @@ def test_ops_name_the_library_frame_and_the_module_class(library_run) -> None:
     (model,) = [c for c in prof.constructions if c.kind == "model"]
     assert (model.file, model.line) == (script, line_of(project / "hf_bert.py", "model"))
     assert model.cls == BERT + "BertForMaskedLM"
-    assert model.attrs == {"how": "constructor", "package": "transformers", "attn_implementation": "eager"}
+    assert model.attrs == {
+        "how": "constructor",
+        "package": "transformers",
+        "attn_implementation": "eager",
+        "supports_sdpa": True,
+    }
     # a Linear the library built: the user's line, and the library's line inside it
     decoder = next(
         c for c in prof.constructions if c.kind == "module" and c.module == "cls.predictions.decoder"

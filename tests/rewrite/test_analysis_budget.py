@@ -138,3 +138,43 @@ def test_over_budget_apply_skips_the_rule_and_writes_nothing(tmp_path, monkeypat
     result = CliRunner().invoke(app, ["apply", "--rule", "fuse_region", "m.py"])
     assert result.exit_code == 0, result.stderr
     assert "torch.nn.functional.silu(x)" in model.read_text()
+
+
+TWO_FUNCTIONS = b"""import torch
+
+
+def f(x):
+    return x * torch.sigmoid(x)
+
+
+def g(y):
+    return y * torch.sigmoid(y)
+"""
+
+
+def test_profile_mode_analyses_only_the_targeted_blocks():
+    from opadvisor.rewrite import _bindings
+    from opadvisor.rewrite.engine import _parse, _run_once
+    from opadvisor.rewrite.fuse_region import FuseRegionCodemod
+
+    _bindings._INDEXES.clear()
+    module = _parse(TWO_FUNCTIONS, "m.py")
+    new, codemod = _run_once(FuseRegionCodemod, module, [Target(5, 5, {"chain": "silu"})], "m.py")
+    assert "return torch.nn.functional.silu(x)" in new.code
+    assert "return y * torch.sigmoid(y)" in new.code
+    indexed = [cst.Module(list(index.stmts)).code for index in _bindings._INDEXES.values()]
+    assert any("sigmoid(x)" in text for text in indexed)
+    assert not any("sigmoid(y)" in text for text in indexed)  # g's block was never read
+
+
+def test_a_temporary_read_twice_per_statement_converts_once_each():
+    # a{i} = a{i-1} * a{i-1}: read through, 2**24 conversions before the memo (the budget cut them)
+    body = "".join(f"    a{i} = a{i - 1} * a{i - 1}\n" for i in range(1, 25))
+    source = (
+        "import torch\n\n\ndef f(x):\n    a0 = x * torch.sigmoid(x)\n"
+        f"{body}    return a24 * torch.sigmoid(a24)\n"
+    ).encode()
+    after, result = rewrite_source(source, "fuse_region", None, "m.py", allow_unsafe=True)
+    assert "a0 = torch.nn.functional.silu(x)" in after.decode()
+    assert "return torch.nn.functional.silu(a24)" in after.decode()
+    assert len(result.changes) == 2

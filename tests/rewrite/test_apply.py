@@ -309,6 +309,17 @@ def test_refuses_site_packages(project):
     assert installed.read_bytes() == MODEL
 
 
+def test_a_project_in_a_folder_named_site_packages_is_the_users(tmp_path):
+    # only the folders below the project count: a checkout cloned into `site-packages` is rewritten, a venv
+    # inside it is not
+    from opadvisor.rewrite.engine import location_problem
+
+    root = tmp_path / "site-packages" / "my dist-packages checkout"
+    assert location_problem(root / "src" / "train.py", root) is None
+    assert "inside site-packages" in location_problem(root / ".venv" / "site-packages" / "lib.py", root)
+    assert "outside the project" in location_problem(tmp_path / "train.py", root)
+
+
 def test_refuses_unparsable_file(project):
     broken = project["root"] / "broken.py"
     data = b"def f(:\n    return F.softmax(x.masked_fill(m, 0), -1)\n"

@@ -1,0 +1,107 @@
+"""opadvisor.patch's run-time attention switch (hf_attn_switch): transformers' own `set_attn_implementation
+("sdpa")`, per instance, on the outermost transformers model, after its first call compared the eager and the
+SDPA attention; `unpatch` puts "eager" back. Tiny models from config objects: nothing is downloaded."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import opadvisor
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(attn: str = "eager"):
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+def _loss_and_grads(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), grads
+
+
+def test_the_switch_keeps_values_and_gradients_and_is_undone() -> None:
+    model = _llama()
+    reference = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 101, (2, 16))
+    opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+    assert ("", f"{type(model).__module__}.{type(model).__qualname__}", "hf_attn_switch") in (
+        opadvisor.patch_report(model).patched
+    )
+    assert model.config._attn_implementation == "eager"  # set at the first call, after its check
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the check passes: no fallback warning
+        logits, grads = _loss_and_grads(model, ids)
+    assert model.config._attn_implementation == "sdpa" and model.model.config._attn_implementation == "sdpa"
+    want_logits, want_grads = _loss_and_grads(reference, ids)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5)
+    opadvisor.unpatch(model)
+    assert model.config._attn_implementation == "eager" and "forward" not in model.__dict__
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_the_inner_model_is_switched_with_the_outer_one_not_again() -> None:
+    model = _llama()
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
+    report = opadvisor.patch_report(model)
+    assert [path for path, _, fix in report.patched if fix == "hf_attn_switch"] == [""]
+    assert not any(path == "model" for path, _, _ in report.left)
+
+
+def test_left_alone_where_sdpa_already_runs_or_opadvisor_has_its_own_patch() -> None:
+    model = _llama("sdpa")
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
+    (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
+    assert "already runs" in left[2] and model.config._attn_implementation == "sdpa"
+    config = transformers.BertConfig(
+        vocab_size=101, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        attn_implementation="eager",
+    )  # fmt: skip
+    bert = transformers.BertForMaskedLM(config)
+    opadvisor.patch(bert, rules=["sdpa_attention"], quiet=True)
+    report = opadvisor.patch_report(bert)
+    (left,) = [e for e in report.left if e[0] == ""]
+    assert "own attention patch" in left[2]
+    assert any(fix == "hf_bert_self_attention" for _, _, fix in report.patched)
+    assert bert.config._attn_implementation == "eager"
+
+
+def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> None:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def wrong(*args, **kwargs):
+        out, weights = sdpa(*args, **kwargs)
+        return out * 2, weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", wrong)
+    model = _llama()
+    ids = torch.randint(0, 101, (2, 16))
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
+    with pytest.warns(RuntimeWarning, match="keeps its original forward"):
+        model(input_ids=ids, labels=ids)
+    assert model.config._attn_implementation == "eager" and "forward" not in model.__dict__
+    (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
+    assert "fell back at its first call" in left[2]

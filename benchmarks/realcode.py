@@ -72,6 +72,8 @@ class FamilyResult:
     places: list[str] = field(default_factory=list)  # "rule path:line" of each finding
     safe_offered: list[str] = field(default_factory=list)  # "rule src/x.py:line" with an apply command
     applied: list[str] = field(default_factory=list)  # "path:line: rule: message" lines apply printed
+    not_applied: list[str] = field(default_factory=list)  # "...: rule: not applied: why"
+    apply_log: str = ""  # what apply printed on stderr (its last 60 lines)
     parity: bool | None = None
     parity_message: str = ""
     step_ms_before: float | None = None
@@ -203,7 +205,10 @@ def run_family(family: Family, project: Path, s: Settings) -> FamilyResult:
     apply = _step(result, "apply", project, ["apply", "--rule", "all"], s)
     if apply is None:
         return result
-    result.applied = [line for line in apply.stderr.splitlines() if _APPLIED.match(line)]
+    lines = apply.stderr.splitlines()
+    result.apply_log = "\n".join(lines[-60:])
+    result.applied = [line for line in lines if _APPLIED.match(line) and ": not applied:" not in line]
+    result.not_applied = [line for line in lines if ": not applied:" in line]
     if result.safe_offered and not result.applied:
         result.failures.append(
             f"apply --rule all: {len(result.safe_offered)} safe fixes offered, none applied: "

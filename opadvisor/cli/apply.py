@@ -121,13 +121,10 @@ def _report(result, engine, *, show_diff: bool) -> None:  # noqa: ANN001 - engin
             sys.stdout.write(f.diff())
     for f in result.files:
         name = engine.display_path(f.path)
-        for r in f.rules:
-            for n in r.changes:
-                _err(f"{name}:{n.line}: {r.rule}: {n.message}")
-            for n in r.skipped:
-                _err(f"{name}:{n.line}: {r.rule}: skipped: {n.message}")
-            for n in r.notes:
-                _err(f"{name}:{n.line}: {r.rule}: note: {n.message}")
+        for r in f.rules:  # each note named as its finding is everywhere (issue 30)
+            for kind, notes in (("", r.changes), ("not applied: ", r.skipped), ("note: ", r.notes)):
+                for n in notes:
+                    _err(f"{name}:{n.where or n.line}: {n.finding_rule or r.rule}: {kind}{n.message}")
     for message in result.messages:
         _err(message)
     count = len(result.changed)

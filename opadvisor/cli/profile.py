@@ -187,7 +187,6 @@ def _target(script: str | None, module: str | None, args: list[str]) -> tuple[Ta
 
 
 def _report(outcome, config, script: str) -> None:
-    recorded = len(outcome.profile.steps) if outcome.profile else 0
     if outcome.status == "complete":
         _print_summary(outcome)
         return
@@ -196,22 +195,33 @@ def _report(outcome, config, script: str) -> None:
             f"no steps detected in {script}: it never called optimizer.step() (nor opadvisor.step()), "
             "and no time window was recorded"
         )
-    where = f"; the {recorded} recorded step(s) were kept in {outcome.run_dir}" if outcome.run_dir else ""
     if outcome.status == "script_error":
         sys.stderr.write(outcome.script_traceback or "")
-        raise fail(f"{script} raised an exception after {outcome.steps_seen} step(s){where}")
-    if outcome.status == "script_exit":
-        raise fail(f"{script} called sys.exit({outcome.exit_code}) after {outcome.steps_seen} step(s){where}")
-    # ended_early: the script finished (or sys.exit(0)) before the window was recorded in full
-    if outcome.run_dir is None:
-        raise fail(
-            f"{script} ended after {outcome.steps_seen} step(s), before the window started "
-            f"(--warmup {config.warmup}): lower --warmup or let the script run longer"
+    what = {
+        "script_error": "raised an exception",
+        "script_exit": f"called sys.exit({outcome.exit_code})",
+        "interrupted": "was interrupted (Ctrl-C)",
+    }.get(outcome.status, "ended")
+    raise fail(f"{script} {what} after {outcome.steps_seen} step(s){_kept(outcome, config)}")
+
+
+def _kept(outcome, config) -> str:
+    """What the run kept of an incomplete window, and the --warmup that records more (issue 30)."""
+    recorded = len(outcome.profile.steps) if outcome.profile else 0
+    seen, warmup = outcome.steps_seen, config.warmup
+    if recorded:
+        return (
+            f", before the window was complete: recorded {recorded} of {config.steps} (--warmup {warmup} --steps {config.steps}); the "
+            f"{recorded} recorded step(s) were kept in {outcome.run_dir}, marked incomplete"
         )
-    raise fail(
-        f"{script} ended after {outcome.steps_seen} step(s), before the window was complete: recorded "
-        f"{recorded} of {config.steps} (--warmup {config.warmup} --steps {config.steps}){where}, "
-        "marked incomplete"
+    if seen == 0:
+        return ", in its first step: nothing to record; fix the script, then profile again"
+    # record the steps it did run, the first (initialisation) left out where there are two or more
+    lower = max(0, min(seen - 1, warmup - 1))
+    kept = f"; the run was kept in {outcome.run_dir}, marked incomplete" if outcome.run_dir else ""
+    return (
+        f", in the warm-up (--warmup {warmup}): no step was recorded{kept}; profile again with "
+        f"--warmup {lower} to record {seen - lower} step(s)"
     )
 
 

@@ -39,7 +39,7 @@ def report(
     from opadvisor.files import atomic_write
     from opadvisor.profile.runs import load_run
     from opadvisor.report.html import build_html
-    from opadvisor.rules.engine import analyse
+    from opadvisor.rewrite.check import analyse_checked
 
     run_dir, profiles = load_run(run)
     target = output if output is not None else run_dir / "report.html"
@@ -51,7 +51,8 @@ def report(
         cmd = apply_command(f)
         return f"{cmd} {shown_run}" if cmd else None
 
-    page = build_html(run_dir, profiles, analyse(profiles), display=display_path, apply_command=command)
+    findings = analyse_checked(profiles, run_dir)  # the fix verdicts suggest and apply show (issue 30)
+    page = build_html(run_dir, profiles, findings, display=display_path, apply_command=command)
     try:  # whole or not at all: written beside the target, then renamed over it
         atomic_write(target, page.encode("utf-8"))
     except OSError as exc:

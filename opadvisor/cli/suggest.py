@@ -82,7 +82,7 @@ def suggest(
     """
     from opadvisor.errors import UserError
     from opadvisor.profile.runs import load_run
-    from opadvisor.rules.engine import analyse
+    from opadvisor.rewrite.check import analyse_checked
 
     if format not in ("table", "json", "sarif"):
         raise UserError(f"unknown format {format!r}; use table, json or sarif")
@@ -93,12 +93,9 @@ def suggest(
     if memory and chosen is not None:
         chosen.append("activation_checkpointing")
     requested = [*(chosen or []), *(["activation_checkpointing"] if memory else [])]
-    report = analyse(profiles, chosen, _split(ignore), sort=sort, requested=requested)  # type: ignore[arg-type]
-    if check:
-        from opadvisor.rewrite.check import check_fixes, rank_applicable
-
-        check_fixes(report.findings)
-        report.findings = rank_applicable(report.findings)
+    report = analyse_checked(
+        profiles, run_dir, check=check, select=chosen, ignore=_split(ignore), sort=sort, requested=requested
+    )
     _warn_sources(report.findings)
     if format == "json":
         print(json.dumps(suggest_document(run_dir, profiles, report), indent=2))
@@ -172,7 +169,7 @@ def _library_entry(library: dict[str, Any] | None) -> dict[str, Any] | None:
 def where(f) -> str:
     """file:line(-end) as the table shows it: a library file by its path within site-packages."""
     path = f.library["file"] if f.library else display_path(f.path)
-    return f"{path}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+    return f"{path}:{f.lines()}"
 
 
 def _round(v: float | None, digits: int = 3) -> float | None:
@@ -209,12 +206,25 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
 
 
 def recording_entry(profiles) -> dict[str, Any]:
-    """Whether the profile recorded its whole window (False: the script ended or failed first)."""
-    return {
+    """Whether the profile recorded its whole window (False: the script ended or failed first), and why
+    it stopped (issue 30: `stopped`, `steps_seen`, `warmup_steps` where the run says)."""
+    entry: dict[str, Any] = {
         "complete": all(p.complete for p in profiles),
         "steps_recorded": min(len(p.steps) for p in profiles),
         "steps_requested": profiles[0].steps_requested,
     }
+    first = profiles[0]
+    if not entry["complete"] and first.stopped is not None:
+        entry.update(stopped=first.stopped, steps_seen=first.steps_seen, warmup_steps=first.warmup_steps)
+    return entry
+
+
+STOPPED_WORDS = {
+    "script_error": "the script raised an exception",
+    "script_exit": "the script called sys.exit",
+    "interrupted": "the script was interrupted (Ctrl-C)",
+    "ended_early": "the script ended",
+}
 
 
 def incomplete_words(profiles) -> str | None:
@@ -222,8 +232,16 @@ def incomplete_words(profiles) -> str | None:
     rec = recording_entry(profiles)
     if rec["complete"]:
         return None
+    how = STOPPED_WORDS.get(rec.get("stopped", ""), "the script stopped")
+    seen = f" after {rec['steps_seen']} step(s)" if rec.get("steps_seen") else ""
+    if rec["steps_recorded"] == 0:
+        lower = max(0, min(rec.get("steps_seen", 1) - 1, rec.get("warmup_steps", 1) - 1))
+        return (
+            f"incomplete run: {how}{seen}, in the warm-up (--warmup {rec.get('warmup_steps', '?')}): no step "
+            f"was recorded, so nothing can be measured; profile again with --warmup {lower}"
+        )
     return (
-        f"incomplete run: the script stopped before the window was complete ({rec['steps_recorded']} of "
+        f"incomplete run: {how}{seen}, before the window was complete ({rec['steps_recorded']} of "
         f"{rec['steps_requested']} steps recorded): times rest on fewer steps"
     )
 
@@ -342,6 +360,7 @@ def sarif_document(report, profiles) -> dict[str, Any]:
             "time_ms_per_step": _round(f.time_ms_per_step),
             "est_saving_ms_per_step": _round(f.est_saving_ms_per_step),
             "fix": f.fix,
+            "fix_blocked": f.fix_blocked,  # why the dry run found the fix cannot be made here (or null)
             "source_status": f.source_status,
         }
         if f.evidence.profiled_time_ms_per_step is not None:
@@ -415,9 +434,12 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
     incomplete = incomplete_words(profiles)
     if incomplete:
         console.print(f"[bold yellow]{incomplete[0].upper()}{incomplete[1:]}[/bold yellow]")
-    basis = "GPU" if bd["basis"] == "gpu" else "CPU time"
+    if not first.steps:
+        return  # issue 30: stopped in the warm-up; the sentence above says what to do
+    basis = "GPU" if bd["basis"] == "gpu" else "CPU, what ran at each instant"
     if bd["calibrated"]:
         basis += ", idle scaled to the plain step"
+    basis += f"; shares of {bd['of']}, {fmt_ms(bd['total_ms'])}"
     parts = "  ".join(
         f"{p['name']} {fmt_ms(p['ms'])} ({fmt_share(p['share'])})" for p in bd["parts"] if p["ms"]
     )
@@ -444,7 +466,7 @@ def _render_table(run_dir: Path, profiles, report, run_arg: str | None) -> None:
             cmd = apply_command(f)
             fix = (cmd + suffix) if cmd else ("display only: " + f.advice if f.advice else "display only")
             if f.fix_blocked:
-                fix = f"no automatic fix here: {f.fix_blocked}"
+                fix = f.verdict()
             if cmd and f.advice and f.est_saving_ms_per_step == 0:
                 fix += f" (no saving claimed: {f.advice})"  # why a fix is offered that saves nothing here
             time = fmt_ms(f.time_ms_per_step) + (" cpu" if f.evidence.time_basis == "cpu" else "")

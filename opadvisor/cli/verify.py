@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from opadvisor.cli.common import EXIT_FINDINGS, EXIT_OK, user_errors
-from opadvisor.verify.compare import FASTER, SLOWER
+from opadvisor.verify.compare import FASTER, INCONCLUSIVE, SLOWER
 
 if TYPE_CHECKING:
     from opadvisor.verify.compare import Difference
@@ -137,6 +137,8 @@ def verdict_words(d: Difference, what: str = "the rewrite") -> str:
         return f"{what} is faster: {s.factor:.2f}x ({interval}), {times}"
     if d.verdict == SLOWER:
         return f"{what} is SLOWER: {s.factor:.2f}x ({interval}), {times}"
+    if d.verdict == INCONCLUSIVE:  # issue 30: no ratio whose interval spans the machine's noise
+        return f"timing inconclusive on this machine: {d.noise or 0:.0%} noise, {times}"
     return f"no measurable difference: {s.factor:.2f}x ({interval} includes 1x), {times}"
 
 
@@ -156,6 +158,8 @@ def _render_timing(console, t: Timing) -> None:
         else f"{t.repeats} timing run(s) of each program in alternating rounds, {t.warmup} warm-up step(s) of "
         "each dropped"
     )
+    if t.stopped:
+        console.print(t.stopped)
     if t.memory_before is not None and t.memory_after is not None:
         console.print(_peak_words(t.memory_before, t.memory_after))
     if t.difference is not None:
@@ -219,6 +223,14 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time both programs.")] = True,
+        quick: Annotated[
+            bool,
+            typer.Option(
+                "--quick",
+                help="Parity only (losses and gradients), no timing: the check that fits a busy or small "
+                "machine, where step times say little.",
+            ),
+        ] = False,
         per_rule: Annotated[
             bool,
             typer.Option(
@@ -274,7 +286,7 @@ def register(app: typer.Typer) -> None:
             seed=seed,
             rtol=rtol,
             atol=atol,
-            timing=timing,
+            timing=timing and not quick,
             reprofile=reprofile,
             repeats=repeats,
             per_rule=per_rule,

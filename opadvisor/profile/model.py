@@ -26,6 +26,10 @@ Profile
     warmup_steps      steps run before the window
     steps_requested   steps the window was asked to record
     complete          False when the script ended or failed before the window was recorded in full
+    stopped           why an incomplete window stopped: "script_error" | "script_exit" | "ended_early" |
+                      "interrupted" (Ctrl-C); None for a complete run or one written before issue 30
+    steps_seen        steps the script completed in all, warm-up included (0 in runs written before
+                      issue 30); a run that stopped in its warm-up keeps what it knew, with no steps
     eager             True when torch.compile was switched off for the run (`opadvisor profile --eager`)
     steps             [Step]  the recorded steps, in order
     ops               [Op]    every op kept from the window: thread by thread (the tree torch records per
@@ -364,6 +368,8 @@ class Profile:
     library_sources: dict[str, str] = field(default_factory=dict)
     modules: dict[str, str] = field(default_factory=dict)
     calibration: Calibration | None = None
+    stopped: str | None = None
+    steps_seen: int = 0
 
     # ---- queries the rules share -------------------------------------------------------------
     @property

@@ -41,7 +41,7 @@ NO_SCRIPT = "<interactive>"  # the script of a run recorded in a notebook or `py
 class RunOutcome:
     run_dir: Path | None  # None when nothing was recorded
     profile: Profile | None
-    status: str  # "complete" | "ended_early" | "script_error" | "script_exit" | "no_steps"
+    status: str  # "complete" | "ended_early" | "script_error" | "script_exit" | "interrupted" | "no_steps"
     steps_seen: int = 0
     exit_code: int | None = None  # the script's sys.exit code, when it called sys.exit
     script_traceback: str | None = None
@@ -125,8 +125,34 @@ def build_profile(
     assign_steps(extracted, marks_us, cuda)
     module_calls = session.module_calls.results()
     attach_memory(extracted.steps, module_calls, session.step_memory)
+    profile = session_profile(session, target, argv, cuda, set(extracted.user_files), module_calls)
+    profile.complete = recording.complete and len(recording.steps) >= session.config.steps
+    profile.steps, profile.ops = extracted.steps, extracted.ops
+    profile.annotations, profile.syncs, profile.memcpys = (
+        extracted.annotations,
+        extracted.syncs,
+        extracted.memcpys,
+    )
+    profile.libraries = _libraries(extracted.library_files.values())
+    profile.library_sources = {
+        lib.rel: h for lib in extracted.library_files.values() if (h := file_sha256(lib.path)) is not None
+    }
+    return profile
+
+
+def session_profile(
+    session: Session,
+    target: Target | None,
+    argv: list[str],
+    cuda: bool,
+    user_files: set[str] | None = None,
+    module_calls: list | None = None,
+) -> Profile:
+    """What the session knows without a recorded window: the script, environment, construction sites,
+    calibration; no steps or ops (issue 30: the partial run of a script that stopped in its warm-up)."""
+    module_calls = module_calls if module_calls is not None else []
     # no target: recorded from a notebook or an interactive session (a Trainer callback there)
-    files = set(extracted.user_files) | ({str(target.path)} if target else set())
+    files = set(user_files or ()) | ({str(target.path)} if target else set())
     files |= {c.file for c in session.constructions if c.file}
     files |= {c.file for c in module_calls if c.file}
     return Profile(
@@ -142,23 +168,15 @@ def build_profile(
         step_detection=session.detection,
         warmup_steps=session.config.warmup,
         steps_requested=session.config.steps,
-        complete=recording.complete and len(recording.steps) >= session.config.steps,
+        complete=False,
         eager=session.config.eager,
-        steps=extracted.steps,
-        ops=extracted.ops,
-        annotations=extracted.annotations,
-        syncs=extracted.syncs,
-        memcpys=extracted.memcpys,
         constructions=session.constructions,
         module_calls=module_calls,
         memory_notes=list(session.memory.notes),
         memory_requested=session.config.memory_requested,
-        libraries=_libraries(extracted.library_files.values()),
-        library_sources={
-            lib.rel: h for lib in extracted.library_files.values() if (h := file_sha256(lib.path)) is not None
-        },
         modules=dict(session.modules),
         calibration=session.calibration(),
+        steps_seen=session.steps_seen,
     )
 
 
@@ -213,7 +231,7 @@ def _export_trace(recording: Recording, dest: Path) -> None:
 
 
 def write_run(
-    recording: Recording,
+    recording: Recording | None,
     session: Session,
     target: Target | None,
     argv: list[str],
@@ -221,18 +239,28 @@ def write_run(
     out: Path | None,
     cwd: Path,
     rank: tuple[int, int] | None = None,  # issue 9
+    stopped: str | None = None,  # why the window is incomplete (Profile.stopped)
 ) -> tuple[Path, Profile]:
-    """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole."""
+    """Write profile.json and trace.json.gz into a fresh folder, renamed into place when both are whole.
+
+    `recording` None (issue 30): the script stopped before the window opened; the run keeps what the session
+    knows (`session_profile`: no steps, no trace), so the next command says what happened."""
     if rank is not None:  # issue 9: one rank of a multi-process run
+        assert recording is not None
         return _write_rank_files(recording, session, target, argv, cuda, out, rank)
     final = out if out is not None else runs.state_dir(cwd) / "runs" / runs.new_run_id()
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     try:
-        profile = build_profile(recording, session, target, argv, cuda)
-        profile.run_id = final.name
+        if recording is not None:
+            profile = build_profile(recording, session, target, argv, cuda)
+        else:
+            profile = session_profile(session, target, argv, cuda)
+        profile.run_id, profile.stopped = final.name, stopped
         save_profile(profile, staging / runs.PROFILE_FILE)
-        _export_trace(recording, staging / runs.TRACE_FILE)
+        runs.keep_sources(profile.sources, staging)  # issue 30: apply --force diffs against these
+        if recording is not None:
+            _export_trace(recording, staging / runs.TRACE_FILE)
         staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it private; a run folder is ordinary
         if final.exists():
             final.rmdir()  # an empty --out folder (checked before the run)
@@ -328,8 +356,8 @@ def run_script(
         code = exc.code
         exit_code = code if isinstance(code, int) else (0 if code is None else 1)
         status = "ended_early" if exit_code == 0 else "script_exit"
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt:  # Ctrl-C (SIGINT) or the script's own: keep what was recorded (issue 30)
+        status = "interrupted"
     except BaseException as exc:  # the user's own failure: report it, keep what was recorded
         status, script_tb = "script_error", _user_traceback(exc, target.path)
     finally:
@@ -339,7 +367,7 @@ def run_script(
             sys.argv, sys.path[:] = saved_argv, saved_path
             os.chdir(cwd)  # a script that changed folder: the run is written, and verify reruns it, from here
             session.uninstall()
-    return record_run(session, recording, status, target, argv, out, cwd, rank, exit_code, script_tb)
+    return record_run(session, recording, status, target, argv, out, cwd, rank, exit_code, script_tb, True)
 
 
 def record_run(
@@ -353,15 +381,23 @@ def record_run(
     rank: tuple[int, int] | None = None,
     exit_code: int | None = None,
     script_tb: str | None = None,
+    keep_warmup_stop: bool = False,
 ) -> RunOutcome:
     """The outcome of a finished session (`finish()`ed and uninstalled), its run written when it recorded
-    at least one whole step. Shared by `run_script` and the in-process `WindowRecorder` (recorder.py)."""
+    at least one whole step, or with `keep_warmup_stop` (`opadvisor profile`, issue 30) when the script
+    stopped in its warm-up after a step or more (a run without steps that says so). Shared by `run_script` and the in-process `WindowRecorder` (recorder.py)."""
     if recording is not None and recording.complete and status in ("ended_early", "complete"):
         status = "complete"  # --run-to-end, or a time window the script outlived
     outcome = RunOutcome(None, None, status, session.steps_seen, exit_code, script_tb, list(session.warnings))
+    stopped = None if status == "complete" else status
     if recording is not None and recording.steps:
         outcome.run_dir, outcome.profile = write_run(
-            recording, session, target, argv, session.config.cuda, out, cwd, rank
+            recording, session, target, argv, session.config.cuda, out, cwd, rank, stopped
+        )
+    elif keep_warmup_stop and session.steps_seen and status != "complete" and rank is None:
+        # issue 30: stopped in the warm-up; a run without steps says how far the script got
+        outcome.run_dir, outcome.profile = write_run(
+            None, session, target, argv, session.config.cuda, out, cwd, None, stopped
         )
     elif session.steps_seen == 0 and status not in ("script_error", "script_exit"):
         outcome.status = "no_steps"

@@ -5,6 +5,8 @@ Layout of a run folder (other commands add to it, never rewrite what `profile` w
     trace.json.gz        chrome trace (Perfetto / TensorBoard); trace.rank<N>.json.gz per rank
     applied.json         written by `opadvisor apply`: the rewrites made and where their backups are
     backup/              byte-exact copies of files before `apply` changed them (paths mirror the project)
+    sources/<sha256>     the user's source files as profiled, by content (issue 30: `apply --force` places
+                         the findings' lines on a file edited since, through a diff against this copy)
 """
 
 from __future__ import annotations
@@ -22,6 +24,33 @@ STATE_DIR = ".opadvisor"
 PROFILE_FILE = "profile.json"
 TRACE_FILE = "trace.json.gz"
 RANK_PROFILE = re.compile(r"profile\.rank(\d+)\.json")
+SOURCES_DIR = "sources"
+MAX_KEPT_SOURCE = 2 * 2**20  # a larger "source" is data, not the user's code: not kept
+
+
+def keep_sources(sources: dict[str, str], run_dir: Path) -> None:
+    """Copy each profiled user source file into run_dir/sources/<sha256>, when it still has that hash."""
+    import hashlib
+
+    for path, digest in sources.items():
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            continue
+        if len(data) > MAX_KEPT_SOURCE or hashlib.sha256(data).hexdigest() != digest:
+            continue
+        (run_dir / SOURCES_DIR).mkdir(exist_ok=True)
+        (run_dir / SOURCES_DIR / digest).write_bytes(data)
+
+
+def profiled_source(run_dir: Path, digest: str | None) -> bytes | None:
+    """A source file as profiled (kept by `keep_sources`), None when the run keeps no copy of it."""
+    if not digest or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    try:
+        return (run_dir / SOURCES_DIR / digest).read_bytes()
+    except OSError:
+        return None
 
 
 def state_dir(base: Path | None = None) -> Path:

@@ -123,9 +123,14 @@ def _breakdown_section(p: Profile) -> str:
     bd = breakdown(p)
     parts = [q for q in bd["parts"] if q["ms"]]
     total = sum(q["ms"] for q in parts) or 1.0
-    basis = "the GPU's time" if bd["basis"] == "gpu" else "CPU time (a CPU profile has no GPU times)"
+    basis = (
+        "the GPU's time"
+        if bd["basis"] == "gpu"
+        else "what ran at each instant on the CPU, on any thread (a CPU profile has no GPU times)"
+    )
     if bd["calibrated"]:
         basis += ", its idle parts scaled to the plain step (timed without the profiler)"
+    basis += f"; the shares are of {bd['of']}, {fmt_ms(bd['total_ms'])}"
     segs, legend = [], []
     for q in parts:
         colour = PART_COLOURS.get(q["name"], "#999")
@@ -153,7 +158,7 @@ def _where(f: Finding, display: Callable[[str], str]) -> str:
     """file:line(-end); a library file by its path within site-packages."""
     lib = _library(f)
     path = str(lib["file"]) if lib else display(f.path)
-    return f"{path}:{f.line}" + (f"-{f.end_line}" if f.end_line != f.line else "")
+    return f"{path}:{f.lines()}"
 
 
 def _findings_section(
@@ -221,6 +226,8 @@ def _finding_card(
         )
         if f.advice and f.est_saving_ms_per_step == 0:
             parts.append(f"<p>No saving claimed here: {escape(f.advice)}</p>")
+    elif f.fix_blocked:  # the dry run's verdict, in suggest's and apply's words
+        parts.append(f'<div class="apply"><span>fix:</span> {escape(f.verdict())}</div>')
     elif f.advice:
         parts.append(f'<div class="apply"><span>what to do:</span> {escape(f.advice)}</div>')
     return f'<article class="finding" id="finding-{i}">{"".join(parts)}</article>'

@@ -28,12 +28,19 @@ class Target:
     line: int
     end_line: int
     details: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    # the rule of the finding this target fixes, where the codemod is another (a library fix's
+    # `library_patch`, `hf_attn_implementation`, ...): messages speak of the rule users know (issue 30)
+    finding_rule: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Note:
-    line: int
+    line: int  # in the text the codemod ran on (applied.json keeps it: verify maps the rewritten sites)
     message: str
+    # issue 30: the finding it belongs to, as every command names it: its lines as profiled ("35-40")
+    # and its rule; None for a note outside any finding (the profiled line of the note is then used)
+    where: str | None = field(default=None, compare=False)
+    finding_rule: str | None = field(default=None, compare=False)
 
 
 class RuleCodemod(VisitorBasedCodemodCommand):

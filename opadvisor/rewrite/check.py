@@ -17,7 +17,7 @@ that the one that can be applied comes first: a blocked one sorts right after it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,49 @@ from opadvisor.rewrite import registry
 from opadvisor.rewrite._budget import OverBudget
 from opadvisor.rewrite.base import Target
 
-__all__ = ["check_fixes", "dry_run", "rank_applicable"]
+__all__ = ["analyse_checked", "check_fixes", "dry_run", "rank_applicable"]
+
+
+def analyse_checked(
+    profiles: Sequence[Any], run_dir: Path | None = None, *, check: bool = True, **options: Any
+) -> Any:
+    """The run's findings with their fix verdicts, computed once the same way for suggest, report and
+    apply (issue 30): `rules.engine.analyse(profiles, **options)`, each fix dry-run on its file as
+    profiled (`check_fixes` with `as_profiled(run_dir, ...)`, unless `check` is False) and alternatives
+    ranked (`rank_applicable`)."""
+    from opadvisor.rules.engine import analyse
+
+    report = analyse(profiles, **options)
+    if check:
+        sources = {path: digest for p in profiles for path, digest in p.sources.items()}
+        check_fixes(report.findings, as_profiled(run_dir, sources) if run_dir is not None else None)
+        report.findings = rank_applicable(report.findings)
+    return report
+
+
+def as_profiled(run_dir: Path, sources: dict[str, str]) -> Callable[[str], bytes | None]:
+    """path -> the file as profiled: the copy the run keeps, else the backup an earlier apply of this run
+    made, else the file itself while it still has the profiled hash; None when none of these is at hand."""
+    from opadvisor.profile.runs import profiled_source
+    from opadvisor.rewrite.engine import load_applied, sha256
+
+    applied = load_applied(run_dir)["applied"]
+
+    def source_of(path: str) -> bytes | None:
+        digest = sources.get(path)
+        kept = profiled_source(run_dir, digest)
+        if kept is not None:
+            return kept
+        backups = [e["backup"] for e in applied if isinstance(e, dict) and e.get("path") == path]
+        try:
+            if backups:
+                return (run_dir / backups[0]).read_bytes()
+            now = Path(path).read_bytes()
+        except OSError:
+            return None
+        return now if digest is None or sha256(now) == digest else None
+
+    return source_of
 
 
 def dry_run(
@@ -64,18 +106,27 @@ def dry_run(
     return out
 
 
-def check_fixes(findings: Sequence[Any]) -> None:
-    """Dry-run the fix of every finding that has one; block those the codemod cannot make (see module doc)."""
+def check_fixes(findings: Sequence[Any], source_of: Callable[[str], bytes | None] | None = None) -> None:
+    """Dry-run the fix of every finding that has one; block those the codemod cannot make (see module doc).
+
+    `source_of` (path -> the file as profiled, None when unknown: `as_profiled`) judges each site where the
+    finding's lines are, whatever was done to the file since; without it the file itself is read, and a
+    file changed since the profile is left unjudged."""
     groups: dict[tuple[str, str], list[Any]] = {}
     for f in findings:
-        if f.fix == "none" or f.source_status != "ok" or not registry.has_codemod(f.rule):
+        if f.fix == "none" or not registry.has_codemod(f.rule):
+            continue
+        if source_of is None and f.source_status != "ok":
             continue
         if getattr(f, "library", None) is not None:
             continue  # in library code: its fix goes into the user's script another way (rewrite/library.py)
         groups.setdefault((f.path, f.rule), []).append(f)
     for (path, rule), group in groups.items():
+        source = source_of(path) if source_of is not None else None
+        if source_of is not None and source is None:
+            continue  # the file as profiled is not at hand: apply judges it (or refuses it)
         targets = [Target(f.line, f.end_line, dict(f.details)) for f in group]
-        for f, reason in zip(group, dry_run(Path(path), rule, targets), strict=True):
+        for f, reason in zip(group, dry_run(Path(path), rule, targets, source), strict=True):
             if reason is not None:
                 block(f, reason)
     for f in findings:  # an alternative's message no longer offers a blocked fix as the better one

@@ -42,7 +42,7 @@ import json
 import os
 import stat
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from libcst.codemod import CodemodContext, SkipFile
 
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
+from opadvisor.profile.runs import profiled_source
 from opadvisor.rewrite import _budget, _metadata, registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
@@ -60,6 +61,9 @@ BACKUP_DIR = "backup"
 PARITY_DIR = "parity"  # the original as verify's parity run sees it, when a rule asks (PARITY_BASELINE)
 SNAPSHOT_DIR = "snapshots"  # the file after each entry (applied.json's "after"), for verify's per-rule times
 STATIC_DIR = "static"  # .opadvisor/static: applied.json and backup/ of static-mode applies
+EDITED_SINCE_PROFILE = (
+    "an edit since the profile"  # who moved the lines of a file `--force` places findings on
+)
 
 
 # ---- results --------------------------------------------------------------------------------------------
@@ -357,18 +361,20 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 # "already rewritten" / "found no code" per finding
                 n = len(job.targets.get(rule, []))
                 messages.append(
-                    f"{display_path(job.path, root)}: {rule}: already applied by an earlier apply "
+                    f"{display_path(job.path, root)}: {shown_rule(rule, job.targets.get(rule, []))}: already applied by an earlier apply "
                     f"({n} finding{'s' if n != 1 else ''}); nothing more to do"
                 )
                 continue
+            pairs: list[tuple[Target, Target]] = []  # (as profiled, on the current text)
             if job.targets is not None:
                 targets = []
                 for target in job.targets.get(rule, []):
                     mapped, touched_by = _map_target(target, maps)
-                    if touched_by is not None and not composes:
+                    if touched_by is not None and (not composes or touched_by == EDITED_SINCE_PROFILE):
                         covered.append((target, touched_by))
                     else:
                         targets.append(mapped)
+                        pairs.append((target, mapped))
                 if not targets:
                     _say_covered(job.path, rule, covered, messages, root)
                     continue
@@ -377,13 +383,16 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
             except UserError as exc:
                 if not job.keep_going or "cannot parse it" in str(exc):
                     raise
-                messages.append(f"error: {exc} (for {rule}; the other rules go on)")
+                messages.append(
+                    f"error: {exc} (for {shown_rule(rule, targets or [])}; the other rules go on)"
+                )
                 continue
             except _budget.OverBudget as exc:  # reported like a skipped fix; nothing of it written
-                messages.append(f"{display_path(job.path, root)}: {rule}: {exc}")
+                messages.append(f"{display_path(job.path, root)}: {shown_rule(rule, targets or [])}: {exc}")
                 continue
+            _name_findings(rule_result, pairs, text, job.original)
             if targets:
-                _unmatched(job.path, rule, targets, rule_result, LineMap(text, new_text), messages, root)
+                _unmatched(job.path, rule, pairs, rule_result, LineMap(text, new_text), messages, root)
             _say_covered(job.path, rule, covered, messages, root)
             file_result.rules.append(rule_result)
             if new_text != text:
@@ -423,46 +432,89 @@ def _say_covered(
 ) -> None:
     """One line per rule (and per rewrite that got there first) for findings whose lines another rewrite
     already changed."""
-    by_whom: dict[str, list[int]] = {}
+    by_whom: dict[str, list[Target]] = {}
     for target, by in covered:
-        by_whom.setdefault(by, []).append(target.line)
-    for by, lines in by_whom.items():
-        at = ", ".join(str(n) for n in sorted(set(lines)))
-        messages.append(
-            f"{display_path(path, root)}:{lines[0]}: {rule}: not applied at line{'s' if len(lines) > 1 else ''} "
-            f"{at}: those lines were already rewritten by {by}"
-        )
+        by_whom.setdefault(by, []).append(target)
+    for by, targets in by_whom.items():
+        why = f"those lines were already rewritten by {by}"
+        if by == EDITED_SINCE_PROFILE:
+            why = "its lines were edited since the profile, so the finding cannot be placed on the file; profile again"
+        for target in sorted(set(targets), key=lambda t: t.line):
+            messages.append(
+                f"{display_path(path, root)}:{span(target.line, target.end_line)}: {target.finding_rule or rule}: "
+                f"not applied: {why}"
+            )
 
 
 def _unmatched(
     path: Path,
     rule: str,
-    targets: Sequence[Target],
+    pairs: Sequence[tuple[Target, Target]],
     result: RuleResult,
     line_map: LineMap,
     messages: list[str],
     root: Path,
 ) -> None:
     """Say which findings the codemod found nothing to do at (so no finding is silently dropped)."""
+    shown = shown_rule(rule, [profiled for profiled, _ in pairs])
     if result.already is not None:
-        messages.append(f"{display_path(path, root)}: {rule}: already applied: {result.already}")
+        messages.append(f"{display_path(path, root)}: {shown}: already applied: {result.already}")
         return
     if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
         if not result.changes and not result.skipped:
             messages.append(
-                f"{display_path(path, root)}: {rule}: not applied: the {rule} rewrite found no code it can "
+                f"{display_path(path, root)}: {shown}: not applied: the {shown} rewrite found no code it can "
                 "rewrite in this file"
             )
         return
     lines = [n.line for n in (*result.changes, *result.skipped)]
-    for target in targets:
+    for profiled, target in pairs:
         if line_map.map(target.line, target.end_line)[2]:
             continue  # the rewrite changed those lines
         if not any(target.line <= line <= target.end_line for line in lines):
+            shown = profiled.finding_rule or rule
             messages.append(
-                f"{display_path(path, root)}:{target.line}: {rule}: not applied: the {rule} rewrite found no "
-                f"code it can rewrite at lines {target.line}-{target.end_line}"
+                f"{display_path(path, root)}:{span(profiled.line, profiled.end_line)}: {shown}: not applied: "
+                f"the {shown} rewrite found no code it can rewrite there"
             )
+
+
+def shown_rule(rule: str, targets: Sequence[Target]) -> str:
+    """The rule a message names: the findings' own rule for a library fix's codemod (`library_patch`,
+    `hf_attn_implementation`, ...: names `opadvisor rules` does not list, issue 30), else `rule`."""
+    if rule not in registry.LIBRARY_CODEMODS:
+        return rule
+    return ", ".join(dict.fromkeys(t.finding_rule for t in targets if t.finding_rule)) or rule
+
+
+def span(line: int, end_line: int) -> str:
+    """A line range as every command names a finding's (`Finding.lines`): "35-40", or "58"."""
+    return f"{line}-{end_line}" if end_line != line else str(line)
+
+
+def _name_findings(
+    result: RuleResult, pairs: Sequence[tuple[Target, Target]], text: bytes, original: bytes
+) -> None:
+    """Name each of the rule's notes by the finding it belongs to (issue 30): the finding's lines as
+    profiled and its rule, never the lines of a text an earlier rewrite moved. A rewrite restricted to
+    findings reports at or near their lines (a chain may start a line above the profiled range): the
+    nearest finding; with none (static mode), the note's own line in the profiled file."""
+    back = LineMap(text, original) if text != original else None
+
+    def distance(n: Note, mapped: Target) -> int:
+        return max(mapped.line - n.line, n.line - mapped.end_line, 0)
+
+    def named(n: Note) -> Note:
+        if pairs:
+            profiled, _ = min(pairs, key=lambda pair: distance(n, pair[1]))
+            return replace(
+                n, where=span(profiled.line, profiled.end_line), finding_rule=profiled.finding_rule
+            )
+        return replace(n, where=str(back.map(n.line, n.line)[0] if back else n.line))
+
+    result.changes = [named(n) for n in result.changes]
+    result.skipped = [named(n) for n in result.skipped]
+    result.notes = [named(n) for n in result.notes]
 
 
 # ---- profile mode ------------------------------------------------------------------------------------------------------
@@ -533,7 +585,7 @@ def apply_run(
 ) -> ApplyResult:
     """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
     from opadvisor.profile.runs import load_run
-    from opadvisor.rules.engine import analyse
+    from opadvisor.rewrite.check import analyse_checked
 
     messages: list[str] = []
     rules, withheld = _selected_rules(rule, allow_unsafe, messages)
@@ -541,7 +593,8 @@ def apply_run(
     # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
     asked = [] if rule == "all" else rules
     selected = rules + withheld
-    report = analyse(profiles, select=selected, requested=asked) if selected else None
+    # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
+    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
     findings = report.findings if report is not None else []
     _say_withheld(withheld, {f.rule for f in findings}, messages)
     findings = [f for f in findings if f.rule not in withheld]
@@ -603,34 +656,33 @@ def apply_findings(
     for f in findings:
         if f.rule not in rules:
             continue
+        if getattr(f, "fix_blocked", None):
+            messages.append(f"{_where(f, root)}: {f.rule}: not applied: {f.verdict()}")
+            continue
         if f.fix == "none":
             advice = f" ({f.advice})" if getattr(f, "advice", "") else ""
-            messages.append(
-                f"{_rel(f.path, root)}:{f.line}: {f.rule}: note: no automatic fix for this one{advice}"
-            )
+            messages.append(f"{_where(f, root)}: {f.rule}: note: no automatic fix for this one{advice}")
             continue
         if f.fix == "unsafe" and not allow_unsafe:
             withheld.append(f)
-            messages.append(
-                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: its fix is unsafe; pass --unsafe"
-            )
+            messages.append(f"{_where(f, root)}: {f.rule}: not applied: its fix is unsafe; pass --unsafe")
             continue
         applicable.append(f)
     if explicit_rule is not None and withheld and not applicable:
         f = withheld[0]
         more = f" (and {len(withheld) - 1} more)" if len(withheld) > 1 else ""
         raise UserError(
-            f"the {f.rule} fix at {_rel(f.path, root)}:{f.line}{more} is unsafe "
+            f"the {f.rule} fix at {_where(f, root)}{more} is unsafe "
             f"(see `opadvisor explain {f.rule}`); pass --unsafe to apply it"
         )
     if explicit_rule is None:
-        applicable = _resolve_alternatives(applicable, messages, root)
+        applicable = _resolve_alternatives(applicable, messages, root, run_dir, sources)
     for f in applicable:
         routed = library_target(f)
         if routed is None and getattr(f, "library", None) is not None:
-            messages.append(f"{f.library['file']}:{f.line}: {f.rule}: not applied: {f.advice}")
+            messages.append(f"{_where(f, root)}: {f.rule}: not applied: {f.advice}")
             continue
-        key, where, target = routed or (f.rule, f.path, Target(f.line, f.end_line, dict(f.details)))
+        key, where, target = routed or (f.rule, f.path, Target(f.line, f.end_line, dict(f.details), f.rule))
         path = Path(where).resolve()
         problem = location_problem(path, root)
         if problem is not None:
@@ -650,10 +702,22 @@ def apply_findings(
         if recorded is None:
             recorded = next((h for p, h in sources.items() if Path(p).resolve() == path), None)
         now = sha256(current)
+        earlier_label = None
         if entries and entries[-1].get("sha256_after") == now:
             backup = run_dir / entries[0]["backup"]
             if backup.is_file():
                 original = backup.read_bytes()
+        elif force and recorded is not None and recorded != now:
+            # issue 30: place the findings' lines on the edited file through a diff against the source as
+            # profiled (kept in the run); a finding whose own lines were edited is refused, never guessed
+            profiled = profiled_source(run_dir, recorded)
+            if profiled is None:
+                messages.append(
+                    f"not applied: {_rel(str(path), root)} changed since it was profiled and the run keeps no "
+                    "copy of it as profiled, so the findings' lines cannot be placed on it; profile again"
+                )
+                continue
+            original, earlier_label = profiled, EDITED_SINCE_PROFILE
         elif not force:
             if recorded is None:
                 raise UserError(
@@ -678,7 +742,7 @@ def apply_findings(
                 original,
                 targets,
                 ordered,
-                f"an earlier apply ({earlier})",
+                earlier_label or f"an earlier apply ({earlier})",
                 earlier_rules,
                 allow_unsafe,
                 keep_going=explicit_rule is None,
@@ -712,10 +776,12 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
         return None
     rules = [fix.get("select") or f.rule]  # an opt-in patch (compile_blocks) is asked for by its name
     details = {"rules": rules, "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
-    return key, site["path"], Target(site["line"], site["line"], details)
+    return key, site["path"], Target(site["line"], site["line"], details, f.rule)
 
 
-def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) -> list[Any]:
+def _resolve_alternatives(
+    findings: list[Any], messages: list[str], root: Path, run_dir: Path, sources: dict[str, str]
+) -> list[Any]:
     """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
     the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
     from opadvisor.rewrite.check import dry_run
@@ -739,26 +805,36 @@ def _resolve_alternatives(findings: list[Any], messages: list[str], root: Path) 
             continue
         path = Path(f.path).resolve()
         library = getattr(f, "library", None) is not None  # fixed in the user's script, not at f.path
-        reason = None
-        if path.is_file() and not library:
-            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))])[0]
+        reason = f.fix_blocked  # the dry run's verdict, made once (check_fixes) where the file is as profiled
+        if reason is None and path.is_file() and not library and f.source_status != "ok":
+            # the file changed since (apply --force): judged on the source as profiled, where its lines are
+            kept = profiled_source(run_dir, sources.get(f.path))
+            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))], kept)[0]
         if reason is None:
             dropped.add(id(other))
             messages.append(
-                f"{_rel(other.path, root)}:{other.line}: {other.rule}: not applied: {f.rule} rewrites the "
+                f"{_where(other, root)}: {other.rule}: not applied: {f.rule} ({f.lines()}) rewrites the "
                 "same lines and is the bigger win"
             )
         else:
             dropped.add(id(f))
             messages.append(
-                f"{_rel(f.path, root)}:{f.line}: {f.rule}: not applied: {reason}; {other.rule}, which rewrites "
-                "the same lines, is applied instead"
+                f"{_where(f, root)}: {f.rule}: not applied: no automatic fix here: {reason}; {other.rule} "
+                f"({other.lines()}), which rewrites the same lines, is applied instead"
             )
     return [f for f in findings if id(f) not in dropped]
 
 
 def _rel(path: str, root: Path) -> str:
     return display_path(Path(path), root)
+
+
+def _where(f: Any, root: Path) -> str:
+    """A finding as every command names it: file:lines as profiled (a library file by its path within
+    site-packages, as suggest shows it)."""
+    library = getattr(f, "library", None)
+    path = library["file"] if isinstance(library, dict) and library.get("file") else _rel(f.path, root)
+    return f"{path}:{f.lines()}"
 
 
 def _read(path: Path) -> bytes:

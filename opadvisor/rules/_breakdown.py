@@ -2,16 +2,18 @@
 
 `breakdown(profile)` returns a plain dict for `opadvisor suggest` (and its JSON):
 
-    {"basis": "gpu" | "cpu", "step_ms": 12.3,
+    {"basis": "gpu" | "cpu", "step_ms": 12.3, "total_ms": 12.1, "of": "the mean GPU span of a step",
      "parts": [{"name": "matrix products", "ms": 4.1, "share": 0.33}, ...]}
 
 On a GPU profile the parts are the GPU's view of the median step: busy time split into matrix products
 (kernels of GEMM ops, attention kernels) and memory-bound elementwise work (every other kernel), and idle
 time split into data loading (gaps while the DataLoader was fetching), launch-bound stretches (gaps under
 LAUNCH_GAP_US between kernels, and the idle below the profile's gap threshold) and other GPU idle (longer
-gaps: host work, synchronisations). On a CPU profile the parts are CPU times: matrix products, other ops,
-data loading, and the rest of the step (Python and framework overhead). Shares are of the median step
-(CPU) or of the parts' sum (GPU: the mean GPU span of a step).
+gaps: host work, synchronisations). On a CPU profile the parts cut each step's wall time by what ran at
+each instant on any thread (issue 30: CPU op times overlap across threads and nest, so their sums can
+exceed the step): a matrix product, else another op, else data loading, else nothing recorded (Python and
+framework). Either way the parts add up to `total_ms` (`of` says what it is: the mean GPU span of a step,
+the plain step once calibrated, or the mean step's wall time) and the shares are of it, summing to 1.
 
 On a calibrated GPU profile (`_calibration`: the run timed steps without the profiler) the idle parts are
 scaled to the plain step, so the parts add up to it; each part keeps its profiled time in `profiled_ms`
@@ -27,6 +29,7 @@ from typing import Any
 from opadvisor.profile.model import Profile
 from opadvisor.rules._chains import GEMM_OPS
 from opadvisor.rules._index import index_of
+from opadvisor.rules.cross_rank import interval_union
 
 LAUNCH_GAP_US = 100.0
 _BUSY_PARTS = ("matrix products", "memory-bound elementwise")
@@ -51,7 +54,6 @@ def breakdown(profile: Profile) -> dict[str, Any]:
         for a in profile.annotations
         if "DataLoader" in a.name and (a.step is not None or not profile.steps)
     )
-    loader_ms = sum(b - a for a, b in loaders) / 1000.0 / n
     if ix.gpu:
         matrix = other = 0.0
         for op in profile.ops:
@@ -90,21 +92,17 @@ def breakdown(profile: Profile) -> dict[str, Any]:
         parts = [(name, us / 1000.0 / n) for name, us in parts]
         # idle parts as the plain step has them (scale 1 without a calibration): busy parts are GPU time
         profiled = dict(parts)
-        parts = [(name, ms if name in _BUSY_PARTS else ms * ix.calibration.idle_scale) for name, ms in parts]
+        parts = _idle_to_plain_step(parts, ix.calibration)
     else:
-        gemm_roots = [op for op in ix.forward_root_ops if op.name in GEMM_OPS]
-        matrix = ix.per_step_ms(ix.site_cost_us(gemm_roots))
-        all_roots = sum(op.duration_us for op in profile.ops if op.parent is None and ix.in_window(op))
-        others = max(0.0, ix.per_step_ms(all_roots) - matrix)
-        parts = [("matrix products", matrix), ("other ops", others), ("data loading", loader_ms)]
-        if step_ms:
-            parts.append(("Python and framework", max(0.0, step_ms - matrix - others - loader_ms)))
-    # shares of the parts' sum: on a GPU that is the mean GPU span of a step (the plain step's, once
-    # calibrated), which they add up to
-    total = sum(ms for _, ms in parts) if ix.gpu else step_ms
+        parts = _cpu_parts(profile, loaders)
+    # shares of the parts' sum, which is what they cut up: on a GPU the mean GPU span of a step (the
+    # plain step's, once calibrated), on a CPU the mean step's wall time
+    total = sum(ms for _, ms in parts)
     return {
         "basis": ix.basis,
         "step_ms": step_ms,
+        "total_ms": round(total, 4),
+        "of": _what_total_is(ix.gpu, ix.calibration.calibrated),
         "calibrated": ix.calibration.calibrated,
         "parts": [
             {
@@ -116,3 +114,53 @@ def breakdown(profile: Profile) -> dict[str, Any]:
             for name, ms in parts
         ],
     }
+
+
+def _what_total_is(gpu: bool, calibrated: bool) -> str:
+    if not gpu:
+        return "the mean step's wall time"
+    if calibrated:
+        return "the plain step (timed without the profiler; within the GPU busy time and the profiled span)"
+    return "the mean GPU span of a step"
+
+
+def _cpu_parts(profile: Profile, loaders: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """Each step's wall time, in ms per step, cut by what ran at each instant on any thread: a matrix
+    product (at any depth), else another op (outermost ops), else data loading, else nothing recorded."""
+    matrix = interval_union([(o.start_us, o.end_us) for o in profile.ops if o.name in GEMM_OPS])
+    ops = interval_union(
+        [(o.start_us, o.end_us) for o in profile.ops if o.parent is None or o.name in GEMM_OPS]
+    )
+    with_data = interval_union(ops + loaders)
+    totals = [0.0, 0.0, 0.0, 0.0]
+    for step in profile.steps:
+        lo, hi = step.start_us, step.end_us
+        covered = [_within(matrix, lo, hi), _within(ops, lo, hi), _within(with_data, lo, hi), hi - lo]
+        for i, us in enumerate(covered):
+            totals[i] += us - (covered[i - 1] if i else 0.0)  # each layer holds the one before it
+    n = max(len(profile.steps), 1)
+    names = ("matrix products", "other ops", "data loading", "Python and framework")
+    return [(name, max(0.0, us) / 1000.0 / n) for name, us in zip(names, totals, strict=True)]
+
+
+def _within(union: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of a disjoint sorted union inside [lo, hi]."""
+    i = max(0, bisect.bisect_right(union, (lo, float("inf"))) - 1)
+    total = 0.0
+    for a, b in union[i:]:
+        if a >= hi:
+            break
+        total += max(0.0, min(b, hi) - max(a, lo))
+    return total
+
+
+def _idle_to_plain_step(parts: list[tuple[str, float]], cal: Any) -> list[tuple[str, float]]:
+    """The idle parts scaled so that all parts add up to the plain step the shares are of (issue 30: the
+    calibration's own idle is of the median step, the parts' of the mean GPU span); as is uncalibrated."""
+    base = cal.share_base_ms
+    if not cal.calibrated or base is None:
+        return parts
+    busy = sum(ms for name, ms in parts if name in _BUSY_PARTS)
+    idle = sum(ms for name, ms in parts if name not in _BUSY_PARTS)
+    scale = max(0.0, base - busy) / idle if idle else 0.0
+    return [(name, ms if name in _BUSY_PARTS else ms * scale) for name, ms in parts]

@@ -134,7 +134,8 @@ class CrossRankReport:
 # ---- intervals ------------------------------------------------------------------------------------
 
 
-def _union(intervals: Iterable[Interval]) -> list[Interval]:
+def interval_union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same instants (empty ones left out)."""
     out: list[Interval] = []
     for a, b in sorted(intervals):
         if b <= a:
@@ -265,23 +266,25 @@ def _per_step(profile: Profile, basis: Basis) -> list[_StepComm]:
     out = []
     for i in range(nsteps):
         s = profile.steps[i]
-        comm_u = _union(comm.get(i, ()))
+        comm_u = interval_union(comm.get(i, ()))
         compute_u = (
-            _subtract(_union(compute.get(i, ())), comm_u) if basis == "cpu" else _union(compute.get(i, ()))
+            _subtract(interval_union(compute.get(i, ())), comm_u)
+            if basis == "cpu"
+            else interval_union(compute.get(i, ()))
         )
         exposed = _length(_subtract(comm_u, compute_u))
         step_ms = s.gpu_span_ms if basis == "gpu" and s.gpu_span_ms else s.wall_ms
         if basis == "gpu":
-            untracked = max(step_ms * 1000.0 - _length(_union([*comm_u, *compute_u])), 0.0)
+            untracked = max(step_ms * 1000.0 - _length(interval_union([*comm_u, *compute_u])), 0.0)
         else:
-            covered = _union([*comm_u, *compute.get(i, ()), *ranges.get(i, ())])
+            covered = interval_union([*comm_u, *compute.get(i, ()), *ranges.get(i, ())])
             untracked = _length(_subtract([(s.start_us, s.end_us)], covered))
         out.append(
             _StepComm(
                 step_ms=step_ms,
                 comm_us=_length(comm_u),
                 exposed_us=exposed,
-                collectives={n: _length(_union(v)) for n, v in by_name.get(i, {}).items()},
+                collectives={n: _length(interval_union(v)) for n, v in by_name.get(i, {}).items()},
                 calls=dict(calls.get(i, {})),
                 untracked_us=untracked,
             )

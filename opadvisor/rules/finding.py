@@ -54,3 +54,14 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def lines(self) -> str:
+        """The line range as profiled, as every command and format names it: "35-40", or "58"."""
+        return f"{self.line}-{self.end_line}" if self.end_line != self.line else str(self.line)
+
+    def verdict(self) -> str:
+        """The fix verdict, in the words every command uses (issue 30): "safe", "unsafe", "no automatic fix
+        here: <why>" once the dry run (opadvisor/rewrite/check.py) blocked it, else "no automatic fix"."""
+        if self.fix_blocked:
+            return f"no automatic fix here: {self.fix_blocked}"
+        return "no automatic fix" if self.fix == "none" else self.fix

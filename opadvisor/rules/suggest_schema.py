@@ -259,11 +259,14 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "calibration": CALIBRATION_SCHEMA,
         "breakdown": {
             "type": "object",
-            "required": ["basis", "step_ms", "calibrated", "parts"],
+            "required": ["basis", "step_ms", "total_ms", "of", "calibrated", "parts"],
             "additionalProperties": False,
             "properties": {
                 "basis": {"enum": ["gpu", "cpu"]},
                 "step_ms": _NUM_OR_NULL,
+                # what the parts add up to and the shares are of (issue 30): `of` says which time it is
+                "total_ms": {"type": "number"},
+                "of": {"type": "string"},
                 "calibrated": {"type": "boolean"},  # idle parts scaled to the plain step
                 "parts": {
                     "type": "array",
@@ -291,6 +294,10 @@ SUGGEST_SCHEMA: dict[str, Any] = {
                 "complete": {"type": "boolean"},
                 "steps_recorded": {"type": "integer", "minimum": 0},  # the fewest of any rank
                 "steps_requested": {"type": "integer", "minimum": 0},
+                # issue 30, incomplete runs: why the window stopped, steps run in all, the warm-up asked
+                "stopped": {"enum": ["script_error", "script_exit", "ended_early", "interrupted"]},
+                "steps_seen": {"type": "integer", "minimum": 0},
+                "warmup_steps": {"type": "integer", "minimum": 0},
             },
         },
         # time inside torch.compile graphs, which no rule analyses (null: none ran compiled)

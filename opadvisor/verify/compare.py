@@ -269,6 +269,9 @@ class Speedup:
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 FASTER, SLOWER, SAME = "faster", "slower", "no measurable difference"
+INCONCLUSIVE = "timing inconclusive"  # issue 30: the machine's noise hides any difference there may be
+NOISE_LIMIT = 0.25  # noise (a fraction of the step) from which an unclear interval is called inconclusive
+TIGHT = 0.05  # a speedup interval narrower than this fraction of the speedup is tight: timing can stop
 
 
 @dataclass
@@ -281,11 +284,47 @@ class Difference:
     saved_low_ms: float
     saved_high_ms: float
     speedup: Speedup
-    verdict: str  # FASTER | SLOWER | SAME
+    verdict: str  # FASTER | SLOWER | SAME | INCONCLUSIVE
+    noise: float | None = None  # the machine's noise as a fraction of the step (see `machine_noise`)
 
     @property
     def measurable(self) -> bool:
-        return self.verdict != SAME
+        return self.verdict not in (SAME, INCONCLUSIVE)
+
+    @property
+    def tight(self) -> bool:
+        """The speedup's interval is narrow enough that more timing runs would not change the verdict."""
+        s = self.speedup
+        return math.isfinite(s.high) and s.factor > 0 and (s.high - s.low) / s.factor < TIGHT
+
+    @property
+    def unclear(self) -> bool:
+        """The interval includes 1x: under large noise that says nothing either way. (An interval wholly on
+        one side of 1x is a verdict however wide: 30 ms slept in a 1 ms step is slower on any machine.)"""
+        return self.verdict == SAME
+
+
+def machine_noise(runs: Sequence[Sequence[float]], plain_ms: float | None = None) -> float:
+    """How noisy step times are on this machine, as a fraction of the step: the larger of the spread of
+    one program's steps (interquartile range over median, across its runs) and how far its median is from
+    the plain step `profile` measured for the same program (15 ms there, 84 ms here: 4.6, i.e. 460%)."""
+    pooled = sorted(t for run in runs for t in run)
+    if not pooled:
+        return 0.0
+    mid = median(pooled)
+    if mid <= 0:
+        return 0.0
+    spread = (quantile(pooled, 0.75) - quantile(pooled, 0.25)) / mid
+    drift = abs(mid / plain_ms - 1.0) if plain_ms else 0.0
+    return max(spread, drift)
+
+
+def judge_noise(d: Difference, noise: float) -> Difference:
+    """`d` with its noise, called inconclusive where the noise is large and the interval unclear."""
+    d.noise = noise
+    if noise >= NOISE_LIMIT and d.unclear:
+        d.verdict = INCONCLUSIVE
+    return d
 
 
 def _resampled_median(runs: Sequence[Sequence[float]], rng: random.Random) -> float:

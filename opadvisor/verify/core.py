@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from opadvisor.verify.applied import Applied, load_applied
 from opadvisor.verify.byrule import RuleTime, rule_times
 from opadvisor.verify.compare import (
     CONFIDENCE,
+    INCONCLUSIVE,
     SLOWER,
     Difference,
     Parity,
@@ -47,6 +49,8 @@ from opadvisor.verify.compare import (
     add_gradients,
     compare_parity,
     compare_times,
+    judge_noise,
+    machine_noise,
     peak_memory,
     step_durations_ms,
     summarise_runs,
@@ -75,6 +79,9 @@ class VerifyOptions:
     per_rule: bool = True  # time the program one applied rule at a time
     fail_slower: bool = False  # a rewrite measurably slower than the original fails verify
     timeout: float | None = None  # per child process, seconds
+    # issue 30: the timing phase stops once it has run this many times the parity phase's wall time (each
+    # program ran once there), after a round whose interval is tight, or one too noisy to ever be read
+    timing_budget: float = 2.0
 
 
 @dataclass
@@ -112,6 +119,7 @@ class Timing:
     difference: Difference | None = None  # original vs rewrite, with its interval and verdict
     rules: list[RuleStepTime] | None = None  # per applied rule, in the order added
     rules_note: str | None = None  # why there are no per-rule times
+    stopped: str | None = None  # issue 30: why timing stopped before --repeats rounds (None: it did not)
 
     @property
     def slower(self) -> bool:
@@ -228,6 +236,7 @@ def _difference(d: Difference) -> dict[str, Any]:
         "speedup_low": d.speedup.low,
         "speedup_high": d.speedup.high,
         "verdict": d.verdict,
+        "noise": d.noise,  # the machine's noise, a fraction of the step (issue 30)
     }
 
 
@@ -260,6 +269,7 @@ def _timing_dict(t: Timing) -> dict[str, Any]:
         ]
     )
     data["rules_note"] = t.rules_note
+    data["stopped"] = t.stopped
     return data
 
 
@@ -333,7 +343,9 @@ def verify(
     if profile.world_size > 1:
         notes.append("a multi-rank run: verify runs the script as a single process")
 
+    parity_started = time.monotonic()
     before, after, parity = _parity_phase(spec, applied, opts, progress)
+    budget_s = opts.timing_budget * (time.monotonic() - parity_started)  # each program ran once there
     report = VerifyReport(
         run=display_path(run_dir),
         script=display_path(script),
@@ -357,7 +369,8 @@ def verify(
     dispatch, run = (after.result or {}).get("dispatch"), "parity"
     if parity.ok and opts.timing:
         device = (before.result or {}).get("device", "cpu")
-        report.timing, timed_dispatch = _timing(spec, applied, opts, progress, device)
+        plain = profile.plain_step_ms()
+        report.timing, timed_dispatch = _timing(spec, applied, opts, progress, device, budget_s, plain)
         notes.extend(_timing_notes(report.timing, profile, opts))
         if timed_dispatch is not None:
             dispatch, run = timed_dispatch, "timing"
@@ -442,11 +455,15 @@ def _timing(
     opts: VerifyOptions,
     progress: Callable[[str], None],
     device: str,
+    budget_s: float | None = None,
+    plain_ms: float | None = None,
 ) -> tuple[Timing | None, dict[str, Any] | None]:
-    """Every program `repeats` times, in rounds that go forwards and backwards through the list (a slow
-    spell of the machine hits them alike); then whole-step and per-rule comparisons. Also returns the
-    rewrite's dispatch record from its first timing run."""
+    """Every program up to `repeats` times, in rounds that go forwards and backwards through the list (a
+    slow spell of the machine hits them alike); then whole-step and per-rule comparisons. Rounds stop
+    early (issue 30) once the interval is tight, once the noise makes it hopeless, or past `budget_s`
+    seconds. Also returns the rewrite's dispatch record from its first timing run."""
     programs, rules_note = timing_programs(applied, opts.per_rule)
+    started, rounds, stopped = time.monotonic(), 0, None
     for r in range(opts.repeats):
         for program in programs if r % 2 == 0 else programs[::-1]:
             if program.label not in ("original", "rewrite") and rules_note is not None:
@@ -463,15 +480,26 @@ def _timing(
             program.results.append(res.result or {})
             if program.dispatch is None:
                 program.dispatch = (res.result or {}).get("dispatch")
+        rounds += 1
+        if rounds < opts.repeats:
+            stopped = stop_reason(programs[0].runs, programs[-1].runs, rounds, opts.repeats, plain_ms)
+            if stopped is None and budget_s is not None and time.monotonic() - started >= budget_s:
+                stopped = (
+                    f"timing stopped after {rounds} of {opts.repeats} rounds, to keep verify in proportion "
+                    f"to the programs' own run time (--repeats {opts.repeats} asked for more)"
+                )
+            if stopped is not None:
+                break
     original, rewrite = programs[0], programs[-1]
     before, after = summarise_runs(original.runs), summarise_runs(rewrite.runs)
     if before is None or after is None:
         return None, rewrite.dispatch
-    difference = compare_times(original.runs, rewrite.runs)
+    noise = machine_noise(original.runs, plain_ms)
+    difference = judge_noise(compare_times(original.runs, rewrite.runs), noise)
     timing = Timing(
         device=device,
         warmup=opts.warmup,
-        repeats=opts.repeats,
+        repeats=rounds,
         before=before,
         after=after,
         speedup=difference.speedup,
@@ -479,13 +507,32 @@ def _timing(
         rules_note=rules_note,
         memory_before=peak_memory(original.results, opts.warmup),
         memory_after=peak_memory(rewrite.results, opts.warmup),
+        stopped=stopped,
     )
     if rules_note is None:
-        timing.rules = _rule_steps(programs)
+        timing.rules = _rule_steps(programs, noise)
     return timing, rewrite.dispatch
 
 
-def _rule_steps(programs: list[Program]) -> list[RuleStepTime] | None:
+def stop_reason(
+    before: list[list[float]], after: list[list[float]], rounds: int, repeats: int, plain_ms: float | None
+) -> str | None:
+    """Why timing can stop after `rounds` rounds (issue 30), None to go on: the interval is tight (after
+    two rounds at least: one says nothing of run-to-run variation), or the noise is such that more runs
+    would not settle it."""
+    runs_b, runs_a = [r for r in before if r], [r for r in after if r]
+    if not runs_b or not runs_a:
+        return None
+    noise = machine_noise(runs_b, plain_ms)
+    d = judge_noise(compare_times(runs_b, runs_a), noise)
+    if rounds >= 2 and d.tight:
+        return f"timing stopped after {rounds} of {repeats} rounds: the interval is tight"
+    if d.verdict == INCONCLUSIVE:
+        return f"timing stopped after {rounds} of {repeats} rounds: {noise:.0%} noise, more runs would not settle it"
+    return None
+
+
+def _rule_steps(programs: list[Program], noise: float = 0.0) -> list[RuleStepTime] | None:
     """Each rule: the program before it was added vs after (consecutive programs)."""
     rows = []
     for prev, cur in zip(programs, programs[1:], strict=False):
@@ -493,5 +540,6 @@ def _rule_steps(programs: list[Program]) -> list[RuleStepTime] | None:
         if before is None or after is None:
             return None
         added = [r for r in cur.rules if r not in prev.rules]
-        rows.append(RuleStepTime(", ".join(added), before, after, compare_times(prev.runs, cur.runs)))
+        difference = judge_noise(compare_times(prev.runs, cur.runs), noise)
+        rows.append(RuleStepTime(", ".join(added), before, after, difference))
     return rows

@@ -181,3 +181,29 @@ def test_the_lm_loss_in_library_code_gets_the_loss_patch(project_copy, tmp_path,
     assert f.library["module_class"] == "transformers.models.bert.modeling_bert.BertForMaskedLM"
     assert f.library["fix"]["name"] == "hf_mlm_loss" and f.fix == "safe"
     assert 'model = opadvisor.patch(model, rules=["fused_cross_entropy"])' in script.read_text()
+
+
+def test_apply_speaks_of_a_library_fix_under_the_findings_rule(project_copy, tmp_path, monkeypatch, capsys):
+    """Issue 30: apply's lines about a library fix name the finding's rule (one `opadvisor rules` lists and
+    `explain` knows), never the codemod's own name (library_patch)."""
+    import hashlib
+
+    from opadvisor.cli.apply import _report
+    from opadvisor.rewrite import engine
+    from opadvisor.rules._library import describe_library
+    from opadvisor.rules.finding import Finding
+
+    project = project_copy("hf_bert", tmp_path / "p")
+    run_dir, _, view = _library_view(project, monkeypatch)
+    loss = next(o for o in view.ops if o.name == "aten::cross_entropy_loss" and not o.is_backward)
+    f = Finding(
+        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function
+    )
+    describe_library(f, view)
+    script = project / "hf_bert.py"
+    sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}
+    result = engine.apply_findings([f], [f.rule], run_dir, sources, write=False)
+    _report(result, engine, show_diff=False)
+    said = capsys.readouterr().err
+    assert f"hf_bert.py:{line_of(script, 'model')}: fused_cross_entropy: " in said
+    assert "library_patch" not in said

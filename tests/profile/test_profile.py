@@ -165,10 +165,19 @@ def test_script_ends_before_window_keeps_recorded_steps(tmp_path: Path) -> None:
         )
     finally:
         os.chdir(old)
-    assert "Incomplete run: the script stopped before the window was complete (2 of 5" in table.stdout
+    assert "Incomplete run: the script ended after 3 step(s), before the window was complete (2 of 5" in (
+        table.stdout
+    )
     jsonschema.validate(json.loads(doc.stdout), SUGGEST_SCHEMA)
     recording = json.loads(doc.stdout)["recording"]
-    assert recording == {"complete": False, "steps_recorded": 2, "steps_requested": 5}
+    assert recording == {
+        "complete": False,
+        "steps_recorded": 2,
+        "steps_requested": 5,
+        "stopped": "ended_early",
+        "steps_seen": 3,
+        "warmup_steps": 1,
+    }
     (notice, *_) = json.loads(sarif.stdout)["runs"][0]["invocations"][0]["toolExecutionNotifications"]
     assert notice["level"] == "warning" and notice["message"]["text"].startswith("incomplete run")
 
@@ -219,6 +228,72 @@ def test_script_raising_keeps_recorded_steps_and_shows_its_traceback(tmp_path: P
     assert "runpy" not in result.output  # ... not ours
     prof = load_profile(only_run(tmp_path) / "profile.json")
     assert len(prof.steps) == 3 and not prof.complete
+
+
+def suggest_formats(cwd: Path) -> tuple[str, dict, dict]:
+    """`opadvisor suggest` of the latest run in cwd: (table, JSON, SARIF), each exiting 0."""
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        results = [runner.invoke(app, ["suggest", "--format", f]) for f in ("table", "json", "sarif")]
+    finally:
+        os.chdir(old)
+    for result in results:
+        assert result.exit_code == 0, result.output
+    doc = json.loads(results[1].stdout)
+    jsonschema.validate(doc, SUGGEST_SCHEMA)
+    return " ".join(results[0].stdout.split()), doc, json.loads(results[2].stdout)  # rich folds lines
+
+
+def test_failure_in_warmup_keeps_a_partial_run_that_suggest_reads(tmp_path: Path) -> None:
+    # issue 30: raised in its third step, inside the default 3-step warm-up: nothing profiled, yet the run
+    # is kept (incomplete, no steps) and the error says what --warmup records the steps it did run
+    result = profile_cli(tmp_path, str(SCRIPTS / "warmup_raises.py"))
+    assert_user_error(
+        result,
+        "raised an exception after 2 step(s), in the warm-up (--warmup 3): no step was recorded",
+        "profile again with --warmup 1 to record 1 step(s)",
+        script_traceback=True,
+    )
+    prof = load_profile(only_run(tmp_path) / "profile.json")
+    assert not prof.complete and prof.steps == [] and prof.stopped == "script_error"
+    assert prof.steps_seen == 2 and prof.calibration is not None  # the timed warm-up step is kept
+    assert any(c.kind == "optimizer" for c in prof.constructions)
+    table, doc, sarif = suggest_formats(tmp_path)
+    assert "Incomplete run: the script raised an exception after 2 step(s), in the warm-up" in table
+    assert "profile again with --warmup 1" in table
+    assert doc["recording"]["steps_recorded"] == 0 and doc["recording"]["stopped"] == "script_error"
+    assert doc["findings"] == []
+    (notice, *_) = sarif["runs"][0]["invocations"][0]["toolExecutionNotifications"]
+    assert "in the warm-up" in notice["message"]["text"]
+    # with the --warmup it names, the same script records a step
+    (tmp_path / "again").mkdir()
+    rerun = profile_cli(tmp_path / "again", str(SCRIPTS / "warmup_raises.py"), "--warmup", "1")
+    assert "recorded 1 of 5" in rerun.output
+
+
+def test_keyboard_interrupt_raised_by_the_script_keeps_recorded_steps(tmp_path: Path) -> None:
+    result = profile_cli(tmp_path, str(SCRIPTS / "interrupted.py"), "--warmup", "1")
+    assert_user_error(
+        result, "was interrupted (Ctrl-C) after 3 step(s)", "recorded 2 of 5", "marked incomplete"
+    )
+    prof = load_profile(only_run(tmp_path) / "profile.json")
+    assert len(prof.steps) == 2 and not prof.complete and prof.stopped == "interrupted"
+    table, doc, _ = suggest_formats(tmp_path)
+    assert "the script was interrupted (Ctrl-C) after 3 step(s)" in table
+    assert doc["recording"]["steps_recorded"] == 2 and doc["breakdown"]["parts"]
+
+
+def test_sigint_keeps_recorded_steps(tmp_path: Path) -> None:
+    # a real SIGINT to the profiling process (what Ctrl-C in a terminal sends)
+    cmd = [sys.executable, "-m", "opadvisor", "profile", str(SCRIPTS / "interrupted.py"), "--warmup", "1"]
+    proc = subprocess.run([*cmd, "--", "signal"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "was interrupted (Ctrl-C) after 3 step(s)" in proc.stderr and "Traceback" not in proc.stderr
+    prof = load_profile(only_run(tmp_path) / "profile.json")
+    assert len(prof.steps) == 2 and prof.stopped == "interrupted"
+    table, _, _ = suggest_formats(tmp_path)
+    assert "2 of 5 steps recorded" in table
 
 
 def test_script_calling_sys_exit(tmp_path: Path) -> None:

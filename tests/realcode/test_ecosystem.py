@@ -27,20 +27,28 @@ SAMPLE = (
     "vit_pytorch/vit.py",
 )
 HANG_TIMEOUT = 60.0  # seconds: far above any file's apply once source analysis is bounded (issue 29: ~2 s)
-KNOWN_HANG_TIMEOUT = 15.0  # the files known to hang today are given less, so they cost CI ~1 minute, not 5
+KNOWN_HANG_TIMEOUT = 15.0  # the files known to hang today are given less CPU time before they count as hung
 
-# Files that fail today, with what happens, until the fixes of issue 29 land (h1: bounded source analysis).
-# strict: once a file passes, its entry must go, so the list never hides a regression.
-KNOWN = {
-    "transformers/models/deberta_v2/modeling_deberta_v2.py": "hangs (source analysis unbounded)",
-    "transformers/models/llama/modeling_llama.py": "hangs in fuse_region (_dropout_match._strip_casts)",
-    "transformers/models/falcon/modeling_falcon.py": "hangs (source analysis unbounded)",
-    "transformers/models/xlnet/modeling_xlnet.py": "hangs (source analysis unbounded)",
-    "transformers/models/big_bird/modeling_big_bird.py": "hangs (source analysis unbounded)",
-    "transformers/models/qwen2_vl/modeling_qwen2_vl.py": "hangs (source analysis unbounded)",
-    "transformers/models/afmoe/modeling_afmoe.py": "hangs (source analysis unbounded)",
-    "transformers/models/autoformer/modeling_autoformer.py": "hangs (source analysis unbounded)",
-    "timm/models/convnext.py": "hangs (source analysis unbounded)",
+# Files that fail today (main after h1 and h2 merged; measured on an H200 host, 16 at a time, and here),
+# until issue 29's fixes are complete. A hang is strict (an entry must go once its file passes); "over budget"
+# (rule passes that give up: "not checked: source analysis over budget", so the file is rewritten partly or
+# not at all) depends on the CPU, so those entries are not strict.
+_OVER = "rule passes give up: source analysis over budget (the file is left partly or wholly unchecked)"
+KNOWN: dict[str, tuple[str, bool]] = {
+    "timm/models/vision_transformer.py": ("hangs in activation_checkpointing (> 60 CPU s)", True),
+    "timm/models/convnext.py": (f"9 {_OVER}", False),
+    "transformers/models/llama/modeling_llama.py": (
+        f"2 {_OVER} on a 2-core dev machine (none on the H200 host)",
+        False,
+    ),
+    "timm/models/swin_transformer.py": (f"6 {_OVER}", False),
+    "transformers/models/afmoe/modeling_afmoe.py": (f"2 {_OVER}", False),
+    "transformers/models/autoformer/modeling_autoformer.py": (f"4 {_OVER}", False),
+    "transformers/models/big_bird/modeling_big_bird.py": (f"13 {_OVER}", False),
+    "transformers/models/deberta_v2/modeling_deberta_v2.py": (f"8 {_OVER}", False),
+    "transformers/models/falcon/modeling_falcon.py": (f"7 {_OVER}", False),
+    "transformers/models/qwen2_vl/modeling_qwen2_vl.py": (f"4 {_OVER}", False),
+    "transformers/models/xlnet/modeling_xlnet.py": (f"8 {_OVER}", False),
 }
 
 
@@ -49,8 +57,8 @@ def outcomes() -> dict:
     files = [f for f in discover(say=lambda _: None) if f.key in SAMPLE]
     if not files:
         pytest.skip("none of transformers, timm, vit-pytorch is installed")
-    known = [f for f in files if f.key in KNOWN]
-    others = [f for f in files if f.key not in KNOWN]
+    known = [f for f in files if f.key in KNOWN and KNOWN[f.key][1]]  # the known hangs
+    others = [f for f in files if f not in known]
     found = run_files(others, jobs=2, timeout=HANG_TIMEOUT) + run_files(
         known, jobs=2, timeout=KNOWN_HANG_TIMEOUT
     )
@@ -58,7 +66,10 @@ def outcomes() -> dict:
 
 
 def _case(key: str):  # noqa: ANN202 - a pytest param
-    marks = [pytest.mark.xfail(strict=True, reason=f"issue 29: {KNOWN[key]}")] if key in KNOWN else []
+    if key not in KNOWN:
+        return pytest.param(key, id=key.split("/")[-1])
+    reason, strict = KNOWN[key]
+    marks = [pytest.mark.xfail(strict=strict, reason=f"issue 29: {reason}")]
     return pytest.param(key, marks=marks, id=key.split("/")[-1])
 
 
@@ -71,6 +82,7 @@ def test_apply_all_on_real_model_file(outcomes: dict, key: str) -> None:
     assert o.status not in BAD, f"{key}: {o.status}: {o.detail}"
     assert o.exit_status == 0, f"{key}: exit {o.exit_status}: {o.detail}"
     assert not o.rule_errors, f"{key}: rules failed inside --rule all: {o.rule_errors}"
+    assert not o.over_budget, f"{key}: {len(o.over_budget)} rule passes gave up: {o.over_budget[:3]}"
 
 
 def test_the_sample_is_deterministic_and_spread_over_the_zoos() -> None:

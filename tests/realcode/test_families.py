@@ -10,6 +10,7 @@ assertion), every safe fix offered must apply, and verify must keep the losses.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,18 @@ KNOWN: dict[str, str] = {}
 
 TIMEOUT = 240.0  # seconds per command: a hang detector, far above a tiny model's few steps
 
+# CI runs three families (a decoder LM, DeBERTa's attention, a plain-PyTorch ViT): each costs ~1-2 minutes of
+# CPU while source analysis takes up to its 2 s budget per rule; OPADVISOR_REALCODE_ALL=1 runs all ten.
+IN_CI = ("llama", "deberta_v2", "vit_pytorch")
+ALL = os.environ.get("OPADVISOR_REALCODE_ALL") == "1"
+
 
 def _case(name: str):  # noqa: ANN202 - a pytest param
     marks = [pytest.mark.xfail(strict=True, reason=f"issue 29: {KNOWN[name]}")] if name in KNOWN else []
+    if name not in IN_CI and not ALL:
+        marks.append(
+            pytest.mark.skip(reason="one of the ten families outside CI's three: OPADVISOR_REALCODE_ALL=1")
+        )
     return pytest.param(name, marks=marks, id=name)
 
 

@@ -237,7 +237,11 @@ def test_unmatched_finding_is_reported(project):
     project["findings"].append(Finding("fused_softmax", str(project["model"]), 3, 4, "elsewhere", "safe"))
     result = cli("--rule", "fused_softmax")
     assert result.exit_code == 0
-    assert "model.py:3: fused_softmax: not applied: the fused_softmax rewrite found no code" in result.stderr
+    # named by its lines as profiled, with the verdict suggest shows (the dry run's, issue 30)
+    assert (
+        "model.py:3-4: fused_softmax: not applied: no automatic fix here: the fused_softmax rewrite found no "
+        "code it can rewrite here" in result.stderr
+    )
 
 
 def test_skipped_site_says_why(project):
@@ -254,7 +258,7 @@ def test_skipped_site_says_why(project):
     assert result.exit_code == 0
     # the longest part that is safe is fused, and the message says why the rest is not
     assert (
-        "model.py:19: fused_softmax: softmax -> dropout -> opadvisor.kernels.masked_softmax "
+        "model.py:17-20: fused_softmax: softmax -> dropout -> opadvisor.kernels.masked_softmax "
         "(the rest stays separate: `scores` is read again at line 23" in result.stderr
     )
     # with nothing safe left, the site is skipped with the reason
@@ -264,7 +268,8 @@ def test_skipped_site_says_why(project):
     project["model"].write_bytes(source)
     result = cli("--rule", "fused_softmax", "model.py")
     assert (
-        "model.py:17: fused_softmax: skipped: not fused: `scores` is read again at line 22" in result.stderr
+        "model.py:17: fused_softmax: not applied: not fused: `scores` is read again at line 22"
+        in result.stderr
     )
     assert "nothing to rewrite" in result.stderr
     assert project["model"].read_bytes() == source
@@ -285,9 +290,17 @@ def test_refuses_stale_hash_unless_forced(project):
     model.write_bytes(edited)
     assert_refused(cli("--rule", "fused_softmax"), contains="changed since it was profiled")
     assert model.read_bytes() == edited
+    # --force places the findings through the source as profiled, which this run does not keep: refused
+    result = cli("--rule", "fused_softmax", "--force")
+    assert "keeps no copy of it as profiled" in result.stderr and model.read_bytes() == edited
+    # a run that keeps it (sources/<sha256>, as `opadvisor profile` writes): the site is found and rewritten
+    (project["run"] / "sources").mkdir()
+    (project["run"] / "sources" / sha(MODEL)).write_bytes(MODEL)
     result = cli("--rule", "fused_softmax", "--force")
     assert result.exit_code == 0
-    assert "masked_softmax(" in model.read_text()
+    assert "masked_softmax(" in model.read_text() and model.read_text().endswith(
+        "# edited after the profile\n"
+    )
 
 
 def test_refuses_file_outside_project(project, tmp_path_factory):

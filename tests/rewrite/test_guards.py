@@ -144,7 +144,7 @@ def test_when_the_bigger_win_cannot_be_applied_the_alternative_is(project: Path)
         "fused_softmax: scale -> masked_fill -> softmax -> dropout -> opadvisor.kernels.masked_softmax"
         in applied.stderr
     )
-    assert "sdpa_attention: not applied: with the finite fill" in applied.stderr
+    assert "sdpa_attention: not applied: no automatic fix here: with the finite fill" in applied.stderr
     assert "masked_softmax(" in (project / "model.py").read_text()
 
 

@@ -113,7 +113,7 @@ def test_suggest_shows_the_plain_and_the_profiled_step(tmp_path) -> None:
     table = " ".join(_suggest(tmp_path, with_plain_step(profile, plain)).split())
     profiled = index_of(profile).step_ms
     assert f"step {plain:.1f} ms plain, {profiled:.1f} ms under the profiler" in table
-    assert "Step (GPU, idle scaled to the plain step)" in table
+    assert "Step (GPU, idle scaled to the plain step; shares of the plain step" in table
 
 
 def test_suggest_json_and_sarif_carry_the_calibration(tmp_path) -> None:

@@ -259,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also put each project's src/ on PYTHONPATH (tells a sys.path attribution failure from the rest)",
     )
+    parser.add_argument(
+        "--no-timing",
+        action="store_true",
+        help="verify's parity only (step times from --jobs > 1 are not comparable)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder for the projects and realcode.json")
     args = parser.parse_args(argv)
     import torch
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=2 if device == "cuda" else 1,
         steps=2,
         verify_steps=6 if device == "cuda" else 3,
-        timing=device == "cuda",
+        timing=device == "cuda" and not args.no_timing,
         timeout=args.timeout,
         src_on_pythonpath=args.src_on_pythonpath,
     )

@@ -141,7 +141,7 @@ def _read_findings(result: FamilyResult, report: dict[str, Any]) -> None:
             result.safe_offered.append(f"{f['rule']} {path}:{f['line']}")
 
 
-_APPLIED = re.compile(r"^(?P<path>[^:\s]+):(?P<line>\d+): (?P<rule>[a-z0-9_]+): (?!skipped:|note:)")
+_APPLIED = re.compile(r"^(?P<path>[^:\s]+):(?P<line>\d+)(-\d+)?: (?P<rule>[a-z0-9_]+): (?!skipped:|note:)")
 
 
 def _read_verify(result: FamilyResult, command: Command) -> None:

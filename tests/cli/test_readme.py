@@ -37,9 +37,15 @@ def test_readme_starts_with_the_users_setup_then_the_tests_as_ci_runs_them() -> 
     assert test_steps[0] == ". .venv/bin/activate" and _installs(test_steps) == ["pip install -e '.[test]'"]
     ci = _ci_lines()
     # .ci/run: a new venv of its own, the README's installs in the README's order (the user's job run
-    # between them, in the user's environment), timm in CI's environment only, then the test command
+    # between them, in the user's environment), timm and vit-pytorch (without its torchvision) in CI's
+    # environment only, then the test command
     assert 'python3 -m venv "$VENV"' in ci and 'rm -rf "$VENV"' in ci
-    assert _installs(ci) == [*_installs(steps), *_installs(test_steps), "pip install 'timm>=1.0,<2'"]
+    assert _installs(ci) == [
+        *_installs(steps),
+        *_installs(test_steps),
+        "pip install 'timm>=1.0,<2'",
+        "pip install --no-deps 'vit-pytorch>=1.6,<2'",
+    ]
     job = [ci.index(step) for step in steps[-2:]]
     assert (
         ci.index("pip install --quiet -e .") < job[0] < job[1] < ci.index("pip install --quiet -e '.[test]'")
@@ -54,7 +60,8 @@ def test_the_users_and_the_tests_installs_bring_no_torchvision() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     extras = project["optional-dependencies"]
     wanted = [*project["dependencies"], *extras["test"], *extras["dev"]]
-    assert not [r for r in wanted if re.match(r"(timm|torchvision)\b", r)], wanted
+    # nor a package that asks for torchvision itself (vit-pytorch does: CI installs it without dependencies)
+    assert not [r for r in wanted if re.match(r"(timm|torchvision|vit-pytorch)\b", r)], wanted
     assert "opadvisor[test]" in extras["dev"]
 
 

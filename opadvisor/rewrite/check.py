@@ -96,7 +96,11 @@ def dry_run(
         return [reason or f"the {rule} rewrite found no code it can rewrite in this file"] * len(targets)
     out: list[str | None] = []
     for target in targets:
-        if line_map.map(target.line, target.end_line)[2]:
+        # changed lines inside it, or a change the codemod says it made for it (an autograd.Function's
+        # dropout is rewritten at its call site and noted at the finding's lines, where the profile saw it)
+        if line_map.map(target.line, target.end_line)[2] or any(
+            target.line <= n.line <= target.end_line for n in result.changes
+        ):
             out.append(None)
             continue
         reasons = [n.message for n in result.skipped if target.line <= n.line <= target.end_line]

@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003".split()
 EXAMPLES = {
     "bert_train.py": SMALL,
-    "deberta_train.py": SMALL,
     "lstm_train.py": ["--device", "cpu", "--seq", "20"],
-}
+}  # deberta_train.py passes too, but costs minutes of the suite's 10 on 2 cores
 # apply's lines name a finding: "path:LINES: rule: ..."
 APPLY_LINE = re.compile(r"^(?P<where>\S+:\d+(?:-\d+)?): (?P<rule>\w+): (?P<rest>.*)$")
 

@@ -13,17 +13,12 @@ import pytest
 from ecosystem import BAD, discover, run_files, sample
 
 SAMPLE = (
+    # CI's share of the whole set (benchmarks/ecosystem.py): the suite must stay near 10 minutes on 2 cores,
+    # and each of these costs 5-25 CPU s (deberta_v2 and qwen2_vl were among issue 29's hangs)
     "transformers/models/deberta_v2/modeling_deberta_v2.py",
     "transformers/models/llama/modeling_llama.py",
-    "transformers/models/falcon/modeling_falcon.py",
-    "transformers/models/xlnet/modeling_xlnet.py",
-    "transformers/models/big_bird/modeling_big_bird.py",
     "transformers/models/qwen2_vl/modeling_qwen2_vl.py",
-    "transformers/models/afmoe/modeling_afmoe.py",
-    "transformers/models/autoformer/modeling_autoformer.py",
-    "timm/models/vision_transformer.py",
     "timm/models/convnext.py",
-    "timm/models/swin_transformer.py",
     "vit_pytorch/vit.py",
 )
 HANG_TIMEOUT = 60.0  # seconds: far above any file's apply once source analysis is bounded (issue 29: ~2 s)

@@ -23,9 +23,9 @@ KNOWN: dict[str, str] = {}
 
 TIMEOUT = 240.0  # seconds per command: a hang detector, far above a tiny model's few steps
 
-# CI runs three families (a decoder LM, DeBERTa's attention, a plain-PyTorch ViT): each costs ~1-2 minutes of
+# CI runs two families (a decoder LM, a plain-PyTorch ViT): each costs ~1-2 minutes of
 # CPU while source analysis takes up to its 2 s budget per rule; OPADVISOR_REALCODE_ALL=1 runs all ten.
-IN_CI = ("llama", "deberta_v2", "vit_pytorch")
+IN_CI = ("llama", "vit_pytorch")  # the suite must stay near 10 minutes on 2 cores
 ALL = os.environ.get("OPADVISOR_REALCODE_ALL") == "1"
 
 
@@ -33,7 +33,7 @@ def _case(name: str):  # noqa: ANN202 - a pytest param
     marks = [pytest.mark.xfail(strict=True, reason=f"issue 29: {KNOWN[name]}")] if name in KNOWN else []
     if name not in IN_CI and not ALL:
         marks.append(
-            pytest.mark.skip(reason="one of the ten families outside CI's three: OPADVISOR_REALCODE_ALL=1")
+            pytest.mark.skip(reason="one of the ten families outside CI's two: OPADVISOR_REALCODE_ALL=1")
         )
     return pytest.param(name, marks=marks, id=name)
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import libcst as cst
-from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+from libcst.codemod import Codemod, CodemodContext, VisitorBasedCodemodCommand
+from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
 
-from opadvisor.rewrite import _budget, _metadata
+from opadvisor.rewrite import _budget, _metadata, _relevance
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,13 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = None
     NO_KERNEL_OP: ClassVar[str] = ""
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
+    # Regular expressions (case-insensitive), one of which every match this codemod rewrites or notes names
+    # in the source ("softmax" covers F.softmax, nn.Softmax, XSoftmax): its passes skip the top-level
+    # classes and functions that cannot hold a match, and static mode skips a file naming none of them
+    # (_relevance.py). Empty: every statement is read.
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ()
+    # False for a codemod that rewrites only what a profile's findings name: static mode skips it
+    STATIC_MODE: ClassVar[bool] = True
 
     def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:
         super().__init__(context)
@@ -73,6 +81,11 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         # set by a codemod that finds its own fix already in place (say why, one line): apply then says
         # "already applied" once instead of "found no code" per target
         self.already: str | None = None
+        self._unread: frozenset[int] = frozenset()  # ids of the top-level statements this pass skips
+        if self._extra_visit_funcs or self._extra_leave_funcs or self._matchers:
+            raise TypeError(
+                f"{type(self).__name__}: matcher decorators are not dispatched here (see on_visit)"
+            )
 
     @contextmanager
     def _handle_metadata_reference(self, module: cst.Module) -> Generator[cst.Module, None, None]:
@@ -87,23 +100,53 @@ class RuleCodemod(VisitorBasedCodemodCommand):
             finally:
                 self.context = replace(self.context, wrapper=old)
 
+    def source_words(self) -> tuple[str, ...]:
+        """The SOURCE_WORDS of this pass: static mode's. A profile's findings point at lines that need not
+        name them (a regional compile of any chain, copies of batches from any loop): every statement is
+        read there."""
+        return self.SOURCE_WORDS if self.targets is None else ()
+
     # ---- the analysis budget (see _budget.py): checked at every node; names the function being read ----
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, cst.Module):
             _budget.start_pass()  # parsing and metadata, done by now, are not the analysis
-            return super().on_visit(node)
+            self._unread = _relevance.unread_statements(node, self.source_words())
+            return cst.CSTTransformer.on_visit(self, node)
+        if id(node) in self._unread:
+            return False  # a top-level class or function that names none of SOURCE_WORDS: no match in it
         if isinstance(node, cst.ClassDef | cst.FunctionDef):
             _budget.enter(node.name.value)  # before the check: an overrun here is this function's
         _budget.check()
-        return super().on_visit(node)
+        return cst.CSTTransformer.on_visit(self, node)
 
     def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:  # type: ignore[override]
-        result = super().on_leave(original_node, updated_node)
+        if id(original_node) in self._unread:
+            return updated_node  # skipped in on_visit: none of its leave_ hooks ran either
+        result = cst.CSTTransformer.on_leave(self, original_node, updated_node)
         if isinstance(original_node, cst.ClassDef | cst.FunctionDef):
             _budget.leave()
         elif isinstance(original_node, cst.Module):
             _budget.end_pass()
         return result
+
+    # The plain CSTTransformer dispatch, not that of libcst's MatcherDecoratableTransformer (the base of its
+    # codemods): that one looks up a dozen matcher tables at every node and attribute, a third of a pass's
+    # time, for decorators (@m.visit, @m.call_if_inside) no codemod here uses (__init__ refuses them). No
+    # `visit_<Node>_<attribute>` hooks either: none is defined, and their look-ups cost as much again.
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        return None
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        return None
+
+    def _instantiate_and_run(self, transform: type[Codemod], tree: cst.Module) -> cst.Module:
+        """libcst's own, except that the imports a rewrite asked for are added on the module's top level only
+        (`_imports_added`): libcst's AddImportsVisitor copies and walks the whole file, most of a pass's time."""
+        if transform is not AddImportsVisitor:
+            return super()._instantiate_and_run(transform, tree)
+        return _imports_added(
+            tree, lambda slim: super(RuleCodemod, self)._instantiate_and_run(transform, slim)
+        )
 
     # ---- helpers for subclasses ------------------------------------------------------------------
     def lines_of(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -161,3 +204,44 @@ def _facts_name(target: Target, start: int, end: int) -> bool:
         isinstance(span, list | tuple) and len(span) == 2 and start <= span[1] and span[0] <= end
         for span in lines.values()
     )
+
+
+_PLACEHOLDER = "__opadvisor_definition_{}__"
+
+
+def _imports_added(tree: cst.Module, add: Callable[[cst.Module], cst.Module]) -> cst.Module:
+    """`add` (AddImportsVisitor's run) over `tree` with each top-level class and function stood in for by a
+    one-name placeholder, then put back: the visitor places imports among the top-level statements and
+    gives the statement after them a blank line (the placeholder carries the definition's leading lines
+    for that). Where a placeholder did not come back exactly once, `add` runs over the whole module."""
+    defs: dict[str, cst.ClassDef | cst.FunctionDef] = {}
+    body: list[cst.BaseStatement] = []
+    for i, stmt in enumerate(tree.body):
+        if isinstance(stmt, cst.ClassDef | cst.FunctionDef):
+            name = _PLACEHOLDER.format(i)
+            defs[name] = stmt
+            stmt = cst.SimpleStatementLine([cst.Expr(cst.Name(name))], leading_lines=stmt.leading_lines)
+        body.append(stmt)
+    if not defs:
+        return add(tree)
+    out = add(tree.with_changes(body=body))
+    restored: list[cst.BaseStatement] = []
+    for stmt in out.body:
+        name = _placeholder_name(stmt)
+        if name is None:
+            restored.append(stmt)
+        elif name in defs:
+            restored.append(defs.pop(name).with_changes(leading_lines=stmt.leading_lines))
+        else:
+            return add(tree)
+    return out.with_changes(body=restored) if not defs else add(tree)
+
+
+def _placeholder_name(stmt: cst.BaseStatement) -> str | None:
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
+        return None
+    expr = stmt.body[0]
+    if isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Name):
+        name = expr.value.value
+        return name if name.startswith("__opadvisor_definition_") else None
+    return None

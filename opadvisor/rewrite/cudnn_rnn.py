@@ -42,6 +42,7 @@ class CudnnRnnCodemod(RuleCodemod):
     """Insert `<layer>.flatten_parameters()` before the calls whose weights the profile found not packed."""
 
     RULE: ClassVar[str] = "cudnn_rnn"
+    STATIC_MODE: ClassVar[bool] = False  # which calls found the weights scattered only a profile says
     NO_KERNEL_OP: ClassVar[str] = "flatten_parameters() re-packs the weights for the layer's own cuDNN call"
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)

@@ -156,6 +156,7 @@ class DataLoaderCodemod(RuleCodemod):
     """Workers, pinned memory and asynchronous copies for DataLoaders (details used: `copies`)."""
 
     RULE: ClassVar[str] = "dataloader_stall"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("loader",)  # DataLoader, and loops over a `train_loader`
     NO_KERNEL_OP: ClassVar[str] = "DataLoader workers, pinned memory and non_blocking copies: no op of ours"
     SAFETY: ClassVar[str] = "unsafe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (

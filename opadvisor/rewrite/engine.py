@@ -52,7 +52,7 @@ from libcst.codemod import CodemodContext, SkipFile
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
 from opadvisor.profile.runs import profiled_source
-from opadvisor.rewrite import _budget, _metadata, registry
+from opadvisor.rewrite import _budget, _metadata, _relevance, registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 APPLIED_FILE = "applied.json"
@@ -232,7 +232,13 @@ def _rewrite_checked(
     options: dict[str, Any] | None,
 ) -> tuple[bytes, RuleResult]:
     codemod_cls = registry.get_codemod(rule)
-    module = _parse(source, path)
+    module = _parse(source, path)  # a file that does not parse is refused whatever the rule
+    if targets is None and (
+        not codemod_cls.STATIC_MODE
+        or (codemod_cls.SOURCE_WORDS and not _relevance.names_any(source, codemod_cls.SOURCE_WORDS))
+    ):
+        # static mode, and the file names nothing this codemod could match (or it needs a profile): no pass
+        return source, RuleResult(rule, before=source, after=source)
     new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options)
     result = RuleResult(
         rule,
@@ -248,7 +254,7 @@ def _rewrite_checked(
             result.changes = []
         return source, result
     try:
-        cst.parse_module(new_source)
+        _metadata.parse(new_source)  # kept: the stability pass below and the next rule read this text
         compile(new_source, str(path), "exec", dont_inherit=True)
     except (cst.ParserSyntaxError, SyntaxError, ValueError) as exc:
         raise UserError(

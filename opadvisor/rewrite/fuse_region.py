@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import libcst as cst
 from libcst.codemod import CodemodContext
@@ -96,6 +97,12 @@ class FuseRegionCodemod(BlockRewriter):
     KERNEL_OP = ("dropout", "quick_gelu", "disentangled_bias")
     SAFETY = "safe"
     RANDOM_ONLY = False  # True in the parity twin: only the dropout rewrites
+    # static mode's exact forms: activations by hand, dropouts by hand, DeBERTa's relative-position gathers
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
+        *("tanh", "erf", "sigmoid", "exp"),
+        *("dropout", "bernoulli", "rand"),
+        "gather",
+    )
 
     def __init__(self, context: CodemodContext, targets: Sequence[Target] | None = None) -> None:
         super().__init__(context, targets)

@@ -42,6 +42,7 @@ LOSS_MODULES = frozenset({"torch.nn.CrossEntropyLoss", "torch.nn.modules.loss.Cr
 
 class FusedCrossEntropyCodemod(RuleCodemod):
     RULE: ClassVar[str] = "fused_cross_entropy"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("cross_?entropy",)  # F.cross_entropy, nn.CrossEntropyLoss
     SAFETY: ClassVar[str] = "safe"
     KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = "cross_entropy"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)

@@ -25,6 +25,7 @@ longer updates that tensor in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -129,6 +130,11 @@ def _is_op_like(node: cst.BaseExpression) -> bool:
 
 class FusedDropoutAddCodemod(BlockRewriter):
     RULE = "fused_dropout_add"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
+        "dropout",
+        "bernoulli",
+        "rand",
+    )  # a dropout: a module or function, or a mask drawn by hand
     KERNEL_OP = "bias_dropout_add"
     SAFETY = "safe"
 

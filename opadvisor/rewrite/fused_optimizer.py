@@ -59,6 +59,7 @@ class FusedOptimizerCodemod(RuleCodemod):
     """Add `fused=True` to Adam/AdamW/SGD constructions (details used: param_devices, param_dtypes)."""
 
     RULE: ClassVar[str] = "fused_optimizer"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("optim", "adam", "sgd")  # torch.optim's Adam, AdamW, SGD
     NO_KERNEL_OP: ClassVar[str] = "fused=True selects PyTorch's own fused optimizer step"
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)

@@ -31,6 +31,7 @@ whose intermediate values are read elsewhere (the longest safe part is fused ins
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import libcst as cst
 
@@ -71,6 +72,7 @@ def describe(chain: Chain) -> str:
 
 class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     RULE = "fused_softmax"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a softmax call or module
     KERNEL_OP = "masked_softmax"
     SAFETY = "safe"
 

@@ -24,6 +24,8 @@ the products without any padding (for a vocabulary: extra rows that no token use
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import libcst as cst
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
@@ -42,6 +44,13 @@ def _round_up(value: int, multiple: int) -> int:
 
 class GemmAlignCodemod(RuleCodemod):
     RULE = "gemm_align"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
+        "linear",
+        "embedding",
+        *_VOCAB_WORDS,
+        "batch_size",
+        r"\bbs\b",
+    )  # the layers it rewrites and the sizes it notes
     KERNEL_OP = "padded_linear"
     SAFETY = "safe"
     METADATA_DEPENDENCIES = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)

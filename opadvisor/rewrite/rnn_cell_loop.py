@@ -91,6 +91,7 @@ class RnnCellLoopCodemod(RuleCodemod):
     """Replace a loop over a recurrent cell by one `opadvisor.kernels.cell_sequence` call."""
 
     RULE: ClassVar[str] = "rnn_cell_loop"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("cell",)  # nn.LSTMCell, nn.GRUCell, nn.RNNCell
     KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = "cell_sequence"
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)

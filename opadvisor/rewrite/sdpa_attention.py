@@ -44,6 +44,7 @@ softmax with `dtype=`, a mask fill SDPA cannot express.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import libcst as cst
 import libcst.matchers as m
@@ -81,6 +82,7 @@ _PEELABLE_METHODS = {
 
 class SdpaAttentionCodemod(SoftmaxChainRewriter):
     RULE = "sdpa_attention"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a hand-written attention has its softmax
     NO_KERNEL_OP = "F.scaled_dot_product_attention is PyTorch's own fused attention"
     SAFETY = "safe"
     SDPA = True

@@ -77,6 +77,10 @@ class CudaGraphsCodemod(RuleCodemod):
     """Wrap the optimized module in `cuda_graphed` before its optimizer is built."""
 
     RULE: ClassVar[str] = "sparse_launch"
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
+        "optim",
+        "cuda_graphed",
+    )  # the optimizer's construction, or its own fix
     NO_KERNEL_OP: ClassVar[str] = (
         "opadvisor.kernels.cuda_graphed keeps no dispatch record (a replay runs no Python to count); "
         "verify's step times show whether the graphs ran"

@@ -73,7 +73,9 @@ def parent(visitor: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | N
 
 
 def unparen(node: cst.BaseExpression) -> cst.BaseExpression:
-    """The same expression without its own outer parentheses."""
+    """The same expression without its own outer parentheses (an empty tuple keeps them: they are it)."""
+    if isinstance(node, cst.Tuple) and not node.elements and len(node.lpar) == 1:
+        return node
     if getattr(node, "lpar", None):
         return node.with_changes(lpar=[], rpar=[])
     return node

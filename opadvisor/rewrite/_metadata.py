@@ -15,6 +15,8 @@ from collections import OrderedDict
 import libcst as cst
 from libcst.metadata import MetadataWrapper
 
+from opadvisor.rewrite import _relevance
+
 _KEEP = 4  # sources kept: a rule's before and after, and the next rule's
 _BY_SOURCE: OrderedDict[bytes, MetadataWrapper] = OrderedDict()
 
@@ -33,8 +35,37 @@ def parse(source: bytes) -> cst.Module:
 
 
 def wrapper_for(module: cst.Module) -> MetadataWrapper:
-    """The shared wrapper of a module `parse` returned; a new one (libcst's own way) for any other."""
-    for wrapper in reversed(_BY_SOURCE.values()):
+    """The shared wrapper of a module `parse` or `slim` returned; a new one (libcst's own way) for any other."""
+    slims = (hit[0] for hit in reversed(_SLIM.values()) if hit is not None)
+    for wrapper in (*reversed(_BY_SOURCE.values()), *slims):
         if wrapper.module is module:
             return wrapper
     return MetadataWrapper(module)
+
+
+def resolved(module: cst.Module) -> bool:
+    """Whether the shared wrapper of this parsed module has resolved metadata already (a pass over the
+    whole module then costs no more than one over a slim one)."""
+    wrapper = next((w for w in _BY_SOURCE.values() if w.module is module), None)
+    return wrapper is not None and bool(wrapper._metadata)  # noqa: SLF001 - libcst keeps what it resolved there
+
+
+_SLIM: OrderedDict[tuple[bytes, tuple[str, ...]], tuple[MetadataWrapper, dict[int, cst.CSTNode]] | None] = (
+    OrderedDict()
+)
+
+
+def slim(source: bytes, words: tuple[str, ...]) -> tuple[cst.Module, dict[int, cst.CSTNode]] | None:
+    """`_relevance.slim_module` of the parsed `source` for these words, with a wrapper of its own shared by
+    every pass with the same words over the same text (a rule's pass and its stability check's); None
+    where slimming saves little."""
+    key = (source, words)
+    if key not in _SLIM:
+        found = _relevance.slim_module(parse(source), words)
+        _SLIM[key] = None if found is None else (MetadataWrapper(found[0], unsafe_skip_copy=True), found[1])
+        while len(_SLIM) > 4 * _KEEP:
+            _SLIM.popitem(last=False)
+    else:
+        _SLIM.move_to_end(key)
+    hit = _SLIM[key]
+    return None if hit is None else (hit[0].module, hit[1])

@@ -8,7 +8,8 @@ A top-level `class` or `def` is read when
 - its text names a word (a *seed*: `class StableDropout` for the dropout words),
 - or it names a module-level name bound by a statement that names a word or a seed's name (`sm =
   F.softmax`, `from torch.nn.functional import softmax as sm`, `Drop = StableDropout`),
-- or it names a seed (a caller of `StableDropout(...)`, where a match at the call site lies).
+- or it builds a seed class or reads its attribute (`StableDropout(...)`, `XSoftmax.apply(...)`): a
+  match at the call site.
 
 One hop from a seed is enough: a match lies where a word, an alias of one, or a seed is named. Every other
 top-level statement (imports, assignments, `if __name__ == "__main__":`, `try:` blocks) is always read. A
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Sequence
 
 import libcst as cst
 
+_STRINGS = re.compile(r'''(?s)(""".*?"""|\'\'\'.*?\'\'\'|'[^'\n]*'|"[^"\n]*")''')  # string literals, roughly
 _KEEP = 64  # (module, words) pairs remembered: a few texts times the rules
 _UNREAD: OrderedDict[tuple[int, tuple[str, ...]], tuple[cst.Module, frozenset[int]]] = OrderedDict()
 
@@ -55,26 +57,80 @@ def unread_statements(module: cst.Module, words: Sequence[str]) -> frozenset[int
     return unread
 
 
-def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:
+_TEXTS: OrderedDict[int, tuple[cst.Module, list[str], dict[int, set[str]]]] = OrderedDict()
+
+
+def _texts_and_names(module: cst.Module) -> tuple[list[str], dict[int, set[str]]]:
+    """Each top-level statement's text, and the names each non-definition binds: once per module, for
+    every set of words."""
+    hit = _TEXTS.get(id(module))
+    if hit is not None and hit[0] is module:
+        return hit[1], hit[2]
     texts = [module.code_for_node(stmt) for stmt in module.body]
+    bound = {
+        i: _bound_names(s)
+        for i, s in enumerate(module.body)
+        if not isinstance(s, cst.ClassDef | cst.FunctionDef) and not _only_imports(s)
+    }
+    _TEXTS[id(module)] = (module, texts, bound)
+    while len(_TEXTS) > 8:
+        _TEXTS.popitem(last=False)
+    return texts, bound
+
+
+def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:
+    """The definitions not read (see the module's doc), and the multi-line assignments to plain names that
+    name no word, no seed and no alias (timm's `default_cfgs = generate_default_cfgs({...})` tables)."""
+    texts, bound = _texts_and_names(module)
     defs = [i for i, s in enumerate(module.body) if isinstance(s, cst.ClassDef | cst.FunctionDef)]
     seeds = {i for i in defs if words.search(texts[i])}
     named = {module.body[i].name.value for i in seeds}  # type: ignore[attr-defined]
     others = [i for i, s in enumerate(module.body) if not isinstance(s, cst.ClassDef | cst.FunctionDef)]
-    named |= _aliases(module, others, texts, words, named)
-    if not named:
-        return frozenset(id(module.body[i]) for i in defs if i not in seeds)
-    names = re.compile(r"\b(?:" + "|".join(map(re.escape, sorted(named))) + r")\b")
-    return frozenset(id(module.body[i]) for i in defs if i not in seeds and not names.search(texts[i]))
+    aliases = _aliases(module, others, texts, bound, words, named)
+    # a class among the seeds counts where it is built or its attribute read (`StableDropout(...)`,
+    # `XSoftmax.apply(...)`), not where it is only named (`-> VisionTransformer:`); a function among them
+    # does not: a match lies inside it, not at its callers (timm's 200 registry functions all call
+    # `_create_vision_transformer`, which names nn.Linear)
+    classes = sorted(module.body[i].name.value for i in seeds if isinstance(module.body[i], cst.ClassDef))  # type: ignore[attr-defined]
+    called = r"\b(?:" + "|".join(map(re.escape, classes)) + r")\s*[(.]" if classes else None
+    alias = r"\b(?:" + "|".join(map(re.escape, sorted(aliases))) + r")\b" if aliases else None
+    pattern = re.compile("|".join(p for p in (called, alias) if p)) if called or alias else None
+    unread = [i for i in defs if i not in seeds and (pattern is None or not pattern.search(texts[i]))]
+    tables = [
+        i
+        for i in others
+        if _plain_assignment(module.body[i])
+        and texts[i].count("\n") > 1
+        and not words.search(_STRINGS.sub('""', texts[i]))  # a word in a table's strings is no call
+        and (pattern is None or not pattern.search(texts[i]))
+    ]
+    return frozenset(id(module.body[i]) for i in (*unread, *tables))
+
+
+def _plain_assignment(stmt: cst.CSTNode) -> bool:
+    """`a = b = <expression>` (one statement on its line): all it binds is its target names."""
+    if not (isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1):
+        return False
+    assign = stmt.body[0]
+    return isinstance(assign, cst.Assign) and all(isinstance(t.target, cst.Name) for t in assign.targets)
 
 
 def _aliases(
-    module: cst.Module, others: Iterable[int], texts: Sequence[str], words: re.Pattern[str], seeds: set[str]
+    module: cst.Module,
+    others: Iterable[int],
+    texts: Sequence[str],
+    bound: dict[int, set[str]],
+    words: re.Pattern[str],
+    seeds: set[str],
 ) -> set[str]:
-    """The names bound by the non-def statements that name a word, a seed or (transitively) such a name."""
-    bound = {i: _bound_names(module.body[i]) for i in others}
+    """The names bound by the non-def statements that name a word, a seed or (transitively) such a name;
+    of an import, the names whose own import names one (`softmax as sm`, not every name of
+    `from timm.layers import Mlp, PatchDropout, ...`)."""
     aliases: set[str] = set()
-    pending = [i for i in bound if bound[i]]
+    for i in others:
+        if _only_imports(module.body[i]):
+            aliases |= _imported_aliases(module.body[i], words)  # type: ignore[arg-type]
+    pending = [i for i in others if bound.get(i)]
     changed = True
     while changed:  # each round adds at least one statement's names, so at most len(pending) rounds
         changed = False
@@ -86,6 +142,23 @@ def _aliases(
                 pending.remove(i)
                 changed = True
     return aliases
+
+
+def _only_imports(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and all(
+        isinstance(s, cst.Import | cst.ImportFrom) for s in stmt.body
+    )
+
+
+def _imported_aliases(stmt: cst.SimpleStatementLine, words: re.Pattern[str]) -> set[str]:
+    """The names an import line binds to something whose own name names a word."""
+    found: set[str] = set()
+    for imp in stmt.body:
+        names = imp.names if isinstance(imp, cst.Import | cst.ImportFrom) else ()
+        for alias in names if not isinstance(names, cst.ImportStar) else ():
+            if words.search(cst.Module([]).code_for_node(alias.name)):
+                found |= _bound_names(alias)
+    return found
 
 
 class _Binder(cst.CSTVisitor):
@@ -135,3 +208,54 @@ def _bound_names(stmt: cst.CSTNode) -> set[str]:
     binder = _Binder()
     stmt.visit(binder)
     return binder.names
+
+
+# ---- a slim module: what a static pass reads, on the original's lines ------------------------------------------
+_SLIM_MIN_SHARE = 0.3  # slim a module only when its unread definitions hold at least this share of its lines
+
+
+def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, dict[int, cst.CSTNode]] | None:
+    """`module` with each top-level definition a pass with these words need not read stood in for by a
+    one-line `class Name: pass` / `def name(): pass` after as many blank lines as the definition had lines
+    (so every statement kept has its own line numbers, and the name stays bound), and the stand-ins'
+    ids -> the definitions; None where that would save little (libcst's metadata, most of a static pass's
+    time on a long file, is computed over every node: timm's registry functions and configuration tables)."""
+    unread = unread_statements(module, words)
+    if not unread:
+        return None
+    lines = {id(s): module.code_for_node(s).count("\n") for s in module.body if id(s) in unread}
+    total = module.code.count("\n") or 1
+    if sum(n for n in lines.values() if n > 1) < _SLIM_MIN_SHARE * total:
+        return None
+    originals: dict[int, cst.CSTNode] = {}
+    body: list[cst.BaseStatement] = []
+    for stmt in module.body:
+        n = lines.get(id(stmt), 0)
+        if n > 1:
+            stand_in = _stand_in(stmt, n)
+            originals[id(stand_in)] = stmt
+            stmt = stand_in
+        body.append(stmt)
+    slim = module.with_changes(body=body)
+    if slim.code.count("\n") != module.code.count("\n"):
+        return None  # a stand-in that does not keep the lines: read the whole module
+    return slim, originals
+
+
+def _stand_in(stmt: cst.BaseStatement, lines: int) -> cst.BaseStatement:
+    blank = [cst.EmptyLine()] * (lines - 1)
+    suite = cst.SimpleStatementSuite([cst.Pass()])
+    if isinstance(stmt, cst.ClassDef):
+        return cst.ClassDef(name=stmt.name, body=suite, leading_lines=blank)
+    if isinstance(stmt, cst.FunctionDef):
+        return cst.FunctionDef(name=stmt.name, params=cst.Parameters(), body=suite, leading_lines=blank)
+    targets = stmt.body[0].targets  # type: ignore[attr-defined]  # a plain assignment (_plain_assignment)
+    return cst.SimpleStatementLine([cst.Assign(targets=targets, value=cst.Name("None"))], leading_lines=blank)
+
+
+def restored(module: cst.Module, originals: dict[int, cst.CSTNode]) -> cst.Module | None:
+    """A pass's output over a slim module with its stand-ins replaced by the definitions again; None when a
+    stand-in did not come back unchanged (the pass is then run over the whole module)."""
+    body = [originals.get(id(stmt), stmt) for stmt in module.body]
+    back = sum(1 for stmt in module.body if id(stmt) in originals)
+    return module.with_changes(body=body) if back == len(originals) else None

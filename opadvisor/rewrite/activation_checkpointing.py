@@ -91,6 +91,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
     """Wrap the calls of the profiled blocks in torch.utils.checkpoint.checkpoint (non-reentrant)."""
 
     RULE: ClassVar[str] = "activation_checkpointing"
+    STATIC_MODE: ClassVar[bool] = False  # which blocks hold the memory only a profile says
     NO_KERNEL_OP: ClassVar[str] = (
         "torch.utils.checkpoint recomputes the blocks with PyTorch's own ops; verify measures its effect, "
         "the peak memory"

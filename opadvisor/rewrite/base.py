@@ -67,6 +67,9 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     # classes and functions that cannot hold a match, and static mode skips a file naming none of them
     # (_relevance.py). Empty: every statement is read.
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ()
+    # False for a codemod whose static pass changes a file naming none of its words too (fp32_gemm's TF32
+    # lines: its words only say which definitions it reads)
+    NEEDS_WORDS: ClassVar[bool] = True
     # False for a codemod that rewrites only what a profile's findings name: static mode skips it
     STATIC_MODE: ClassVar[bool] = True
 
@@ -210,19 +213,21 @@ _PLACEHOLDER = "__opadvisor_definition_{}__"
 
 
 def _imports_added(tree: cst.Module, add: Callable[[cst.Module], cst.Module]) -> cst.Module:
-    """`add` (AddImportsVisitor's run) over `tree` with each top-level class and function stood in for by a
-    one-name placeholder, then put back: the visitor places imports among the top-level statements and
-    gives the statement after them a blank line (the placeholder carries the definition's leading lines
-    for that). Where a placeholder did not come back exactly once, `add` runs over the whole module."""
-    defs: dict[str, cst.ClassDef | cst.FunctionDef] = {}
+    """`add` (AddImportsVisitor's run) over `tree` with each top-level class, function and one-line
+    statement that imports nothing stood in for by a one-name placeholder, then put back: the visitor reads
+    the imports and places the new ones among the top-level statements, giving the statement after them a
+    blank line (the placeholder carries the statement's leading lines for that). The module's docstring and
+    compound statements (an `if`/`try` may import) stay. Where a placeholder did not come back exactly
+    once, `add` runs over the whole module."""
+    kept: dict[str, cst.BaseStatement] = {}
     body: list[cst.BaseStatement] = []
     for i, stmt in enumerate(tree.body):
-        if isinstance(stmt, cst.ClassDef | cst.FunctionDef):
+        if _stands_in_for_imports(stmt, first=i == 0):
             name = _PLACEHOLDER.format(i)
-            defs[name] = stmt
+            kept[name] = stmt
             stmt = cst.SimpleStatementLine([cst.Expr(cst.Name(name))], leading_lines=stmt.leading_lines)
         body.append(stmt)
-    if not defs:
+    if not kept:
         return add(tree)
     out = add(tree.with_changes(body=body))
     restored: list[cst.BaseStatement] = []
@@ -230,11 +235,23 @@ def _imports_added(tree: cst.Module, add: Callable[[cst.Module], cst.Module]) ->
         name = _placeholder_name(stmt)
         if name is None:
             restored.append(stmt)
-        elif name in defs:
-            restored.append(defs.pop(name).with_changes(leading_lines=stmt.leading_lines))
+        elif name in kept:
+            original = kept.pop(name)
+            same = stmt.leading_lines is original.leading_lines  # type: ignore[attr-defined]
+            restored.append(original if same else original.with_changes(leading_lines=stmt.leading_lines))
         else:
             return add(tree)
-    return out.with_changes(body=restored) if not defs else add(tree)
+    return out.with_changes(body=restored) if not kept else add(tree)
+
+
+def _stands_in_for_imports(stmt: cst.BaseStatement, first: bool) -> bool:
+    if isinstance(stmt, cst.ClassDef | cst.FunctionDef):
+        return True
+    if not isinstance(stmt, cst.SimpleStatementLine):
+        return False
+    if first and isinstance(stmt.body[0], cst.Expr) and isinstance(stmt.body[0].value, cst.SimpleString):
+        return False  # the docstring: imports go after it
+    return not any(isinstance(s, cst.Import | cst.ImportFrom) for s in stmt.body)
 
 
 def _placeholder_name(stmt: cst.BaseStatement) -> str | None:

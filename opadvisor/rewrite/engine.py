@@ -43,6 +43,7 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +189,19 @@ def _run_once(
     path: Path | str,
     allow_unsafe: bool = False,
     options: dict[str, Any] | None = None,
+    source: bytes | None = None,
 ) -> tuple[cst.Module, RuleCodemod]:
+    """One pass of `codemod_cls` over `module`; a static one over a slim module where that saves time
+    (`source`, the module's text, given: _slim_pass)."""
     codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
     # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
     codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
     try:
+        slim = _slim_pass(codemod, module, source) if source is not None else None
+        if slim is not None:
+            return slim
+        codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
+        codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
         return codemod.transform_module(module), codemod
     except SkipFile:
         return module, codemod
@@ -202,6 +211,40 @@ def _run_once(
         raise UserError(
             f"{path}: the {codemod_cls.RULE} rewrite failed ({type(exc).__name__}: {exc}); nothing written"
         ) from exc
+
+
+@cache
+def _static_words() -> tuple[str, ...]:
+    """The SOURCE_WORDS of every codemod with a static pass (a definition none of them names none reads)."""
+    words: dict[str, None] = {}
+    for rule in registry.fixable_rules():
+        codemod_cls = registry.get_codemod(rule)
+        for cls in (codemod_cls, getattr(codemod_cls, "PARITY_BASELINE", None)):
+            if cls is not None and cls.STATIC_MODE:
+                if not cls.SOURCE_WORDS:
+                    return ()  # one that reads every definition: no slim module
+                words.update(dict.fromkeys(cls.SOURCE_WORDS))
+    return tuple(words)
+
+
+def _slim_pass(
+    codemod: RuleCodemod, module: cst.Module, source: bytes
+) -> tuple[cst.Module, RuleCodemod] | None:
+    """A static pass over the slim module of `source` (_relevance.slim_module: the definitions it cannot
+    match in stood in for), put back together; None where the pass is to read the whole module: a profile's
+    pass, a codemod without SOURCE_WORDS, metadata of the whole text at hand already, little to leave out, or
+    a stand-in the pass did not give back (then `codemod` is spent: the caller makes a new one)."""
+    if codemod.targets is not None or not codemod.SOURCE_WORDS or _metadata.resolved(module):
+        return None
+    # one slim module per text for every static pass over it, so that they share its metadata: it keeps
+    # what any of them reads (each pass then skips what it does not: RuleCodemod.on_visit)
+    words = _static_words()
+    found = _metadata.slim(source, words) if words else None
+    if found is None:
+        return None
+    slim, originals = found
+    back = _relevance.restored(codemod.transform_module(slim), originals)
+    return None if back is None else (back, codemod)
 
 
 def rewrite_source(
@@ -235,11 +278,15 @@ def _rewrite_checked(
     module = _parse(source, path)  # a file that does not parse is refused whatever the rule
     if targets is None and (
         not codemod_cls.STATIC_MODE
-        or (codemod_cls.SOURCE_WORDS and not _relevance.names_any(source, codemod_cls.SOURCE_WORDS))
+        or (
+            codemod_cls.SOURCE_WORDS
+            and codemod_cls.NEEDS_WORDS
+            and not _relevance.names_any(source, codemod_cls.SOURCE_WORDS)
+        )
     ):
         # static mode, and the file names nothing this codemod could match (or it needs a profile): no pass
         return source, RuleResult(rule, before=source, after=source)
-    new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options)
+    new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options, source)
     result = RuleResult(
         rule,
         list(codemod.changes),
@@ -264,11 +311,13 @@ def _rewrite_checked(
     if targets is None:
         expected_left = 0
     else:
-        _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe, options)
+        _, everything = _run_once(codemod_cls, module, None, path, allow_unsafe, options, source)
         # changes only a profile's targets ask for (say, a regional compile) have no static match
         static_kind = len(codemod.changes) - getattr(codemod, "targets_only", 0)
         expected_left = len(everything.changes) - static_kind
-    again_module, again = _run_once(codemod_cls, _parse(new_source, path), None, path, allow_unsafe, options)
+    again_module, again = _run_once(
+        codemod_cls, _parse(new_source, path), None, path, allow_unsafe, options, new_source
+    )
     if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
         raise UserError(
             f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
@@ -358,6 +407,9 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         if job.original != job.current:
             maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
         file_result = FileResult(job.path, job.current, job.current)
+        # the parity twins read the original: before the rules, while its parsed module and metadata are the
+        # ones the first rule reads too (computed once, not again after the rules)
+        parity = _parity_original(job) if job.original == job.current else None
         for rule in job.rules:
             targets: list[Target] | None = None
             covered: list[tuple[Target, str]] = []
@@ -406,7 +458,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 text = new_text
         file_result.after = text
         if file_result.changed:
-            file_result.parity_original = _parity_original(job)
+            file_result.parity_original = parity if job.original == job.current else _parity_original(job)
         results.append(file_result)
     return results
 
@@ -426,7 +478,9 @@ def _parity_original(job: FileJob) -> bytes | None:
         targets = None if job.targets is None else job.targets.get(rule, [])
         try:
             with _budget.analysis_budget(lines=text.count(b"\n")):
-                new_module, _ = _run_once(twin, _parse(text, job.path), targets, job.path, job.allow_unsafe)
+                new_module, _ = _run_once(
+                    twin, _parse(text, job.path), targets, job.path, job.allow_unsafe, source=text
+                )
         except _budget.OverBudget:
             continue  # the rule's own rewrite ran the same analysis, past the same budget: nothing to match
         text = new_module.bytes

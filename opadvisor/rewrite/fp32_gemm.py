@@ -108,6 +108,9 @@ class Fp32GemmCodemod(RuleCodemod):
     RULE: ClassVar[str] = "fp32_gemm"
     NO_KERNEL_OP: ClassVar[str] = "a TF32 switch or bf16 autocast: PyTorch's own matrix products run"
     SAFETY: ClassVar[str] = "unsafe"
+    # static mode (TF32 lines at the top) reads the module's top level and the settings already made
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (_SETTING_WORDS.pattern,)
+    NEEDS_WORDS: ClassVar[bool] = False
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider, ParentNodeProvider)
 
     def __init__(

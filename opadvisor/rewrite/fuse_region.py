@@ -99,8 +99,8 @@ class FuseRegionCodemod(BlockRewriter):
     RANDOM_ONLY = False  # True in the parity twin: only the dropout rewrites
     # static mode's exact forms: activations by hand, dropouts by hand, DeBERTa's relative-position gathers
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
-        *("tanh", "erf", "sigmoid", "exp"),
-        *("dropout", "bernoulli", "rand"),
+        *("tanh", r"\berf", "sigmoid", r"\bexp\b"),
+        *("dropout", "bernoulli", r"\brand"),
         "gather",
     )
 

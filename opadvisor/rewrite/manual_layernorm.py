@@ -446,7 +446,7 @@ class ManualLayerNormCodemod(RuleCodemod):
     """Collapse hand-written layer norms into `torch.nn.functional.layer_norm` (no finding details used)."""
 
     RULE: ClassVar[str] = "manual_layernorm"
-    SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("mean",)  # the statistics: .mean, var_mean, std_mean
+    SOURCE_WORDS: ClassVar[tuple[str, ...]] = (r"mean\s*\(",)  # the statistics: .mean, var_mean, std_mean
     NO_KERNEL_OP: ClassVar[str] = "the layer norm becomes PyTorch's own layer_norm"
     SAFETY: ClassVar[str] = "safe"
     METADATA_DEPENDENCIES: ClassVar[tuple] = (

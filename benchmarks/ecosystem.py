@@ -280,15 +280,12 @@ def filter_differences(path: Path) -> list[str]:
     than without it (every top-level statement read, no file skipped); [] when none. No time budget."""
     from unittest import mock
 
-    from opadvisor.rewrite import _relevance
+    from opadvisor.rewrite import engine
 
     source = path.read_bytes()
     with mock.patch.dict(os.environ, {"OPADVISOR_ANALYSIS_BUDGET_S": "100000"}):
         filtered = _passes(source, path)
-        with (
-            mock.patch.object(_relevance, "unread_statements", lambda *a: frozenset()),
-            mock.patch.object(_relevance, "names_any", lambda *a: True),
-        ):
+        with engine.unfiltered():
             unfiltered = _passes(source, path)
     return [f"{a[0]}: {a[1:]} != {b[1:]}" for a, b in zip(filtered, unfiltered, strict=True) if a != b]
 

@@ -41,7 +41,8 @@ import hashlib
 import json
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
@@ -213,6 +214,17 @@ def _run_once(
         ) from exc
 
 
+@contextmanager
+def unfiltered() -> Iterator[None]:
+    """Static passes read every statement of every file inside this block (no SOURCE_WORDS filter, no slim
+    module): what benchmarks/ecosystem.py --compare-filter holds the filtered passes to."""
+    _relevance.ENABLED = False
+    try:
+        yield
+    finally:
+        _relevance.ENABLED = True
+
+
 @cache
 def _static_words() -> tuple[str, ...]:
     """The SOURCE_WORDS of every codemod with a static pass (a definition none of them names none reads)."""
@@ -239,7 +251,7 @@ def _slim_pass(
     # one slim module per text for every static pass over it, so that they share its metadata: it keeps
     # what any of them reads (each pass then skips what it does not: RuleCodemod.on_visit)
     words = _static_words()
-    found = _metadata.slim(source, words) if words else None
+    found = _metadata.slim(source, words) if words and _relevance.ENABLED else None
     if found is None:
         return None
     slim, originals = found

@@ -3,8 +3,9 @@
 copied into a temp folder of its own. Per file: no crash, no hang (a generous per-file timeout detects one:
 it is not a timing assertion), the rewrite compiles, a second apply changes nothing.
 
-The sample holds the files issue 29 found hanging (deberta_v2, llama, falcon, xlnet, big_bird, qwen2_vl,
-afmoe, autoformer) and a few timm and vit-pytorch files. The whole set: `python3 benchmarks/ecosystem.py`.
+The sample: DeBERTa-v2 (issue 29 found it hanging), Llama, timm's ConvNeXt and vit-pytorch's ViT. The whole
+set (issue 29's other hangs among it: falcon, xlnet, big_bird, qwen2_vl, afmoe, autoformer):
+`python3 benchmarks/ecosystem.py`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from ecosystem import BAD, discover, run_files, sample
 
 SAMPLE = (
     # CI's share of the whole set (benchmarks/ecosystem.py): the suite must stay near 10 minutes on 2 cores,
-    # and each of these costs 5-25 CPU s (deberta_v2 and qwen2_vl were among issue 29's hangs)
+    # and each of these costs 5-25 CPU s (deberta_v2 was among issue 29's hangs;
+    # qwen2_vl, another, is checked by benchmarks/ecosystem.py)
     "transformers/models/deberta_v2/modeling_deberta_v2.py",
     "transformers/models/llama/modeling_llama.py",
-    "transformers/models/qwen2_vl/modeling_qwen2_vl.py",
     "timm/models/convnext.py",
     "vit_pytorch/vit.py",
 )

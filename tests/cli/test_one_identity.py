@@ -32,10 +32,6 @@ APPLY_LINE = re.compile(r"^(?P<where>\S+:\d+(?:-\d+)?): (?P<rule>\w+): (?P<rest>
 pytestmark = pytest.mark.slow
 
 
-# one worker runs every test of an example: its module fixture (profile, suggest, apply) is built once
-pytestmark = pytest.mark.xdist_group("one_identity")
-
-
 @pytest.fixture(scope="module", params=sorted(EXAMPLES))
 def outputs(request, tmp_path_factory) -> dict:
     """One example profiled in a fresh folder; what suggest (3 formats), report and apply say of it."""

@@ -14,7 +14,6 @@ from opadvisor.rules.diff import DIFF_SCHEMA, _match_findings
 from opadvisor.rules.finding import Finding
 
 
-@pytest.mark.xdist_group("example_runs")  # one worker builds the session fixture, not each
 @pytest.mark.slow
 def test_example_before_and_after_apply(example_runs) -> None:
     """fused_softmax applied: its finding is fixed and the ops of the attention's softmax chain change."""
@@ -71,7 +70,6 @@ def test_same_run_and_bad_format_are_user_errors(tmp_path) -> None:
     assert bad.exit_code == 2 and "unknown format" in bad.output
 
 
-@pytest.mark.xdist_group("example_runs")  # one worker builds the session fixture, not each
 def test_cpu_and_gpu_runs_are_compared_with_a_note(tmp_path, example_runs) -> None:
     gpu = write_run(tmp_path / "gpu", [load_fixture_profile("bert_train")])
     result = CliRunner().invoke(app, ["diff", str(example_runs.before), str(gpu), "--format", "json"])

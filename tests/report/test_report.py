@@ -83,7 +83,6 @@ def two_rank_run(tmp_path) -> Path:
     return write_run(tmp_path / "ddp", ranks)
 
 
-@pytest.mark.xdist_group("example_runs")  # one worker builds the session fixture, not each
 @needs_browser
 @pytest.mark.slow
 def test_example_report_in_chromium(browser, example_runs, tmp_path) -> None:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import libcst as cst
+from libcst.helpers import get_full_name_for_node
 
 _STRINGS = re.compile(r'''(?s)(""".*?"""|\'\'\'.*?\'\'\'|'[^'\n]*'|"[^"\n]*")''')  # string literals, roughly
 _KEEP = 64  # (module, words) pairs remembered: a few texts times the rules
@@ -159,9 +160,9 @@ def _imported_aliases(stmt: cst.SimpleStatementLine, words: re.Pattern[str]) -> 
     """The names an import line binds to something whose own name names a word."""
     found: set[str] = set()
     for imp in stmt.body:
-        names = imp.names if isinstance(imp, cst.Import | cst.ImportFrom) else ()
+        names = imp.names  # type: ignore[attr-defined]  # an import line (_only_imports)
         for alias in names if not isinstance(names, cst.ImportStar) else ():
-            if words.search(cst.Module([]).code_for_node(alias.name)):
+            if words.search(get_full_name_for_node(alias.name) or ""):
                 found |= _bound_names(alias)
     return found
 
@@ -229,8 +230,8 @@ def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, d
     if not unread:
         return None
     lines = {id(s): module.code_for_node(s).count("\n") for s in module.body if id(s) in unread}
-    total = module.code.count("\n") or 1
-    if sum(n for n in lines.values() if n > 1) < _SLIM_MIN_SHARE * total:
+    total = module.code.count("\n")
+    if sum(n for n in lines.values() if n > 1) < _SLIM_MIN_SHARE * max(total, 1):
         return None
     originals: dict[int, cst.CSTNode] = {}
     body: list[cst.BaseStatement] = []
@@ -242,7 +243,7 @@ def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, d
             stmt = stand_in
         body.append(stmt)
     slim = module.with_changes(body=body)
-    if slim.code.count("\n") != module.code.count("\n"):
+    if slim.code.count("\n") != total:
         return None  # a stand-in that does not keep the lines: read the whole module
     return slim, originals
 

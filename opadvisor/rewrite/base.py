@@ -260,5 +260,5 @@ def _placeholder_name(stmt: cst.BaseStatement) -> str | None:
     expr = stmt.body[0]
     if isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Name):
         name = expr.value.value
-        return name if name.startswith("__opadvisor_definition_") else None
+        return name if name.startswith(_PLACEHOLDER.partition("{")[0]) else None
     return None

@@ -193,16 +193,23 @@ def _run_once(
     source: bytes | None = None,
 ) -> tuple[cst.Module, RuleCodemod]:
     """One pass of `codemod_cls` over `module`; a static one over a slim module where that saves time
-    (`source`, the module's text, given: _slim_pass)."""
-    codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
-    # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
-    codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
-    try:
-        slim = _slim_pass(codemod, module, source) if source is not None else None
-        if slim is not None:
-            return slim
+    (`source`, the module's text, given: _slim_of)."""
+
+    def make() -> RuleCodemod:
         codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
+        # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
         codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
+        return codemod
+
+    codemod = make()
+    try:
+        found = _slim_of(codemod, module, source) if source is not None else None
+        if found is not None:
+            slim, originals = found
+            back = _relevance.restored(codemod.transform_module(slim), originals)
+            if back is not None:
+                return back, codemod
+            codemod = make()  # spent on a slim module that did not come back whole: the whole module
         return codemod.transform_module(module), codemod
     except SkipFile:
         return module, codemod
@@ -239,24 +246,19 @@ def _static_words() -> tuple[str, ...]:
     return tuple(words)
 
 
-def _slim_pass(
+def _slim_of(
     codemod: RuleCodemod, module: cst.Module, source: bytes
-) -> tuple[cst.Module, RuleCodemod] | None:
-    """A static pass over the slim module of `source` (_relevance.slim_module: the definitions it cannot
-    match in stood in for), put back together; None where the pass is to read the whole module: a profile's
-    pass, a codemod without SOURCE_WORDS, metadata of the whole text at hand already, little to leave out, or
-    a stand-in the pass did not give back (then `codemod` is spent: the caller makes a new one)."""
+) -> tuple[cst.Module, dict[int, cst.CSTNode]] | None:
+    """The slim module of `source` (_relevance.slim_module: the definitions no static pass can match stood
+    in for) and its stand-ins, for a static pass of `codemod`; None where the pass is to read the whole
+    module: a profile's pass, a codemod without SOURCE_WORDS, metadata of the whole text at hand already,
+    the filter off, or little to leave out."""
     if codemod.targets is not None or not codemod.SOURCE_WORDS or _metadata.resolved(module):
         return None
     # one slim module per text for every static pass over it, so that they share its metadata: it keeps
     # what any of them reads (each pass then skips what it does not: RuleCodemod.on_visit)
     words = _static_words()
-    found = _metadata.slim(source, words) if words and _relevance.ENABLED else None
-    if found is None:
-        return None
-    slim, originals = found
-    back = _relevance.restored(codemod.transform_module(slim), originals)
-    return None if back is None else (back, codemod)
+    return _metadata.slim(source, words) if words and _relevance.ENABLED else None
 
 
 def rewrite_source(
@@ -419,9 +421,10 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         if job.original != job.current:
             maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
         file_result = FileResult(job.path, job.current, job.current)
-        # the parity twins read the original: before the rules, while its parsed module and metadata are the
-        # ones the first rule reads too (computed once, not again after the rules)
-        parity = _parity_original(job) if job.original == job.current else None
+        # the parity twins read the original: before the rules when that is the text the first rule reads
+        # (its parsed module and metadata computed once), else after them
+        first_apply = job.original == job.current
+        parity = _parity_original(job) if first_apply else None
         for rule in job.rules:
             targets: list[Target] | None = None
             covered: list[tuple[Target, str]] = []
@@ -470,7 +473,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 text = new_text
         file_result.after = text
         if file_result.changed:
-            file_result.parity_original = parity if job.original == job.current else _parity_original(job)
+            file_result.parity_original = parity if first_apply else _parity_original(job)
         results.append(file_result)
     return results
 

@@ -122,6 +122,7 @@ class Fp32GemmCodemod(RuleCodemod):
         self.mode = mode
         self._torch = "torch"
         self._torch_imported = False
+        self._found: tuple[Sequence[cst.Assign], Sequence[cst.Call]] | None = None  # _candidates
 
     def visit_Module(self, node: cst.Module) -> None:
         self._torch = next((b for b in map(_torch_binding, node.body) if b), "torch")
@@ -206,9 +207,9 @@ class Fp32GemmCodemod(RuleCodemod):
     def _candidates(self, module: cst.Module) -> tuple[Sequence[cst.Assign], Sequence[cst.Call]]:
         """The assignments and calls that may set TF32, found once per pass: none without a setting's name
         in the text (a walk of a 5,000-line file with matchers takes seconds)."""
-        if getattr(self, "_found", None) is None:
+        if self._found is None:
             if _SETTING_WORDS.search(module.code) is None:
-                self._found: tuple[Sequence[cst.Assign], Sequence[cst.Call]] = ((), ())
+                self._found = ((), ())
             else:
                 self._found = (m.findall(module, m.Assign()), m.findall(module, m.Call()))  # type: ignore[assignment]
         return self._found

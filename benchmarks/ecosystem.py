@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import hashlib
 import importlib.util
 import json
@@ -290,16 +291,61 @@ def filter_differences(path: Path) -> list[str]:
     return [f"{a[0]}: {a[1:]} != {b[1:]}" for a, b in zip(filtered, unfiltered, strict=True) if a != b]
 
 
-def _differences(model: ModelFile) -> tuple[str, list[str]]:
-    return model.key, filter_differences(model.path)
+def _apply_said(path: Path) -> tuple:
+    """`apply --rule all --unsafe FILE` (not written): the text it would write and what it says."""
+    from opadvisor.errors import UserError
+    from opadvisor.rewrite import engine
+
+    try:
+        result = engine.apply_files("all", [path], allow_unsafe=True, write=False)
+    except UserError as exc:
+        return ("error", str(exc))
+    files = [(f.after, [(r.rule, r.before != r.after) for r in f.rules]) for f in result.files]
+    rules = [
+        (r.rule, [(n.line, n.where, n.message) for n in (*r.changes, *r.skipped, *r.notes)], r.already)
+        for f in result.files
+        for r in f.rules
+    ]
+    return files, sorted(result.messages), sorted(rules)
 
 
-def compare_filter(files: Sequence[ModelFile], jobs: int) -> int:
-    """`--compare-filter`: filter_differences on every file, J at a time; 1 when any file differs."""
-    print(f"comparing {len(files)} files with and without the source-word filter, {jobs} at a time")
+def merge_differences(path: Path) -> list[str]:
+    """How `apply --rule all` over `path` (every rule's first pass on the original, put together) differs
+    from running each rule on the text the one before left (engine.sequential()); [] when it does not:
+    the text written, the messages, each rule's changes, skips and notes. No time budget."""
+    from unittest import mock
+
+    from opadvisor.rewrite import engine
+
+    with mock.patch.dict(os.environ, {"OPADVISOR_ANALYSIS_BUDGET_S": "100000"}):
+        merged = _apply_said(path)
+        with engine.sequential():
+            one_by_one = _apply_said(path)
+    if merged[0] == "error" or one_by_one[0] == "error":
+        return [] if merged == one_by_one else [f"error: {merged} != {one_by_one}"]
+    out = []
+    if [f[0] for f in merged[0]] != [f[0] for f in one_by_one[0]]:
+        out.append("the text written differs")
+    if merged[1] != one_by_one[1]:
+        out.append(f"messages: {merged[1]} != {one_by_one[1]}")
+    if merged[2] != one_by_one[2]:
+        diff = [f"{a} != {b}" for a, b in zip(merged[2], one_by_one[2], strict=False) if a != b]
+        out.append("rules said: " + "; ".join(diff[:3]))
+    return out
+
+
+def _differences(model: ModelFile, merge: bool = False) -> tuple[str, list[str]]:
+    return model.key, (merge_differences if merge else filter_differences)(model.path)
+
+
+def compare_filter(files: Sequence[ModelFile], jobs: int, merge: bool = False) -> int:
+    """`--compare-filter`: filter_differences on every file, J at a time (`--compare-merge`:
+    merge_differences); 1 when any file differs."""
+    what = "merged and one rule at a time" if merge else "with and without the source-word filter"
+    print(f"comparing {len(files)} files {what}, {jobs} at a time")
     differing = 0
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        for key, diffs in pool.imap_unordered(_differences, files):
+        for key, diffs in pool.imap_unordered(functools.partial(_differences, merge=merge), files):
             differing += bool(diffs)
             print(
                 f"{'DIFFERS' if diffs else 'same':<8} {key}",
@@ -487,11 +533,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="instead: check that the source-word filter changes no rule's output on each file",
     )
+    parser.add_argument(
+        "--compare-merge",
+        action="store_true",
+        help="instead: check that `--rule all` with every rule's first pass on the original, put together, "
+        "writes and says what one rule at a time does",
+    )
     args = parser.parse_args(argv)
 
     files = sample(discover(args.zoo or tuple(ZOOS)), args.sample, args.match)
-    if args.compare_filter:
-        return compare_filter(files, args.jobs)
+    if args.compare_filter or args.compare_merge:
+        return compare_filter(files, args.jobs, merge=args.compare_merge)
     print(f"checking {len(files)} files, {args.jobs} at a time, {args.timeout:g} s each at most", flush=True)
 
     partial = args.out.with_suffix(".partial.jsonl") if args.out else None

@@ -8,7 +8,8 @@ rewritten to absolute imports of the package they came from (`from ...activation
 x`), as a user who vendors a model file does. `<project>/train.py` then does
 `sys.path.insert(0, os.path.join(os.path.dirname(__file__), "src"))`, imports the model class from the copy,
 builds it from a configuration object (nothing downloaded) and trains with AdamW on random data, printing the
-loss of each step.
+loss of each step. A transformers copy also gets a footer that has transformers initialise its classes as its own
+(`native_init_footer`): without it, transformers 5 treats the copy as custom code and skips part of its init.
 
     build_project(FAMILIES["llama"], Path("proj"))   # proj/src/hf_llama/modeling_llama.py, proj/train.py
     python proj/train.py --size tiny --steps 4        # CPU, fp32
@@ -51,6 +52,45 @@ def absolute_imports(source: str, package: str) -> str:
     return cst.parse_module(source).visit(_AbsoluteImports(package)).code
 
 
+def _pretrained_model_classes(module: cst.Module) -> list[str]:
+    """The module-level classes of `module` that subclass `PreTrainedModel` directly (`XPreTrainedModel`)."""
+    names = []
+    for stmt in module.body:
+        if isinstance(stmt, cst.ClassDef) and any(
+            (cst.helpers.get_full_name_for_node(arg.value) or "").rpartition(".")[2] == "PreTrainedModel"
+            for arg in stmt.bases
+        ):
+            names.append(stmt.name.value)
+    return names
+
+
+def native_init_footer(source: str) -> str:
+    """What a copy of a transformers modeling file needs appended to initialise like the installed one.
+
+    transformers 5 counts a `PreTrainedModel` whose `__module__` is outside `transformers.` as custom code
+    (`is_custom_code()`), and for custom code `_initialize_weights` skips `_init_weights` on a module whose own
+    parameters and buffers all carry the `_is_hf_initialized` flag (meant for remote code that writes loaded
+    weights in place); a module with none of its own passes vacuously (`all()` of nothing) and is marked
+    initialised untouched. So whatever `_init_weights` initialises from such a container never runs in a copy:
+    T5Attention's q/k/v/o and relative attention bias and T5DenseActDense's wi/wo keep the generic std
+    `initializer_factor` = 1.0 (max |w| ~5, first-step gradient norm ~1e5x the installed model's), GPT-2's
+    residual c_proj keeps 0.02 instead of 0.02/sqrt(2 n_layer). The copy is transformers' own code, using its
+    guarded `transformers.initialization` functions, so it is declared native again. Empty when the file
+    defines no `PreTrainedModel` subclass."""
+    classes = _pretrained_model_classes(cst.parse_module(source))
+    if not classes:
+        return ""
+    lines = "".join(
+        f"{name}.is_custom_code = classmethod(lambda cls: cls.is_remote_code())\n" for name in classes
+    )
+    return (
+        "\n\n# Vendored from transformers: initialise as transformers initialises its own classes (outside the\n"
+        "# `transformers.` package they count as custom code, and `_init_weights` is then skipped for every module\n"
+        "# without parameters of its own, e.g. the attention blocks whose projections it initialises).\n"
+        + lines
+    )
+
+
 def module_file(dotted: str) -> Path:
     """The installed file of a module, found without importing it (timm's import needs torchvision)."""
     parent, _, name = dotted.rpartition(".")
@@ -72,7 +112,10 @@ def vendor(modules: tuple[str, ...], dest: Path) -> list[Path]:
     for dotted in modules:
         package = dotted.rpartition(".")[0]
         target = dest / module_file(dotted).name
-        target.write_text(absolute_imports(module_file(dotted).read_text(), package))
+        source = absolute_imports(module_file(dotted).read_text(), package)
+        if dotted.split(".")[0] == "transformers":
+            source += native_init_footer(source)
+        target.write_text(source)
         copied.append(target)
     return copied
 

@@ -41,6 +41,16 @@ class _Assigned(cst.CSTVisitor):
         elif isinstance(node, cst.Name):
             self.names.add(node.value)
 
+    def _defines(self, node: cst.FunctionDef | cst.ClassDef) -> bool:
+        self.names.add(node.name.value)
+        return False  # what its body binds is its own scope's (and a walk of a whole class is costly)
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return self._defines(node)
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> bool:
+        return self._defines(node)
+
     def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
         self._target(node.target)
 

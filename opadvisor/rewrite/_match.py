@@ -230,7 +230,8 @@ def names_in(root: cst.CSTNode) -> list[cst.Name]:
     return out
 
 
-def nodes_of(root: cst.CSTNode, kind: type) -> list:
+def nodes_of(root: cst.CSTNode, kind: type | tuple[type, ...]) -> list:
+    """Every node under `root` (itself included) that is a `kind`, in the order libcst visits them."""
     out: list = []
 
     class _Collect(cst.CSTVisitor):

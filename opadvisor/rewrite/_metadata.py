@@ -34,6 +34,26 @@ def parse(source: bytes) -> cst.Module:
     return wrapper.module
 
 
+def source_of(module: cst.Module) -> bytes | None:
+    """The text `parse` parsed `module` from, while it is kept; None for any other module."""
+    return next((source for source, w in _BY_SOURCE.items() if w.module is module), None)
+
+
+def text(module: cst.Module) -> bytes:
+    """The module's code: the text it was parsed from where `parse` kept it (no code generated again)."""
+    source = source_of(module)
+    return source if source is not None else module.bytes
+
+
+def text_naming(module: cst.Module) -> bytes:
+    """A text that names every word `module` names, for a search by words: its source (for a slim module,
+    the whole source it was cut from, which names more), without generating code where one is kept."""
+    for (source, _), hit in _SLIM.items():
+        if hit is not None and hit[0].module is module:
+            return source
+    return text(module)
+
+
 def wrapper_for(module: cst.Module) -> MetadataWrapper:
     """The shared wrapper of a module `parse` or `slim` returned; a new one (libcst's own way) for any other."""
     slims = (hit[0] for hit in reversed(_SLIM.values()) if hit is not None)
@@ -61,7 +81,7 @@ def slim(source: bytes, words: tuple[str, ...]) -> tuple[cst.Module, dict[int, c
     where slimming saves little."""
     key = (source, words)
     if key not in _SLIM:
-        found = _relevance.slim_module(parse(source), words)
+        found = _relevance.slim_module(parse(source), words, source)
         _SLIM[key] = None if found is None else (MetadataWrapper(found[0], unsafe_skip_copy=True), found[1])
         while len(_SLIM) > 4 * _KEEP:
             _SLIM.popitem(last=False)

@@ -12,6 +12,8 @@ file, `import torch.nn.functional` and the dotted name.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
@@ -58,11 +60,13 @@ class _UsedNames(cst.CSTVisitor):
         return False
 
 
-def names_used(module: cst.Module) -> set[str]:
-    """Every name `module` binds or reads anywhere (see `_UsedNames`)."""
+@lru_cache(maxsize=4)
+def names_used(module: cst.Module) -> frozenset[str]:
+    """Every name `module` binds or reads anywhere (see `_UsedNames`); once per module (a pass asks at
+    each rewrite, and a walk of a large file takes a good part of a second)."""
     visitor = _UsedNames()
     module.visit(visitor)
-    return visitor.names
+    return frozenset(visitor.names)
 
 
 def reference(context: CodemodContext, module: cst.Module, qualified_name: str) -> cst.BaseExpression:

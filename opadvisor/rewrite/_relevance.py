@@ -220,7 +220,9 @@ def _bound_names(stmt: cst.CSTNode) -> set[str]:
 _SLIM_MIN_SHARE = 0.3  # slim a module only when its unread definitions hold at least this share of its lines
 
 
-def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, dict[int, cst.CSTNode]] | None:
+def slim_module(
+    module: cst.Module, words: Sequence[str], source: bytes | None = None
+) -> tuple[cst.Module, dict[int, cst.CSTNode]] | None:
     """`module` with each top-level definition a pass with these words need not read stood in for by a
     one-line `class Name: pass` / `def name(): pass` after as many blank lines as the definition had lines
     (so every statement kept has its own line numbers, and the name stays bound), and the stand-ins'
@@ -229,8 +231,9 @@ def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, d
     unread = unread_statements(module, words)
     if not unread:
         return None
-    lines = {id(s): module.code_for_node(s).count("\n") for s in module.body if id(s) in unread}
-    total = module.code.count("\n")
+    texts, _ = _texts_and_names(module)
+    lines = {id(s): texts[i].count("\n") for i, s in enumerate(module.body) if id(s) in unread}
+    total = (source.decode("utf-8", "replace") if source is not None else module.code).count("\n")
     if sum(n for n in lines.values() if n > 1) < _SLIM_MIN_SHARE * max(total, 1):
         return None
     originals: dict[int, cst.CSTNode] = {}
@@ -239,13 +242,12 @@ def slim_module(module: cst.Module, words: Sequence[str]) -> tuple[cst.Module, d
         n = lines.get(id(stmt), 0)
         if n > 1:
             stand_in = _stand_in(stmt, n)
+            if module.code_for_node(stand_in).count("\n") != n:
+                return None  # a stand-in that does not keep the lines: read the whole module
             originals[id(stand_in)] = stmt
             stmt = stand_in
         body.append(stmt)
-    slim = module.with_changes(body=body)
-    if slim.code.count("\n") != total:
-        return None  # a stand-in that does not keep the lines: read the whole module
-    return slim, originals
+    return module.with_changes(body=body), originals
 
 
 def _stand_in(stmt: cst.BaseStatement, lines: int) -> cst.BaseStatement:

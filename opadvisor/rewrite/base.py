@@ -85,6 +85,13 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         # "already applied" once instead of "found no code" per target
         self.already: str | None = None
         self._unread: frozenset[int] = frozenset()  # ids of the top-level statements this pass skips
+        # set by the engine's first round of a static `--rule all`: the imports a rewrite asks for are kept
+        # here (AddImportsVisitor's entries) instead of being added; the engine adds every rule's at once
+        self.defer_imports = False
+        self.imports_asked: list[Any] = []
+        # whether a hook returned another node than it was given: a pass that did not wrote nothing, and
+        # the engine keeps the text it ran on instead of generating the same code again
+        self.modified = False
         if self._extra_visit_funcs or self._extra_leave_funcs or self._matchers:
             raise TypeError(
                 f"{type(self).__name__}: matcher decorators are not dispatched here (see on_visit)"
@@ -126,6 +133,8 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         if id(original_node) in self._unread:
             return updated_node  # skipped in on_visit: none of its leave_ hooks ran either
         result = cst.CSTTransformer.on_leave(self, original_node, updated_node)
+        if result is not updated_node:
+            self.modified = True
         if isinstance(original_node, cst.ClassDef | cst.FunctionDef):
             _budget.leave()
         elif isinstance(original_node, cst.Module):
@@ -147,6 +156,10 @@ class RuleCodemod(VisitorBasedCodemodCommand):
         (`_imports_added`): libcst's AddImportsVisitor copies and walks the whole file, most of a pass's time."""
         if transform is not AddImportsVisitor:
             return super()._instantiate_and_run(transform, tree)
+        if self.defer_imports:
+            self.imports_asked = list(self.context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
+            return tree
+        self.modified = True  # imports asked for (most often new ones)
         return _imports_added(
             tree, lambda slim: super(RuleCodemod, self)._instantiate_and_run(transform, slim)
         )
@@ -210,6 +223,15 @@ def _facts_name(target: Target, start: int, end: int) -> bool:
 
 
 _PLACEHOLDER = "__opadvisor_definition_{}__"
+
+
+def with_imports(tree: cst.Module, imports: Sequence[Any], path: str) -> cst.Module:
+    """`tree` with the imports of AddImportsVisitor entries `imports` (a codemod's `imports_asked`) added,
+    as a codemod adds the imports it asked for."""
+    if not imports:
+        return tree
+    context = CodemodContext(filename=path, scratch={AddImportsVisitor.CONTEXT_KEY: list(imports)})
+    return _imports_added(tree, lambda slim: AddImportsVisitor(context).transform_module(slim))
 
 
 def _imports_added(tree: cst.Module, add: Callable[[cst.Module], cst.Module]) -> cst.Module:

@@ -44,7 +44,7 @@ import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ from libcst.codemod import CodemodContext, SkipFile
 from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
 from opadvisor.profile.runs import profiled_source
-from opadvisor.rewrite import _budget, _metadata, _relevance, registry
+from opadvisor.rewrite import _budget, _merge, _metadata, _relevance, base, registry
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 APPLIED_FILE = "applied.json"
@@ -191,14 +191,17 @@ def _run_once(
     allow_unsafe: bool = False,
     options: dict[str, Any] | None = None,
     source: bytes | None = None,
+    defer_imports: bool = False,
 ) -> tuple[cst.Module, RuleCodemod]:
     """One pass of `codemod_cls` over `module`; a static one over a slim module where that saves time
-    (`source`, the module's text, given: _slim_of)."""
+    (`source`, the module's text, given: _slim_of). With `defer_imports` the imports it asks for are not
+    added but kept in the codemod's `imports_asked`."""
 
     def make() -> RuleCodemod:
         codemod = codemod_cls(CodemodContext(filename=str(path)), targets, **(options or {}))
         # A codemod may do some rewrites only when unsafe fixes are allowed; it reads this attribute.
         codemod.allow_unsafe = allow_unsafe  # type: ignore[attr-defined]
+        codemod.defer_imports = defer_imports
         return codemod
 
     codemod = make()
@@ -208,9 +211,10 @@ def _run_once(
             slim, originals = found
             back = _relevance.restored(codemod.transform_module(slim), originals)
             if back is not None:
-                return back, codemod
+                return (back if codemod.modified else module), codemod
             codemod = make()  # spent on a slim module that did not come back whole: the whole module
-        return codemod.transform_module(module), codemod
+        new_module = codemod.transform_module(module)
+        return (new_module if codemod.modified else module), codemod
     except SkipFile:
         return module, codemod
     except (UserError, _budget.OverBudget):
@@ -230,6 +234,20 @@ def unfiltered() -> Iterator[None]:
         yield
     finally:
         _relevance.ENABLED = True
+
+
+_MERGE = [True]  # sequential() clears it
+
+
+@contextmanager
+def sequential() -> Iterator[None]:
+    """Inside this block a static `--rule all` runs each rule on the text the one before it left (no first
+    round on the original, _first_round): what benchmarks/ecosystem.py --compare-merge holds it to."""
+    _MERGE[0] = False
+    try:
+        yield
+    finally:
+        _MERGE[0] = True
 
 
 @cache
@@ -261,6 +279,23 @@ def _slim_of(
     return _metadata.slim(source, words) if words and _relevance.ENABLED else None
 
 
+def _no_static_pass(codemod_cls: type[RuleCodemod], source: bytes) -> bool:
+    """Static mode has nothing for this codemod to do: it needs a profile, or the file names none of the
+    words its matches name."""
+    if not codemod_cls.STATIC_MODE:
+        return True
+    words = codemod_cls.SOURCE_WORDS
+    return bool(words) and codemod_cls.NEEDS_WORDS and not _relevance.names_any(source, words)
+
+
+def _result_of(rule: str, codemod: RuleCodemod, source: bytes, new_source: bytes) -> RuleResult:
+    """What a pass of `rule` from `source` to `new_source` did."""
+    changes = list(codemod.changes) if new_source != source else []  # said it changed, produced nothing
+    notes = list(getattr(codemod, "notes", []))
+    already = getattr(codemod, "already", None)
+    return RuleResult(rule, changes, list(codemod.skipped), notes, already, source, new_source)
+
+
 def rewrite_source(
     source: bytes,
     rule: str,
@@ -290,29 +325,12 @@ def _rewrite_checked(
 ) -> tuple[bytes, RuleResult]:
     codemod_cls = registry.get_codemod(rule)
     module = _parse(source, path)  # a file that does not parse is refused whatever the rule
-    if targets is None and (
-        not codemod_cls.STATIC_MODE
-        or (
-            codemod_cls.SOURCE_WORDS
-            and codemod_cls.NEEDS_WORDS
-            and not _relevance.names_any(source, codemod_cls.SOURCE_WORDS)
-        )
-    ):
-        # static mode, and the file names nothing this codemod could match (or it needs a profile): no pass
+    if targets is None and _no_static_pass(codemod_cls, source):
         return source, RuleResult(rule, before=source, after=source)
     new_module, codemod = _run_once(codemod_cls, module, targets, path, allow_unsafe, options, source)
-    result = RuleResult(
-        rule,
-        list(codemod.changes),
-        list(codemod.skipped),
-        list(getattr(codemod, "notes", [])),
-        getattr(codemod, "already", None),
-    )
-    new_source = new_module.bytes
-    result.before, result.after = source, new_source
+    new_source = _metadata.text(new_module)
+    result = _result_of(rule, codemod, source, new_source)
     if new_source == source:
-        if codemod.changes:  # said it changed something, produced nothing: drop the claim
-            result.changes = []
         return source, result
     try:
         _metadata.parse(new_source)  # kept: the stability pass below and the next rule read this text
@@ -332,7 +350,7 @@ def _rewrite_checked(
     again_module, again = _run_once(
         codemod_cls, _parse(new_source, path), None, path, allow_unsafe, options, new_source
     )
-    if len(again.changes) != max(expected_left, 0) or (targets is None and again_module.bytes != new_source):
+    if len(again.changes) != max(expected_left, 0) or (targets is None and _metadata.text(again_module) != new_source):
         raise UserError(
             f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
         )
@@ -371,6 +389,12 @@ class LineMap:
         if new_start is None:
             return start, end, True
         return new_start, max(new_end or new_start, new_start), touched
+
+
+@lru_cache(maxsize=8)
+def _line_map(old: bytes, new: bytes) -> LineMap:
+    """LineMap(old, new), once per pair of texts (the rules of a second round all run on one text)."""
+    return LineMap(old, new)
 
 
 def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
@@ -425,7 +449,13 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         # (its parsed module and metadata computed once), else after them
         first_apply = job.original == job.current
         parity = _parity_original(job) if first_apply else None
-        for rule in job.rules:
+        first_round = _first_round(job) if _merges(job) else None
+        rules = job.rules
+        if first_round is not None:
+            text, rules = first_round.text, first_round.again
+            file_result.rules.extend(first_round.results)
+        merged = {r.rule for r in first_round.results if r.before != r.after} if first_round else set()
+        for rule in rules:
             targets: list[Target] | None = None
             covered: list[tuple[Target, str]] = []
             composes = registry.get_codemod(rule).COMPOSES
@@ -467,6 +497,10 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
             if targets:
                 _unmatched(job.path, rule, pairs, rule_result, LineMap(text, new_text), messages, root)
             _say_covered(job.path, rule, covered, messages, root)
+            if rule in merged:
+                if new_text == text:
+                    continue  # its stability check: the first round's result says what it did
+                rule_result = replace(rule_result, skipped=[], notes=[])  # the first round's said those
             file_result.rules.append(rule_result)
             if new_text != text:
                 maps.append((rule, LineMap(text, new_text)))
@@ -476,6 +510,120 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
             file_result.parity_original = parity if first_apply else _parity_original(job)
         results.append(file_result)
     return results
+
+
+# ---- a static `--rule all`: every rule's first pass on the original, put together ----------------------------
+@dataclass
+class _FirstRound:
+    text: bytes  # the original with the merged rules' rewrites (the original itself when none changed it)
+    results: list[RuleResult]  # the merged rules' (chained: one's after is the next's before); every rule's
+    # when none changed the file
+    again: list[str]  # the rules the second round runs on `text`, in order
+
+
+def _merges(job: FileJob) -> bool:
+    """Static mode's first apply of several rules: their first passes can share the original's metadata."""
+    static_first = job.targets is None and job.original == job.current
+    return static_first and len(job.rules) > 1 and _relevance.ENABLED and _MERGE[0]
+
+
+def _first_round(job: FileJob) -> _FirstRound | None:
+    """Every rule's pass over the original (one parse and metadata for all), the rewrites that touch no
+    earlier rule's lines put together as line hunks (_merge.py), their imports added as each rule would.
+
+    Before this, each rule ran on the text the rule before it left: a `--rule all` that changed k rules
+    computed libcst's metadata k+1 times. The second round still runs every rule, in order, on the merged
+    text: a merged rule must change nothing there (its stability check), and a rule left out (its lines
+    touched by an earlier one's) or made possible by another's rewrite runs as before. None where the
+    merged text does not compile: every rule then runs one after another from the original."""
+    original = job.original
+    module = _parse(original, job.path)
+    passes: list[tuple[RuleResult, list[_merge.Hunk], list[Any]]] = []
+    taken: list[_merge.Hunk] = []
+    failed: list[str] = []
+    unchanged: list[RuleResult] = []
+    for rule in job.rules:
+        first = _first_pass(original, module, rule, job)
+        if first is None:
+            failed.append(rule)  # the second round runs it again, and says why
+            continue
+        result, imports = first
+        body = _merge.hunks(original, result.after)
+        if not body and not imports:
+            unchanged.append(result)
+        elif not _merge.clashes(body, taken):
+            taken.extend(body)
+            passes.append((result, body, imports))
+    if not passes:
+        return _FirstRound(original, unchanged, failed)
+    results = _chained(job, module, passes)
+    if not results:
+        return None
+    text = results[-1].after
+    try:
+        _metadata.parse(text)  # kept: the second round reads this text
+        compile(text, str(job.path), "exec", dont_inherit=True)
+    except (cst.ParserSyntaxError, SyntaxError, ValueError):
+        return None
+    return _FirstRound(text, results, list(job.rules))
+
+
+def _first_pass(
+    original: bytes, module: cst.Module, rule: str, job: FileJob
+) -> tuple[RuleResult, list[Any]] | None:
+    """One rule's static pass over the original, its imports kept apart; None where it failed (a rewrite
+    error, the analysis over budget)."""
+    codemod_cls = registry.get_codemod(rule)
+    if _no_static_pass(codemod_cls, original):
+        return RuleResult(rule, before=original, after=original), []
+    try:
+        with _budget.analysis_budget(lines=original.count(b"\n")):
+            new_module, codemod = _run_once(
+                codemod_cls, module, None, job.path, job.allow_unsafe, source=original, defer_imports=True
+            )
+    except (UserError, _budget.OverBudget):
+        return None
+    result = _result_of(rule, codemod, original, _metadata.text(new_module))
+    _name_findings(result, [], original, original)  # each note's line in the file as it was
+    return result, codemod.imports_asked
+
+
+def _chained(
+    job: FileJob, module: cst.Module, passes: Sequence[tuple[RuleResult, list[_merge.Hunk], list[Any]]]
+) -> list[RuleResult]:
+    """The merged rules' results, each from the text the one before it left (the original with the earlier
+    rules' hunks and imports) to that text with its own; their lines moved onto the text each ran from."""
+    original = job.original
+    body: list[_merge.Hunk] = []
+    with_imports = module
+    import_hunks: list[_merge.Hunk] = []
+    results: list[RuleResult] = []
+    before = original
+    for result, hunks, imports in passes:
+        body.extend(hunks)
+        if imports:
+            with_imports = base.with_imports(with_imports, imports, str(job.path))
+            import_hunks = _merge.hunks(original, with_imports.bytes, _merge.IMPORTS)
+        if _merge.clashes(import_hunks, body):
+            break  # an import where a rewrite is: the rest runs in the second round
+        after = _merge.applied(original, [*import_hunks, *body])
+        moved = _line_map(original, before)
+        results.append(
+            replace(
+                result,
+                changes=_moved(result.changes, moved),
+                skipped=_moved(result.skipped, moved),
+                notes=_moved(result.notes, moved),
+                before=before,
+                after=after,
+            )
+        )
+        before = after
+    return results
+
+
+def _moved(notes: Sequence[Note], line_map: LineMap) -> list[Note]:
+    return [replace(n, line=line_map.map(n.line, n.line)[0]) for n in notes]
 
 
 def _parity_original(job: FileJob) -> bytes | None:
@@ -498,7 +646,7 @@ def _parity_original(job: FileJob) -> bytes | None:
                 )
         except _budget.OverBudget:
             continue  # the rule's own rewrite ran the same analysis, past the same budget: nothing to match
-        text = new_module.bytes
+        text = _metadata.text(new_module)
     return text if text != job.original else None
 
 
@@ -574,7 +722,7 @@ def _name_findings(
     profiled and its rule, never the lines of a text an earlier rewrite moved. A rewrite restricted to
     findings reports at or near their lines (a chain may start a line above the profiled range): the
     nearest finding; with none (static mode), the note's own line in the profiled file."""
-    back = LineMap(text, original) if text != original else None
+    back = _line_map(text, original) if text != original and not pairs else None
 
     def distance(n: Note, mapped: Target) -> int:
         return max(mapped.line - n.line, n.line - mapped.end_line, 0)

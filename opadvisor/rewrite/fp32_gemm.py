@@ -36,7 +36,8 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import code, qualified
+from opadvisor.rewrite import _metadata
+from opadvisor.rewrite._match import code, nodes_of, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 MODES = ("tf32", "autocast")
@@ -208,10 +209,12 @@ class Fp32GemmCodemod(RuleCodemod):
         """The assignments and calls that may set TF32, found once per pass: none without a setting's name
         in the text (a walk of a 5,000-line file with matchers takes seconds)."""
         if self._found is None:
-            if _SETTING_WORDS.search(module.code) is None:
+            if _SETTING_WORDS.search(_metadata.text_naming(module).decode("utf-8", "replace")) is None:
                 self._found = ((), ())
             else:
-                self._found = (m.findall(module, m.Assign()), m.findall(module, m.Call()))  # type: ignore[assignment]
+                found = nodes_of(module, (cst.Assign, cst.Call))  # one walk for both
+                assigns = [n for n in found if isinstance(n, cst.Assign)]
+                self._found = (assigns, [n for n in found if isinstance(n, cst.Call)])
         return self._found
 
     # ---- mode "autocast" ----------------------------------------------------------------------------------

@@ -149,11 +149,14 @@ class FuseRegionCodemod(BlockRewriter):
     # ---- module-level scan: dropout autograd.Functions -------------------------------------------------------
     def visit_Module(self, node: cst.Module) -> bool:
         super().visit_Module(node)
-        for cls in nodes_of(node, cst.ClassDef):
-            if any(qualified(self, b.value) & AUTOGRAD_FUNCTION for b in cls.bases):
+        found = nodes_of(node, (cst.ClassDef, cst.Call))  # one walk of the file for both
+        for cls in found:
+            if isinstance(cls, cst.ClassDef) and any(
+                qualified(self, b.value) & AUTOGRAD_FUNCTION for b in cls.bases
+            ):
                 self._scan_function(cls)
-        for call in nodes_of(node, cst.Call):
-            name = _apply_of(call)
+        for call in found if self.plan.functions else ():
+            name = _apply_of(call) if isinstance(call, cst.Call) else None
             if name in self.plan.functions:
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():

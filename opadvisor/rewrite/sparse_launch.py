@@ -50,7 +50,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import qualified
+from opadvisor.rewrite._match import nodes_of, qualified
 from opadvisor.rewrite._names import reference
 from opadvisor.rewrite.base import RuleCodemod
 from opadvisor.rules.sparse_launch import SCALAR_TENSOR, CaptureBlocker, GraphFacts
@@ -98,7 +98,7 @@ class CudaGraphsCodemod(RuleCodemod):
         self._already_line = 0
         self._ddp = False
         self._wrapped = False
-        for call in m.findall(node, m.Call()):
+        for call in nodes_of(node, cst.Call):
             names = qualified(self, call.func)  # type: ignore[attr-defined]
             if names & KERNEL_NAMES and not self._already:
                 self._already, self._already_line = True, self.lines_of(call)[0]
@@ -131,7 +131,9 @@ class CudaGraphsCodemod(RuleCodemod):
             for i, b in enumerate(facts.blockers if facts is not None else []):
                 key = (b.path, b.line, b.op, b.why, b.library_file, b.library_line)
                 blockers.setdefault(key, (b, facts.current_line(i)))  # type: ignore[union-attr]
-        calls = list(m.findall(module, m.Call()))
+        if not blockers:
+            return None
+        calls = nodes_of(module, cst.Call)
         for b, line in blockers.values():
             if b.skipped_when_capturing:
                 continue  # the library skips that read while a graph is captured

@@ -350,7 +350,9 @@ def _rewrite_checked(
     again_module, again = _run_once(
         codemod_cls, _parse(new_source, path), None, path, allow_unsafe, options, new_source
     )
-    if len(again.changes) != max(expected_left, 0) or (targets is None and _metadata.text(again_module) != new_source):
+    if len(again.changes) != max(expected_left, 0) or (
+        targets is None and _metadata.text(again_module) != new_source
+    ):
         raise UserError(
             f"{path}: the {rule} rewrite is not stable (a second pass would change it again); nothing written"
         )

@@ -72,7 +72,7 @@ def _texts_and_names(module: cst.Module) -> tuple[list[str], dict[int, set[str]]
     hit = _TEXTS.get(id(module))
     if hit is not None and hit[0] is module:
         return hit[1], hit[2]
-    texts = [module.code_for_node(stmt) for stmt in module.body]
+    texts = [_statement_text(module, stmt) for stmt in module.body]
     bound = {
         i: _bound_names(s)
         for i, s in enumerate(module.body)
@@ -82,6 +82,22 @@ def _texts_and_names(module: cst.Module) -> tuple[list[str], dict[int, set[str]]
     while len(_TEXTS) > 8:
         _TEXTS.popitem(last=False)
     return texts, bound
+
+
+_STMT_TEXTS: OrderedDict[int, tuple[cst.BaseStatement, str]] = OrderedDict()
+
+
+def _statement_text(module: cst.Module, stmt: cst.BaseStatement) -> str:
+    """A top-level statement's code, once per statement node: a slim module keeps the nodes it reads, so
+    its texts are those of the module it was cut from."""
+    hit = _STMT_TEXTS.get(id(stmt))
+    if hit is not None and hit[0] is stmt:
+        return hit[1]
+    text = module.code_for_node(stmt)
+    _STMT_TEXTS[id(stmt)] = (stmt, text)
+    while len(_STMT_TEXTS) > 20_000:
+        _STMT_TEXTS.popitem(last=False)
+    return text
 
 
 def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:

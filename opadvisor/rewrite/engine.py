@@ -447,10 +447,6 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
         if job.original != job.current:
             maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
         file_result = FileResult(job.path, job.current, job.current)
-        # the parity twins read the original: before the rules when that is the text the first rule reads
-        # (its parsed module and metadata computed once), else after them
-        first_apply = job.original == job.current
-        parity = _parity_original(job) if first_apply else None
         first_round = _first_round(job) if _merges(job) else None
         rules = job.rules
         if first_round is not None:
@@ -509,7 +505,8 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
                 text = new_text
         file_result.after = text
         if file_result.changed:
-            file_result.parity_original = parity if first_apply else _parity_original(job)
+            changed = [r.rule for r in file_result.rules if r.before != r.after]
+            file_result.parity_original = _parity_original(job, changed)
         results.append(file_result)
     return results
 
@@ -628,15 +625,17 @@ def _moved(notes: Sequence[Note], line_map: LineMap) -> list[Note]:
     return [replace(n, line=line_map.map(n.line, n.line)[0]) for n in notes]
 
 
-def _parity_original(job: FileJob) -> bytes | None:
-    """The original with the rewrites of each codemod's PARITY_BASELINE twin applied (say, dropout written
-    by hand -> opadvisor.kernels.dropout), or None when no rule has one that changes it.
+def _parity_original(job: FileJob, changed: Sequence[str]) -> bytes | None:
+    """The original with the rewrites of the PARITY_BASELINE twin of each rule that `changed` the file
+    applied (say, dropout written by hand -> opadvisor.kernels.dropout), or None when none changes it.
 
     verify's parity run neutralises the dropout it knows (nn.Dropout, F.dropout, opadvisor.kernels) in both
     programs; a hand-written dropout in the original it cannot reach, so the original it compares with
-    carries the same replacement, which the harness then neutralises like the rewrite's."""
+    carries the same replacement, which the harness then neutralises like the rewrite's. A rule that left
+    the file alone left its hand-written dropout in the rewrite too: its twin is not run. The original's
+    parse and metadata are still kept from the rules' first passes (_metadata's last few texts)."""
     text = job.original
-    for rule in job.rules:
+    for rule in [r for r in job.rules if r in changed]:
         twin = getattr(registry.get_codemod(rule), "PARITY_BASELINE", None)
         if twin is None:
             continue

@@ -22,9 +22,10 @@ import libcst as cst
 
 from opadvisor.rewrite import _budget
 from opadvisor.rewrite._match import code, names_in, nodes_of
+from opadvisor.rewrite._walk import Visitor
 
 
-class _Assigned(cst.CSTVisitor):
+class _Assigned(Visitor):
     def __init__(self) -> None:
         self.names: set[str] = set()
 

@@ -23,6 +23,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite._names import reference
+from opadvisor.rewrite._walk import Visitor
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
 
@@ -212,7 +213,7 @@ def _moved_lines(stmt: cst.BaseStatement, carried: Sequence[cst.CSTNode]) -> lis
 def _all_nodes(root: cst.CSTNode) -> list[cst.CSTNode]:
     out: list[cst.CSTNode] = []
 
-    class _All(cst.CSTVisitor):
+    class _All(Visitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
             out.append(node)
             return True

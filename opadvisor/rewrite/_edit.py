@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 
 from opadvisor.rewrite._match import code, contains
+from opadvisor.rewrite._walk import Transformer, Visitor
 
 MAX_LINE = 100  # past this (indentation included) a built call is laid out one argument per line
 
@@ -97,7 +98,7 @@ def template(text: str, **nodes: cst.BaseExpression) -> cst.BaseExpression:
     """Parse a one-line expression and put the given nodes where the names `__NAME__` stand."""
     parsed = cst.parse_expression(text)
 
-    class _Fill(cst.CSTTransformer):
+    class _Fill(Transformer):
         def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
             if (
                 updated.value.startswith("__")
@@ -181,7 +182,7 @@ def orphaned_comments(removed: Iterable[cst.CSTNode], kept: Iterable[cst.CSTNode
     out: list[cst.Comment] = []
     for root in removed:
 
-        class _Comments(cst.CSTVisitor):
+        class _Comments(Visitor):
             def on_visit(self, node: cst.CSTNode) -> bool:
                 if any(node is k for k in kept):
                     return False
@@ -215,7 +216,7 @@ def replace_nodes(root: cst.CSTNode, mapping: dict[int, cst.CSTNode]) -> cst.CST
     """Copy of root with the nodes whose id() is in mapping replaced (children of a replaced node are not
     visited further)."""
 
-    class _Replace(cst.CSTTransformer):
+    class _Replace(Transformer):
         def on_visit(self, node: cst.CSTNode) -> bool:
             return id(node) not in mapping
 

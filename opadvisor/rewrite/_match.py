@@ -16,6 +16,8 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ParentNodeProvider, QualifiedNameProvider
 
+from opadvisor.rewrite._walk import Visitor
+
 SOFTMAX_FUNCS = frozenset({"torch.nn.functional.softmax", "torch.softmax", "torch.special.softmax"})
 SOFTMAX_MODULES = frozenset({"torch.nn.Softmax", "torch.nn.modules.activation.Softmax"})
 DROPOUT_FUNCS = frozenset({"torch.nn.functional.dropout"})
@@ -207,7 +209,7 @@ def contains(root: cst.CSTNode, target: cst.CSTNode) -> bool:
     """Whether `target` (by identity) is `root` or inside it."""
     found = False
 
-    class _Find(cst.CSTVisitor):
+    class _Find(Visitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
             nonlocal found
             if node is target:
@@ -222,7 +224,7 @@ def names_in(root: cst.CSTNode) -> list[cst.Name]:
     """Every Name node under root (in source order)."""
     out: list[cst.Name] = []
 
-    class _Names(cst.CSTVisitor):
+    class _Names(Visitor):
         def visit_Name(self, node: cst.Name) -> None:
             out.append(node)
 
@@ -234,7 +236,7 @@ def nodes_of(root: cst.CSTNode, kind: type | tuple[type, ...]) -> list:
     """Every node under `root` (itself included) that is a `kind`, in the order libcst visits them."""
     out: list = []
 
-    class _Collect(cst.CSTVisitor):
+    class _Collect(Visitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
             if isinstance(node, kind):
                 out.append(node)
@@ -280,7 +282,7 @@ def class_info(classdef: cst.ClassDef) -> ClassInfo:
         else:
             info.values[attr] = value
 
-    class _Init(cst.CSTVisitor):
+    class _Init(Visitor):
         def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
             return node is init
 

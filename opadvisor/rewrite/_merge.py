@@ -35,8 +35,16 @@ def lines_of(text: bytes) -> list[str]:
 def hunks(old: bytes, new: bytes, kind: int = BODY) -> list[Hunk]:
     """The hunks that turn `old` into `new`."""
     a, b = lines_of(old), lines_of(new)
-    ops = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
-    return [Hunk(i1, i2, tuple(b[j1:j2]), kind) for tag, i1, i2, j1, j2 in ops if tag != "equal"]
+    # the lines both start and end with are not handed to difflib (its matching is quadratic-ish in what
+    # it is given; a rewrite changes a few places of a long file)
+    same = min(len(a), len(b))
+    lo = next((i for i in range(same) if a[i] != b[i]), same)
+    hi = next((i for i in range(same - lo) if a[-1 - i] != b[-1 - i]), same - lo)
+    middle_a, middle_b = a[lo : len(a) - hi], b[lo : len(b) - hi]
+    ops = difflib.SequenceMatcher(a=middle_a, b=middle_b, autojunk=False).get_opcodes()
+    return [
+        Hunk(lo + i1, lo + i2, tuple(middle_b[j1:j2]), kind) for tag, i1, i2, j1, j2 in ops if tag != "equal"
+    ]
 
 
 def clash(a: Hunk, b: Hunk) -> bool:

@@ -19,6 +19,8 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
+from opadvisor.rewrite._walk import Visitor
+
 
 def _dotted(name: str) -> cst.BaseExpression:
     parts = name.split(".")
@@ -36,7 +38,7 @@ def _top_level_imports(module: cst.Module) -> list[cst.Import | cst.ImportFrom]:
     return out
 
 
-class _UsedNames(cst.CSTVisitor):
+class _UsedNames(Visitor):
     """Names a module binds or reads: not attribute names (`F.cross_entropy`), keyword names (`dim=`) or
     the original name of an aliased import (`import x as y` binds only y)."""
 

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Sequence
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
 
+from opadvisor.rewrite._walk import Visitor
+
 _STRINGS = re.compile(r'''(?s)(""".*?"""|\'\'\'.*?\'\'\'|'[^'\n]*'|"[^"\n]*")''')  # string literals, roughly
 _KEEP = 64  # (module, words) pairs remembered: a few texts times the rules
 _UNREAD: OrderedDict[tuple[int, tuple[str, ...]], tuple[cst.Module, frozenset[int]]] = OrderedDict()
@@ -183,7 +185,7 @@ def _imported_aliases(stmt: cst.SimpleStatementLine, words: re.Pattern[str]) -> 
     return found
 
 
-class _Binder(cst.CSTVisitor):
+class _Binder(Visitor):
     """The names a statement binds at module level: assignment targets, imports' names, nested defs."""
 
     def __init__(self) -> None:

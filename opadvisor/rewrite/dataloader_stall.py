@@ -56,6 +56,7 @@ from opadvisor.rewrite._args import (
     replace_keyword_value,
 )
 from opadvisor.rewrite._match import code, qualified
+from opadvisor.rewrite._walk import Visitor
 from opadvisor.rewrite.base import RuleCodemod, Target
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
@@ -95,7 +96,7 @@ def _target_names(target: cst.BaseExpression) -> set[str]:
     return set()
 
 
-class _BatchNames(cst.CSTVisitor):
+class _BatchNames(Visitor):
     """Names bound to batch data inside a loop body: the loop's targets, what is unpacked or indexed from
     them, and the targets of comprehensions over them. Nested functions and classes are not entered."""
 
@@ -131,7 +132,7 @@ class _BatchNames(cst.CSTVisitor):
         self._bind(_target_names(node.target), node.iter)
 
 
-class _Copies(cst.CSTVisitor):
+class _Copies(Visitor):
     """The `.to(...)` / `.cuda(...)` calls on batch data in a loop body (nested defs not entered)."""
 
     def __init__(self, names: set[str]) -> None:

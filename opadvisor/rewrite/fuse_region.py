@@ -45,6 +45,7 @@ from opadvisor.rewrite._bindings import Resolver, block_index, simple_binding
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
 from opadvisor.rewrite._match import code, names_in, nodes_of, parent, qualified
+from opadvisor.rewrite._walk import Transformer, Visitor
 from opadvisor.rewrite.base import Note, Target
 
 KERNELS = "opadvisor.kernels"
@@ -549,7 +550,7 @@ def _equal() -> cst.AssignEqual:
 def _preorder(root: cst.CSTNode) -> list[cst.CSTNode]:
     out: list[cst.CSTNode] = []
 
-    class _All(cst.CSTVisitor):
+    class _All(Visitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
             if isinstance(node, (cst.Lambda, cst.FunctionDef)):
                 return False
@@ -580,7 +581,7 @@ def _apply_of(node: cst.CSTNode) -> str | None:
 
 
 def _substitute(expr: cst.BaseExpression, by_name: dict[str, cst.BaseExpression]) -> cst.BaseExpression:
-    class _Sub(cst.CSTTransformer):
+    class _Sub(Transformer):
         def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.BaseExpression:
             return by_name.get(updated.value, updated)
 

@@ -58,6 +58,7 @@ from opadvisor.rewrite._match import (
     self_attr,
 )
 from opadvisor.rewrite._names import reference
+from opadvisor.rewrite._walk import Visitor
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.rnn_cell_loop import CellLoopFacts
 
@@ -428,7 +429,7 @@ def _read_after(function: cst.FunctionDef | None, loop: cst.For, name: str) -> b
     found = False
     seen_loop = False
 
-    class _After(cst.CSTVisitor):
+    class _After(Visitor):
         def on_visit(self, node: cst.CSTNode) -> bool:
             nonlocal found, seen_loop
             if node is loop:

@@ -65,6 +65,22 @@ def unread_statements(module: cst.Module, words: Sequence[str]) -> frozenset[int
     return unread
 
 
+def read_spans(module: cst.Module, words: Sequence[str], lines: int) -> list[tuple[int, int]] | None:
+    """The 0-based [first, last + 1) line ranges of the top-level statements a static pass with these words
+    reads (all but `unread_statements`), each with the blank and comment lines before it; None where the
+    statements' lines do not add up to the module's `lines` (the newlines of its text)."""
+    texts, _ = _texts_and_names(module)
+    unread = unread_statements(module, words)
+    at = len(module.header)
+    spans = []
+    for stmt, text in zip(module.body, texts, strict=True):
+        n = text.count("\n")
+        if id(stmt) not in unread:
+            spans.append((at, at + n))
+        at += n
+    return spans if at + len(module.footer) == lines else None
+
+
 _TEXTS: OrderedDict[int, tuple[cst.Module, list[str], dict[int, set[str]]]] = OrderedDict()
 
 

@@ -555,7 +555,7 @@ def _first_round(job: FileJob) -> _FirstRound | None:
             passes.append((result, body, imports))
     if not passes:
         return _FirstRound(original, unchanged, failed)
-    results = _chained(job, module, passes)
+    results, made = _chained(job, module, passes)
     if not results:
         return None
     text = results[-1].after
@@ -564,7 +564,52 @@ def _first_round(job: FileJob) -> _FirstRound | None:
         compile(text, str(job.path), "exec", dont_inherit=True)
     except (cst.ParserSyntaxError, SyntaxError, ValueError):
         return None
-    return _FirstRound(text, results, list(job.rules))
+    lines = original.count(b"\n")
+    kept = [r for r in unchanged if _untouched(registry.get_codemod(r.rule), module, lines, made)]
+    return _FirstRound(text, [*results, *_placed(job, kept, results)], _again(job, kept))
+
+
+def _untouched(
+    codemod_cls: type[RuleCodemod], module: cst.Module, lines: int, made: Sequence[_merge.Hunk]
+) -> bool:
+    """Whether a rule that changed nothing in the original would change nothing in the merged text: no hunk
+    touches a top-level statement its pass reads (a definition naming one of its words, or any statement
+    that is not a definition) nor writes one of its words. Its second-round pass is then not run."""
+    words = codemod_cls.SOURCE_WORDS
+    if not (codemod_cls.STATIC_MODE and codemod_cls.NEEDS_WORDS and words):
+        return False
+    spans = _relevance.read_spans(module, words, lines)
+    if spans is None:
+        return False
+    for hunk in made:
+        if _relevance.names_any("".join(hunk.lines), words):
+            return False
+        for start, end in spans:
+            inside = (
+                start < hunk.start < end if hunk.start == hunk.end else hunk.start < end and start < hunk.end
+            )
+            if inside:
+                return False
+    return True
+
+
+def _placed(job: FileJob, kept: Sequence[RuleResult], results: Sequence[RuleResult]) -> list[RuleResult]:
+    """The first round's results of the rules whose second pass is not run (_untouched), each on the text
+    the merged rules before it in order left, as one rule after another would have run it."""
+    order = {rule: i for i, rule in enumerate(job.rules)}
+    out = []
+    for result in kept:
+        earlier = [r for r in results if order[r.rule] < order[result.rule]]
+        text = earlier[-1].after if earlier else job.original
+        moved = _line_map(job.original, text)
+        notes = {k: _moved(getattr(result, k), moved) for k in ("changes", "skipped", "notes")}
+        out.append(replace(result, **notes, before=text, after=text))
+    return out
+
+
+def _again(job: FileJob, kept: Sequence[RuleResult]) -> list[str]:
+    skip = {r.rule for r in kept}
+    return [rule for rule in job.rules if rule not in skip]
 
 
 def _first_pass(
@@ -589,14 +634,16 @@ def _first_pass(
 
 def _chained(
     job: FileJob, module: cst.Module, passes: Sequence[tuple[RuleResult, list[_merge.Hunk], list[Any]]]
-) -> list[RuleResult]:
+) -> tuple[list[RuleResult], list[_merge.Hunk]]:
     """The merged rules' results, each from the text the one before it left (the original with the earlier
-    rules' hunks and imports) to that text with its own; their lines moved onto the text each ran from."""
+    rules' hunks and imports) to that text with its own, their lines moved onto the text each ran from; and
+    the hunks that make the last one from the original."""
     original = job.original
     body: list[_merge.Hunk] = []
     with_imports = module
     import_hunks: list[_merge.Hunk] = []
     results: list[RuleResult] = []
+    made: list[_merge.Hunk] = []
     before = original
     for result, hunks, imports in passes:
         body.extend(hunks)
@@ -605,7 +652,8 @@ def _chained(
             import_hunks = _merge.hunks(original, with_imports.bytes, _merge.IMPORTS)
         if _merge.clashes(import_hunks, body):
             break  # an import where a rewrite is: the rest runs in the second round
-        after = _merge.applied(original, [*import_hunks, *body])
+        made = [*import_hunks, *body]
+        after = _merge.applied(original, made)
         moved = _line_map(original, before)
         results.append(
             replace(
@@ -618,7 +666,7 @@ def _chained(
             )
         )
         before = after
-    return results
+    return results, made
 
 
 def _moved(notes: Sequence[Note], line_map: LineMap) -> list[Note]:

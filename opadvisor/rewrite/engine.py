@@ -436,6 +436,9 @@ class FileJob:
     ] = ()  # the rules whose rewrites an earlier apply of this run left in `current`
     allow_unsafe: bool = False
     keep_going: bool = False  # `--rule all`: a rule whose rewrite fails is reported and the others go on
+    # only which rules would rewrite the file is asked (apply's note on the rules --unsafe would add): the
+    # rules' first passes over the original answer it, no second round
+    dry: bool = False
 
 
 def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
@@ -516,7 +519,7 @@ def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
 class _FirstRound:
     text: bytes  # the original with the merged rules' rewrites (the original itself when none changed it)
     results: list[RuleResult]  # the merged rules' (chained: one's after is the next's before); every rule's
-    # when none changed the file
+    # when none changed the file, or for a dry job (FileJob.dry: each as it came from the original)
     again: list[str]  # the rules the second round runs on `text`, in order
 
 
@@ -541,20 +544,22 @@ def _first_round(job: FileJob) -> _FirstRound | None:
     taken: list[_merge.Hunk] = []
     failed: list[str] = []
     unchanged: list[RuleResult] = []
+    every: list[RuleResult] = []
     for rule in job.rules:
         first = _first_pass(original, module, rule, job)
         if first is None:
             failed.append(rule)  # the second round runs it again, and says why
             continue
         result, imports = first
+        every.append(result)
         body = _merge.hunks(original, result.after)
         if not body and not imports:
             unchanged.append(result)
         elif not _merge.clashes(body, taken):
             taken.extend(body)
             passes.append((result, body, imports))
-    if not passes:
-        return _FirstRound(original, unchanged, failed)
+    if not passes or job.dry:
+        return _FirstRound(original, every, []) if job.dry else _FirstRound(original, unchanged, failed)
     results, made = _chained(job, module, passes)
     if not results:
         return None
@@ -1156,7 +1161,10 @@ def apply_files(
             )
         )
     if withheld:  # a dry run: which held-back rules would have rewritten something
-        dry = [FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True) for j in jobs]
+        dry = [
+            FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True, dry=True)
+            for j in jobs
+        ]
         _say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
     state = static_state_dir()
     result = ApplyResult(_run_jobs(jobs, messages), messages, state)

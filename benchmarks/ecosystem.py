@@ -338,9 +338,9 @@ def _differences(model: ModelFile, merge: bool = False) -> tuple[str, list[str]]
     return model.key, (merge_differences if merge else filter_differences)(model.path)
 
 
-def compare_filter(files: Sequence[ModelFile], jobs: int, merge: bool = False) -> int:
-    """`--compare-filter`: filter_differences on every file, J at a time (`--compare-merge`:
-    merge_differences); 1 when any file differs."""
+def compare_outputs(files: Sequence[ModelFile], jobs: int, merge: bool = False) -> int:
+    """`--compare-filter` (filter_differences) or `--compare-merge` (merge_differences) on every file, J at a
+    time; 1 when any file differs."""
     what = "merged and one rule at a time" if merge else "with and without the source-word filter"
     print(f"comparing {len(files)} files {what}, {jobs} at a time")
     differing = 0
@@ -543,7 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     files = sample(discover(args.zoo or tuple(ZOOS)), args.sample, args.match)
     if args.compare_filter or args.compare_merge:
-        return compare_filter(files, args.jobs, merge=args.compare_merge)
+        return compare_outputs(files, args.jobs, merge=args.compare_merge)
     print(f"checking {len(files)} files, {args.jobs} at a time, {args.timeout:g} s each at most", flush=True)
 
     partial = args.out.with_suffix(".partial.jsonl") if args.out else None

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import libcst as cst
 from libcst.helpers import get_full_name_for_node
@@ -31,6 +32,20 @@ from opadvisor.rewrite._walk import Visitor
 _STRINGS = re.compile(r'''(?s)(""".*?"""|\'\'\'.*?\'\'\'|'[^'\n]*'|"[^"\n]*")''')  # string literals, roughly
 _KEEP = 64  # (module, words) pairs remembered: a few texts times the rules
 _UNREAD: OrderedDict[tuple[int, tuple[str, ...]], tuple[cst.Module, frozenset[int]]] = OrderedDict()
+
+
+def _remembered(cache: OrderedDict, key: Any, owner: cst.CSTNode, make: Callable[[], Any], keep: int) -> Any:
+    """`make()` for the node `owner`, remembered under `key` (built from `id(owner)`) while `owner` is the
+    node there and among the last `keep` asked for (an id is reused once its node is gone)."""
+    hit = cache.get(key)
+    if hit is not None and hit[0] is owner:
+        cache.move_to_end(key)
+        return hit[1]
+    value = make()
+    cache[key] = (owner, value)
+    while len(cache) > keep:
+        cache.popitem(last=False)
+    return value
 
 
 ENABLED = True  # False: every statement read, no file skipped (engine.unfiltered, to check the filter)
@@ -54,15 +69,7 @@ def unread_statements(module: cst.Module, words: Sequence[str]) -> frozenset[int
     if not words or not ENABLED:
         return frozenset()
     key = (id(module), tuple(words))
-    hit = _UNREAD.get(key)
-    if hit is not None and hit[0] is module:
-        _UNREAD.move_to_end(key)
-        return hit[1]
-    unread = _unread(module, words_pattern(words))
-    _UNREAD[key] = (module, unread)
-    while len(_UNREAD) > _KEEP:
-        _UNREAD.popitem(last=False)
-    return unread
+    return _remembered(_UNREAD, key, module, lambda: _unread(module, words_pattern(words)), _KEEP)
 
 
 def read_spans(module: cst.Module, words: Sequence[str], lines: int) -> list[tuple[int, int]] | None:
@@ -81,25 +88,23 @@ def read_spans(module: cst.Module, words: Sequence[str], lines: int) -> list[tup
     return spans if at + len(module.footer) == lines else None
 
 
-_TEXTS: OrderedDict[int, tuple[cst.Module, list[str], dict[int, set[str]]]] = OrderedDict()
+_TEXTS: OrderedDict[int, tuple[cst.Module, tuple[list[str], dict[int, set[str]]]]] = OrderedDict()
 
 
 def _texts_and_names(module: cst.Module) -> tuple[list[str], dict[int, set[str]]]:
     """Each top-level statement's text, and the names each non-definition binds: once per module, for
     every set of words."""
-    hit = _TEXTS.get(id(module))
-    if hit is not None and hit[0] is module:
-        return hit[1], hit[2]
-    texts = [_statement_text(module, stmt) for stmt in module.body]
-    bound = {
-        i: _bound_names(s)
-        for i, s in enumerate(module.body)
-        if not isinstance(s, cst.ClassDef | cst.FunctionDef) and not _only_imports(s)
-    }
-    _TEXTS[id(module)] = (module, texts, bound)
-    while len(_TEXTS) > 8:
-        _TEXTS.popitem(last=False)
-    return texts, bound
+
+    def make() -> tuple[list[str], dict[int, set[str]]]:
+        texts = [_statement_text(module, stmt) for stmt in module.body]
+        bound = {
+            i: _bound_names(s)
+            for i, s in enumerate(module.body)
+            if not isinstance(s, cst.ClassDef | cst.FunctionDef) and not _only_imports(s)
+        }
+        return texts, bound
+
+    return _remembered(_TEXTS, id(module), module, make, 8)
 
 
 _STMT_TEXTS: OrderedDict[int, tuple[cst.BaseStatement, str]] = OrderedDict()
@@ -108,14 +113,7 @@ _STMT_TEXTS: OrderedDict[int, tuple[cst.BaseStatement, str]] = OrderedDict()
 def _statement_text(module: cst.Module, stmt: cst.BaseStatement) -> str:
     """A top-level statement's code, once per statement node: a slim module keeps the nodes it reads, so
     its texts are those of the module it was cut from."""
-    hit = _STMT_TEXTS.get(id(stmt))
-    if hit is not None and hit[0] is stmt:
-        return hit[1]
-    text = module.code_for_node(stmt)
-    _STMT_TEXTS[id(stmt)] = (stmt, text)
-    while len(_STMT_TEXTS) > 20_000:
-        _STMT_TEXTS.popitem(last=False)
-    return text
+    return _remembered(_STMT_TEXTS, id(stmt), stmt, lambda: module.code_for_node(stmt), 20_000)
 
 
 def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:

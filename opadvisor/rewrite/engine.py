@@ -236,18 +236,19 @@ def unfiltered() -> Iterator[None]:
         _relevance.ENABLED = True
 
 
-_MERGE = [True]  # sequential() clears it
+_MERGE = True  # sequential() clears it
 
 
 @contextmanager
 def sequential() -> Iterator[None]:
     """Inside this block a static `--rule all` runs each rule on the text the one before it left (no first
     round on the original, _first_round): what benchmarks/ecosystem.py --compare-merge holds it to."""
-    _MERGE[0] = False
+    global _MERGE
+    _MERGE = False
     try:
         yield
     finally:
-        _MERGE[0] = True
+        _MERGE = True
 
 
 @cache
@@ -526,7 +527,7 @@ class _FirstRound:
 def _merges(job: FileJob) -> bool:
     """Static mode's first apply of several rules: their first passes can share the original's metadata."""
     static_first = job.targets is None and job.original == job.current
-    return static_first and len(job.rules) > 1 and _relevance.ENABLED and _MERGE[0]
+    return static_first and len(job.rules) > 1 and _relevance.ENABLED and _MERGE
 
 
 def _first_round(job: FileJob) -> _FirstRound | None:
@@ -606,9 +607,7 @@ def _placed(job: FileJob, kept: Sequence[RuleResult], results: Sequence[RuleResu
     for result in kept:
         earlier = [r for r in results if order[r.rule] < order[result.rule]]
         text = earlier[-1].after if earlier else job.original
-        moved = _line_map(job.original, text)
-        notes = {k: _moved(getattr(result, k), moved) for k in ("changes", "skipped", "notes")}
-        out.append(replace(result, **notes, before=text, after=text))
+        out.append(_ran_from(result, job.original, text, text))
     return out
 
 
@@ -659,23 +658,20 @@ def _chained(
             break  # an import where a rewrite is: the rest runs in the second round
         made = [*import_hunks, *body]
         after = _merge.applied(original, made)
-        moved = _line_map(original, before)
-        results.append(
-            replace(
-                result,
-                changes=_moved(result.changes, moved),
-                skipped=_moved(result.skipped, moved),
-                notes=_moved(result.notes, moved),
-                before=before,
-                after=after,
-            )
-        )
+        results.append(_ran_from(result, original, before, after))
         before = after
     return results, made
 
 
-def _moved(notes: Sequence[Note], line_map: LineMap) -> list[Note]:
-    return [replace(n, line=line_map.map(n.line, n.line)[0]) for n in notes]
+def _ran_from(result: RuleResult, original: bytes, before: bytes, after: bytes) -> RuleResult:
+    """A first-round result (lines on the original) as if its rule had run on `before` and left `after`."""
+    line_map = _line_map(original, before)
+
+    def moved(notes: Sequence[Note]) -> list[Note]:
+        return [replace(n, line=line_map.map(n.line, n.line)[0]) for n in notes]
+
+    changes, skipped, notes = moved(result.changes), moved(result.skipped), moved(result.notes)
+    return replace(result, changes=changes, skipped=skipped, notes=notes, before=before, after=after)
 
 
 def _parity_original(job: FileJob, changed: Sequence[str]) -> bytes | None:

@@ -151,13 +151,11 @@ class FuseRegionCodemod(BlockRewriter):
     def visit_Module(self, node: cst.Module) -> bool:
         super().visit_Module(node)
         found = nodes_of(node, (cst.ClassDef, cst.Call))  # one walk of the file for both
-        for cls in found:
-            if isinstance(cls, cst.ClassDef) and any(
-                qualified(self, b.value) & AUTOGRAD_FUNCTION for b in cls.bases
-            ):
+        for cls in (n for n in found if isinstance(n, cst.ClassDef)):
+            if any(qualified(self, b.value) & AUTOGRAD_FUNCTION for b in cls.bases):
                 self._scan_function(cls)
-        for call in found if self.plan.functions else ():
-            name = _apply_of(call) if isinstance(call, cst.Call) else None
+        for call in (n for n in found if isinstance(n, cst.Call)) if self.plan.functions else ():
+            name = _apply_of(call)
             if name in self.plan.functions:
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():

@@ -132,18 +132,21 @@ def test_rank_raising_inside_the_window(tmp_path: Path) -> None:
     line = error_line(proc)
     assert line.startswith("opadvisor: error: rank 1 (local rank 1")
     assert "raised ValueError: the user's own bug on rank 1 at step 3 after 2 step(s)" in line
-    assert "then rank 0 failed because a peer went away" in line
+    (run_dir,) = runs_in(tmp_path)
+    # Rank 0 either sees its peer go in the all-reduce or is stopped by torchrun first: a race the
+    # launcher decides. Its status file says which; the line names it second, never as the cause.
+    status0 = json.loads((run_dir / "status.rank0.json").read_text())
+    assert status0["status"] in ("script_error", "terminated")
+    then = {"script_error": "failed because a peer went away", "terminated": "was stopped by the launcher"}
+    assert f"then rank 0 {then[status0['status']]}" in line
     assert "torchrun exited with code 1" in line
     assert "ValueError: the user's own bug on rank 1 at step 3" in proc.stderr.split("opadvisor: error:")[0]
     assert "fail_here" in proc.stderr  # the user's traceback, shown once
     assert "ChildFailedError" not in proc.stderr  # torchrun's own traceback is replaced by the line
-    (run_dir,) = runs_in(tmp_path)
     assert "were kept in" in line and str(run_dir) in line
     prof1 = load_profile(run_dir / "profile.rank1.json")
     assert len(prof1.steps) == 1 and not prof1.complete and prof1.rank == 1
     assert (tmp_path / ".opadvisor" / "latest").read_text().strip() == run_dir.name
-    status0 = json.loads((run_dir / "status.rank0.json").read_text())
-    assert status0["status"] in ("script_error", "terminated")
     report = cross_rank.analyse(load_run(None, tmp_path)[1])  # a failed run is still readable
     assert any("did not record the whole window" in n for n in report.notes)
     assert time.monotonic() - started < LAUNCH_TIMEOUT_S

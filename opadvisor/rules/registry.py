@@ -30,6 +30,8 @@ RULE_MODULES: tuple[str, ...] = (
     "rnn_cell_loop",
     "cudnn_rnn",
     "fuse_region",
+    "graph_break",
+    "recompile",
 )
 
 

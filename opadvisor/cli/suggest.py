@@ -522,11 +522,18 @@ def compiled_words(compiled: dict[str, Any]) -> str:
         else ""
     )
     graphs = compiled["graphs"]
+    total, first = compiled.get("compile_s"), compiled.get("compile_s_first_step")
+    compiling = ""
+    if total:
+        later = total - (first or 0.0)
+        compiling = f" Compiling took {total:.1f} s" + (
+            f" ({first:.1f} s in the first step, {later:.1f} s recompiling later)." if later >= 0.05 else "."
+        )
     return (
         f"note: {fmt_ms(compiled['ms_per_step'])}/step{basis}{share} ran inside {graphs} torch.compile "
-        f"graph{'s' if graphs != 1 else ''}, which the rules cannot see into: nothing there was analysed. "
-        "To find and fix patterns in that code, profile it with torch.compile switched off: "
-        "`opadvisor profile --eager SCRIPT`."
+        f"graph{'s' if graphs != 1 else ''}.{compiling} Graph breaks and recompiles are reported above "
+        "(graph_break, recompile); the ops inside the graphs are not analysed: to find and fix patterns "
+        "in that code, profile it with torch.compile switched off: `opadvisor profile --eager SCRIPT`."
     )
 
 

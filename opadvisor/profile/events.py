@@ -19,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from opadvisor.profile.compiled import REGION_PREFIX, compile_structure
 from opadvisor.profile.model import (
     Annotation,
     Gap,
@@ -333,6 +334,8 @@ class TreeReader:
         if parent_op is None or name in GEMM_OPS or self._launches_device_work(event):
             return True
         parent = self.out.ops[parent_op]
+        if compile_structure(name) or parent.name.startswith(REGION_PREFIX):
+            return True  # a compiled frame's structure and the ops it runs eagerly between graphs
         if backward and parent.depth == 0:
             return True  # the autograd node itself ("SoftmaxBackward0") under evaluate_function
         return not self.cuda and parent.depth == 0 and name not in _METADATA_OPS

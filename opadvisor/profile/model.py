@@ -53,6 +53,9 @@ Profile
     modules           {module path: qualified class} of the modules the script called
                       ("bert.encoder.layer.0.attention.self": "transformers.models.bert.modeling_bert.
                       BertSelfAttention"); the first module called is "" (its submodules by their names)
+    compiled_frames   [CompiledFrame]  every frame torch.compile compiled while the script ran (warm-up
+                      included): its graph break, its recompiles, its compile time (issue 33; [] when
+                      nothing was compiled, under --eager, or in older runs)
     calibration       Calibration | None: steps timed without the profiler just before the window (None
                       when none were: fewer than 2 warm-up steps, `--calibrate 0`, a time window, or a
                       profile.json written before this field existed)
@@ -306,6 +309,35 @@ class Construction:
 
 
 @dataclass
+class CompiledFrame:
+    """One compilation of one frame by torch.compile (dynamo), recorded while the script ran (issue 33).
+
+    compile_id: dynamo's "frame/compile" id ("0/0" the first compile of frame 0, "0/1" its first
+    recompile). function / file / line: the code compiled (a frame resumed after a graph break is named
+    "torch_dynamo_resume_in_forward_at_14"); step: the steps the script had completed when it compiled (0:
+    in the first step); compile_s: dynamo's and the backend's time for it; graph_ops: ops in its graph.
+    recompile_reasons: the guard failures that made dynamo compile the frame again ([] on a first compile).
+    break_reason / break_explanation / break_file / break_line: the graph break that ended this graph, as
+    dynamo words it and at the user's line (None when it ended without one). failed: dynamo gave up on the
+    frame ("Unsupported: ... recompile limit ...": it then runs eagerly).
+    """
+
+    compile_id: str = ""
+    function: str = ""
+    file: str | None = None
+    line: int | None = None
+    step: int = 0
+    compile_s: float | None = None
+    graph_ops: int | None = None
+    recompile_reasons: list[str] = field(default_factory=list)
+    break_reason: str | None = None
+    break_explanation: str | None = None
+    break_file: str | None = None
+    break_line: int | None = None
+    failed: str | None = None
+
+
+@dataclass
 class ModuleCall:
     """A module called inside the recorded window (see the field reference above)."""
 
@@ -370,6 +402,7 @@ class Profile:
     calibration: Calibration | None = None
     stopped: str | None = None
     steps_seen: int = 0
+    compiled_frames: list[CompiledFrame] = field(default_factory=list)
 
     # ---- queries the rules share -------------------------------------------------------------
     @property
@@ -534,6 +567,9 @@ def _build_profile(data: dict[str, Any]) -> Profile:
     prof.module_calls = [_build(ModuleCall, m, f"module_calls[{i}]") for i, m in enumerate(prof.module_calls)]
     if prof.calibration is not None:
         prof.calibration = _build(Calibration, prof.calibration, "calibration")
+    prof.compiled_frames = [
+        _build(CompiledFrame, f, f"compiled_frames[{i}]") for i, f in enumerate(prof.compiled_frames)
+    ]
     return prof
 
 

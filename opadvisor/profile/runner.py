@@ -32,7 +32,7 @@ from opadvisor.profile.memory import attach_memory
 from opadvisor.profile.model import Environment, Profile, save_profile
 from opadvisor.profile.session import Recording, Session, SessionConfig, WindowComplete
 from opadvisor.profile.target import Target
-from opadvisor.profile.userframes import LibraryFile, set_search_path
+from opadvisor.profile.userframes import LibraryFile, resolve_user_file, set_search_path
 
 NO_SCRIPT = "<interactive>"  # the script of a run recorded in a notebook or `python -c` (a Trainer callback)
 
@@ -155,6 +155,8 @@ def session_profile(
     files = set(user_files or ()) | ({str(target.path)} if target else set())
     files |= {c.file for c in session.constructions if c.file}
     files |= {c.file for c in module_calls if c.file}
+    frames = session.compiles.frames
+    files |= {f for frame in frames for f in (frame.file, frame.break_file) if f and resolve_user_file(f)}
     return Profile(
         run_id="",
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -177,6 +179,7 @@ def session_profile(
         modules=dict(session.modules),
         calibration=session.calibration(),
         steps_seen=session.steps_seen,
+        compiled_frames=list(frames),
     )
 
 

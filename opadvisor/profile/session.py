@@ -30,6 +30,7 @@ shapes, stacks) stretches the host's share of a step; these plain times are what
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 import warnings
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opadvisor.libraries import LOADERS
+from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Calibration, Construction
 from opadvisor.profile.modules import ModuleCalls
@@ -49,6 +51,7 @@ from opadvisor.profile.userframes import (
     innermost_user_frame,
     library_file,
     note_search_path,
+    resolve_user_file,
 )
 
 
@@ -152,6 +155,7 @@ class Session:
             int
         ] = []  # clock at the ends of the calibration steps (and the one before)
         self._calibration_synced = False
+        self.compiles = CompileRecorder(lambda: self.steps_seen)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -192,6 +196,9 @@ class Session:
         self._wrap_init(torch.nn.Module, self._remember_site)
         if self.config.eager:
             self._disable_compile()
+        else:
+            self._undo.append(self.compiles.install())
+            self._record_compile_calls()
         _active = self
         if self.config.warmup == 0:
             self._start_window()
@@ -499,6 +506,36 @@ class Session:
         how = next((name.lstrip("_") for name in libraries if name in LOADERS), "constructor")
         self._built_at[module] = (*frame, how)
 
+    def _record_compile_calls(self) -> None:
+        """Wrap `torch.compile` for the run: where the user's code compiled what (kind "compile")."""
+        import torch
+
+        original = torch.compile
+
+        @functools.wraps(original)
+        def compile(*args: Any, **kwargs: Any) -> Any:
+            try:
+                self._record_compile(args, kwargs)
+            except Exception as exc:  # recording a site must never break the user's script
+                self.warnings.append(f"could not record where torch.compile was called: {exc}")
+            return original(*args, **kwargs)
+
+        torch.compile = compile  # type: ignore[assignment]
+        self._undo.append(lambda: setattr(torch, "compile", original))
+
+    def _record_compile(self, args: tuple, kwargs: dict) -> None:
+        caller = sys._getframe(2)
+        by_user = resolve_user_file(caller.f_code.co_filename) is not None
+        if not by_user and not caller.f_code.co_filename.endswith(MODULE_COMPILE_FILE):
+            return  # torch compiling its own helpers (flex attention, ...), not the user's code
+        frame = innermost_user_frame(skip=2)
+        if frame is None:
+            return
+        target = args[0] if args else kwargs.get("model")
+        attrs: dict[str, Any] = {k: _shown(v) for k, v in kwargs.items() if k != "model"}
+        attrs.update(compiled_code(target))
+        self.constructions.append(Construction("compile", "torch.compile", *frame, attrs=attrs))
+
     def _record_model(self, root: Any) -> None:
         """The model whose forward the script calls: where it was built, how, and its library switches."""
         model = _unwrap(root)
@@ -572,6 +609,37 @@ class Session:
             }
         construction = self._add_construction("module", module, "torch.nn", attrs)
         self._modules_by_construction[id(module)] = construction
+
+
+MODULE_COMPILE_FILE = "torch/nn/modules/module.py"  # nn.Module.compile calls torch.compile from there
+
+
+def compiled_code(target: Any) -> dict[str, Any]:
+    """What torch.compile was given: its qualified name and the file and first line of the code it
+    compiles (a module's forward), so the frames dynamo compiled can be matched to the call."""
+    import inspect
+
+    import torch
+
+    if target is None:
+        return {"target": None}  # `@torch.compile(...)`: the decorated function comes in the next call
+    fn = getattr(target, "__func__", target)
+    if isinstance(fn, torch.nn.Module):
+        fn = type(fn).forward
+    elif getattr(fn, "__name__", "") == "_call_impl" and isinstance(getattr(target, "__self__", None), torch.nn.Module):
+        fn = type(target.__self__).forward  # nn.Module.compile hands torch.compile its own _call_impl
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    return {
+        "target": getattr(fn, "__qualname__", type(target).__name__),
+        "code_file": resolve_user_file(code.co_filename) if code is not None else None,
+        "code_line": code.co_firstlineno if code is not None else None,
+    }
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _qualified(cls: type) -> str:

@@ -310,6 +310,10 @@ SUGGEST_SCHEMA: dict[str, Any] = {
                 "share_of_step": _NUM_OR_NULL,
                 "basis": {"enum": ["gpu", "cpu"]},
                 "graphs": {"type": "integer", "minimum": 0},
+                # issue 33: seconds torch.compile spent on the user's code, in all and in the first step
+                # (the rest is recompiles); null in runs that recorded no compiles
+                "compile_s": _NUM_OR_NULL,
+                "compile_s_first_step": _NUM_OR_NULL,
             },
         },
         "eager": {"type": "boolean"},  # profiled with `opadvisor profile --eager` (torch.compile off)

@@ -116,8 +116,11 @@ def facts_of(target: Target) -> GraphBreakFacts | None:
 
 
 def _break_line(target: Target, facts: GraphBreakFacts) -> int:
-    """The line dynamo broke at (the target's first line where the facts do not say)."""
-    return facts.line if facts.line is not None else target.line
+    """The line dynamo broke at; the target's first line where the facts do not say, or where their line is
+    outside the target (an earlier rewrite moved the target's lines, and the engine moves only those)."""
+    if facts.line is not None and target.line <= facts.line <= target.end_line:
+        return facts.line
+    return target.line
 
 
 class GraphBreakCodemod(RuleCodemod):
@@ -142,8 +145,8 @@ class GraphBreakCodemod(RuleCodemod):
         self._torch: str | None = None  # the name the file imports torch as
         self._top_imports: set[str] = set()
         self._existing: dict[str, tuple[int, str]] = {}  # config key -> (its line, the value it sets)
-        # the config lines to add: key (a function made reorderable, or SCALAR_SETTING) -> the line
-        self._wanted: dict[str, str] = {}
+        # the config lines to add, in order: a function made reorderable (as the file spells it), SCALAR_SETTING
+        self._wanted: dict[str, None] = {}
         self._handled: set[int] = set()  # ids of the targets dealt with (`_answer`)
 
     # ---- the module: what it imports and sets, and the config lines at the end ------------------------------
@@ -177,7 +180,7 @@ class GraphBreakCodemod(RuleCodemod):
         for target in self.targets:
             facts = facts_of(target)
             if facts is not None and facts.kind == "scalar_read" and id(target) not in self._handled:
-                self._capture_scalars(target, "the read is no statement of its own")
+                self._capture_scalars(target, "the read is in a compound statement's header")
         for target in self.targets:
             reason = self._unreached(target) if id(target) not in self._handled else None
             if reason is not None:
@@ -186,28 +189,24 @@ class GraphBreakCodemod(RuleCodemod):
         self.skipped.sort(key=lambda n: n.line)
         if not self._wanted:
             return updated_node
-        torch = self._torch_name()
-        groups = [
-            (
-                PRINT_COMMENT,
-                [
-                    f"{torch}._dynamo.config.reorderable_logging_functions.add({fn})"
-                    for fn in self._wanted
-                    if fn != SCALAR_SETTING
-                ],
-            ),
-            (
-                SCALAR_COMMENT,
-                [f"{torch}._dynamo.config.capture_scalar_outputs = True"]
-                if SCALAR_SETTING in self._wanted
-                else [],
-            ),
-        ]
-        names = {"torch", *(fn.split(".")[0] for fn in self._wanted if fn != SCALAR_SETTING)}
         body = list(updated_node.body)
-        at = after_imports(body, names)
-        block = config_block([(comment, lines) for comment, lines in groups if lines])
-        return updated_node.with_changes(body=[*body[:at], *block, *body[at:]])
+        functions = [key for key in self._wanted if key != SCALAR_SETTING]
+        at = after_imports(body, {"torch", *(fn.split(".")[0] for fn in functions)})
+        return updated_node.with_changes(body=[*body[:at], *self._config_lines(functions), *body[at:]])
+
+    def _config_lines(self, functions: list[str]) -> list[cst.BaseStatement]:
+        """The lines asked for, spelling torch as the file does: the functions made reorderable, then the
+        scalar capture, each group after a comment that says why."""
+        torch = self._torch_name()
+        reorderable = [f"{torch}._dynamo.config.reorderable_logging_functions.add({fn})" for fn in functions]
+        capture = (
+            [f"{torch}._dynamo.config.capture_scalar_outputs = True"]
+            if SCALAR_SETTING in self._wanted
+            else []
+        )
+        return config_block(
+            [(c, lines) for c, lines in ((PRINT_COMMENT, reorderable), (SCALAR_COMMENT, capture)) if lines]
+        )
 
     def _unreached(self, target: Target) -> str | None:
         facts = facts_of(target)
@@ -234,8 +233,8 @@ class GraphBreakCodemod(RuleCodemod):
         self.answered.add(target)
         self._handled.add(id(target))
 
-    def _want(self, key: str, line: str) -> None:
-        self._wanted.setdefault(key, line)
+    def _want(self, key: str) -> None:
+        self._wanted.setdefault(key, None)
 
     # ---- which targets a node answers ------------------------------------------------------------------------
     def _targets_at(self, node: cst.CSTNode, kind: str) -> list[tuple[Target, GraphBreakFacts]]:
@@ -288,7 +287,7 @@ class GraphBreakCodemod(RuleCodemod):
         elif fn in self._existing:
             self.skip(stmt, f"the file already makes {fn} reorderable (line {self._existing[fn][0]})")
         else:
-            self._want(fn, fn)
+            self._want(fn)
             self.changes.append(
                 Note(
                     target.line,
@@ -381,7 +380,7 @@ class GraphBreakCodemod(RuleCodemod):
             what = "sets it to False, left as the user chose" if value == "False" else "already sets it"
             self.skipped.append(Note(target.line, f"capture_scalar_outputs: the file {what} (line {line})"))
             return
-        self._want(SCALAR_SETTING, SCALAR_SETTING)
+        self._want(SCALAR_SETTING)
         self.changes.append(
             Note(
                 target.line,

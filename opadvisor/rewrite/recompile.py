@@ -143,9 +143,9 @@ class RecompileCodemod(RuleCodemod):
         self._answer(targets)
         reason = self._refusal(original_node)
         if reason is not None:
-            self.skip(original_node, reason)
+            self.skipped.extend(Note(t.line, reason) for t in targets)
             return updated_node
-        self._record(original_node, targets)
+        self._record(targets)
         return append_keywords(updated_node, [("dynamic", cst.Name("True"))], **layout(self, original_node))
 
     def leave_Decorator(self, original_node: cst.Decorator, updated_node: cst.Decorator) -> cst.Decorator:
@@ -158,7 +158,7 @@ class RecompileCodemod(RuleCodemod):
         if not targets:
             return updated_node
         self._answer(targets)
-        self._record(original_node, targets)
+        self._record(targets)
         flag = cst.Arg(
             keyword=cst.Name("dynamic"),
             value=cst.Name("True"),
@@ -175,7 +175,8 @@ class RecompileCodemod(RuleCodemod):
             return f"{code(call.func)}(...) unpacks **{code(star.value)}, which may set dynamic; add dynamic=True by hand"
         return None
 
-    def _record(self, node: cst.CSTNode, targets: list[Target]) -> None:
+    def _record(self, targets: list[Target]) -> None:
+        """One change a target, on its first line (a decorator found from its `def` line is outside it)."""
         facts = [f for f in map(facts_of, targets) if f is not None]
         sizes = sorted(
             {
@@ -185,7 +186,5 @@ class RecompileCodemod(RuleCodemod):
             }
         )
         what = f" ({', '.join(sizes)})" if sizes else ""
-        self.record_change(
-            node,
-            f"dynamic=True: one graph for every size{what} instead of a recompile for each new one",
-        )
+        message = f"dynamic=True: one graph for every size{what} instead of a recompile for each new one"
+        self.changes.extend(Note(t.line, message) for t in targets)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import runpy
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 _CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
 os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -27,3 +30,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def made_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], None]], Path]:
+    """(key, make) -> a folder `make` filled once for the whole test run, shared by every xdist worker.
+
+    A session fixture runs once per worker: with `-n auto` the profiles and runs that several test files
+    share were made once on each worker. Here the first worker to ask makes the folder (under a lock) in
+    the run's common temporary folder, and the others reuse it. Users of the folder must not change it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "made-once"
+    root.mkdir(parents=True, exist_ok=True)
+
+    def get(key: str, make: Callable[[Path], None]) -> Path:
+        folder = root / key
+        with FileLock(str(folder) + ".lock"):
+            if not (root / f"{key}.done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir(parents=True)
+                make(folder)
+                (root / f"{key}.done").touch()
+        return folder
+
+    return get

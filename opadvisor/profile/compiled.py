@@ -168,7 +168,9 @@ def _read_break(frame: CompiledFrame, payload: Any) -> None:
         if reason:
             # "Encountered graph break when attempting to trace CALL: ..." then the gb_type on the next line
             rest = [r.strip() for r in body[i + 1 :] if r.strip()]
-            frame.break_reason = _short(rest[0] if rest and reason.group(1).startswith("Encountered") else reason.group(1))
+            frame.break_reason = _short(
+                rest[0] if rest and reason.group(1).startswith("Encountered") else reason.group(1)
+            )
             frame.break_explanation = _short(_explanation(body[i + 1 :]))
             return
     frame.break_reason = _short(lines[1].strip() if len(lines) > 1 else lines[0])

@@ -626,7 +626,9 @@ def compiled_code(target: Any) -> dict[str, Any]:
     fn = getattr(target, "__func__", target)
     if isinstance(fn, torch.nn.Module):
         fn = type(fn).forward
-    elif getattr(fn, "__name__", "") == "_call_impl" and isinstance(getattr(target, "__self__", None), torch.nn.Module):
+    elif getattr(fn, "__name__", "") == "_call_impl" and isinstance(
+        getattr(target, "__self__", None), torch.nn.Module
+    ):
         fn = type(target.__self__).forward  # nn.Module.compile hands torch.compile its own _call_impl
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)

@@ -71,8 +71,17 @@ _BREAK_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tensor_branch", ("Data-dependent branching", "data dependent", "generic_jump", "dynamic control flow")),
     (
         "unsupported_call",
-        ("marked as skipped", "skip function", "numpy", "non-Tensor", "Unsupported function call", "C extension",
-         "Attempted to call function", "inline", "builtin"),
+        (
+            "marked as skipped",
+            "skip function",
+            "numpy",
+            "non-Tensor",
+            "Unsupported function call",
+            "C extension",
+            "Attempted to call function",
+            "inline",
+            "builtin",
+        ),
     ),
 )
 

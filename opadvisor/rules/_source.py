@@ -178,6 +178,7 @@ class _Collector(cst.CSTVisitor):
         self.statements: list[tuple[int, int]] = []
         self.functions: list[FunctionSpan] = []
         self.loops: list[tuple[int, int]] = []  # (first, last) line of every for / while statement
+        self.ifs: list[tuple[int, int]] = []  # (first, last) line of every if statement (elif: its own)
         self._scope: list[str] = []
 
     def _pos(self, node: cst.CSTNode) -> tuple[int, int]:
@@ -217,6 +218,7 @@ class _Collector(cst.CSTVisitor):
 
     def visit_If(self, node: cst.If) -> None:
         self._header(node, node.body)
+        self.ifs.append(self._pos(node))  # the whole statement, its else included
 
     def visit_For(self, node: cst.For) -> None:
         self._header(node, node.body)
@@ -265,6 +267,7 @@ class SourceFile:
         self._stmts = sorted(set(col.statements), key=lambda s: (s[0], s[1] - s[0]))
         self._functions = col.functions
         self._loops = col.loops
+        self._ifs = {start: (start, end) for start, end in col.ifs}
 
     def line_text(self, line: int) -> str:
         return self.lines[line - 1] if 1 <= line <= len(self.lines) else ""
@@ -302,6 +305,10 @@ class SourceFile:
         """(first, last) line of the innermost for / while statement holding `line`, None outside loops."""
         inside = [loop for loop in self._loops if loop[0] <= line <= loop[1]]
         return max(inside, key=lambda loop: loop[0]) if inside else None
+
+    def if_statement(self, line: int) -> tuple[int, int] | None:
+        """(first, last) line of the if statement that starts at `line` (its else included), else None."""
+        return self._ifs.get(line)
 
     def enclosing_function(self, line: int) -> FunctionSpan | None:
         """The innermost function whose body holds `line`."""

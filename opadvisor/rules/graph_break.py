@@ -37,8 +37,9 @@ Fix and its safety
     computed; safe for pure expressions, not where a branch would produce inf or nan that the `if` avoided:
     its gradient then reaches the other branch); an untraceable call gets `@torch.compiler.disable` on the
     smallest user function around it (not on the compiled function itself). Other breaks get advice only.
-    `opadvisor verify` then compares losses and step times; compile with `fullgraph=True` to be told of any
-    break left.
+    `opadvisor verify` then compares losses and step times, and a new profile shows any break left.
+    (`fullgraph=True` raises on most breaks, but not on every one: torch traces `.item()` itself under
+    fullgraph, and a function marked `@torch.compiler.disable` is still a break there.)
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _finding(profile: Profile, path: str, line: int, broke: list[CompiledFrame])
     call = compile_call_for(profile, first.file, compiled_line)
     src = load_profiled_source(profile, path)
     start, end = src.statement_span(line) if src is not None else (line, line)
+    if kind == "tensor_branch" and src is not None:
+        start, end = src.if_statement(start) or (start, end)  # its fix rewrites the whole if
     fn = src.enclosing_function(line) if src is not None else None
     fn_name, fn_line = (fn.qualname, fn.line) if fn is not None else (None, None)
     facts = GraphBreakFacts(
@@ -147,7 +150,8 @@ def _finding(profile: Profile, path: str, line: int, broke: list[CompiledFrame])
             share_of_step=share,
             time_basis="cpu",
             notes=[
-                f"dynamo: {first.break_reason}" + (f" ({first.break_explanation})" if first.break_explanation else ""),
+                f"dynamo: {first.break_reason}"
+                + (f" ({first.break_explanation})" if first.break_explanation else ""),
                 f"host time per step: {fmt_ms(ix.per_step_ms(eager_us))} in the ops run eagerly at the line, "
                 f"{fmt_ms(ix.per_step_ms(overhead_us))} entering and leaving the graph resumed after it; "
                 "the fusion lost across the break is not in this number",
@@ -162,4 +166,3 @@ def _finding(profile: Profile, path: str, line: int, broke: list[CompiledFrame])
 
 
 __all__ = ["FIX", "FIX_CAVEAT", "GraphBreakFacts", "ID", "TITLE", "detect"]
-

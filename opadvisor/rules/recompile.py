@@ -129,7 +129,9 @@ def _facts(kind: str, frames: list[CompiledFrame], first: CompiledFrame | None) 
     value = next((m for r in reasons if (m := _VALUE.search(r))), None)
     if kind == "shape" and size is not None:
         facts.input, facts.dim = size.group(1), int(size.group(2))
-        seen = [v for r in reasons if (m := _SIZE.search(r)) and m.group(1) == facts.input for v in m.group(3, 4)]
+        seen = [
+            v for r in reasons if (m := _SIZE.search(r)) and m.group(1) == facts.input for v in m.group(3, 4)
+        ]
         facts.values = list(dict.fromkeys(seen))
     elif kind == "scalar" and value is not None:
         facts.input = value.group(1)
@@ -138,14 +140,21 @@ def _facts(kind: str, frames: list[CompiledFrame], first: CompiledFrame | None) 
 
 
 def _finding(
-    profile: Profile, file: str, name: str, kind: str, frames: list[CompiledFrame], first: CompiledFrame | None
+    profile: Profile,
+    file: str,
+    name: str,
+    kind: str,
+    frames: list[CompiledFrame],
+    first: CompiledFrame | None,
 ) -> Finding | None:
     ix = index_of(profile)
     facts = _facts(kind, frames, first)
     call = compile_call_for(profile, file, facts.function_line)
     if call is not None:
         facts.compile_file, facts.compile_line = call.file, call.line
-        facts.compile_kwargs = {k: str(v) for k, v in call.attrs.items() if k not in ("target", "code_file", "code_line")}
+        facts.compile_kwargs = {
+            k: str(v) for k, v in call.attrs.items() if k not in ("target", "code_file", "code_line")
+        }
     path, line = (call.file, call.line) if call is not None and call.file else (file, facts.function_line)
     if not path or line is None:
         return None
@@ -191,4 +200,3 @@ def _finding(
 
 
 __all__ = ["FIX", "FIX_CAVEAT", "ID", "RecompileFacts", "TITLE", "detect"]
-

@@ -19,16 +19,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model
 
 
 @pytest.fixture(scope="session")
-def library_run(tmp_path_factory):
-    cache: dict[str, Path] = {}
+def library_run(made_once):
+    def make(name: str, project: Path) -> None:
+        shutil.copy(SCRIPTS / f"{name}.py", project / f"{name}.py")
+        run_opadvisor(project, "profile", f"{name}.py", "--steps", "2", "--warmup", "1")
 
     def get(name: str) -> Path:
-        if name not in cache:
-            project = tmp_path_factory.mktemp(name)
-            shutil.copy(SCRIPTS / f"{name}.py", project / f"{name}.py")
-            run_opadvisor(project, "profile", f"{name}.py", "--steps", "2", "--warmup", "1")
-            cache[name] = project
-        return cache[name]
+        return made_once(f"library-{name}", lambda project: make(name, project))
 
     return get
 

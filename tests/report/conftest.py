@@ -7,6 +7,7 @@ from report_testlib import ExampleRuns, make_example_runs
 
 
 @pytest.fixture(scope="session")
-def example_runs(tmp_path_factory) -> ExampleRuns:
-    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again (once a session)."""
-    return make_example_runs(tmp_path_factory.mktemp("example"))
+def example_runs(made_once) -> ExampleRuns:
+    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again (once a test run)."""
+    project = made_once("report-example", make_example_runs)
+    return ExampleRuns(project, project / "before", project / "after")

@@ -14,14 +14,12 @@ from rules_testlib import SCRIPTS, profile_script
 
 
 @pytest.fixture(scope="session")
-def rules_profile(tmp_path_factory):
-    """name -> run folder of scripts/<name>.py (or of `script`), profiled once per session."""
-    cache: dict[str, Path] = {}
+def rules_profile(made_once):
+    """name -> run folder of scripts/<name>.py (or of `script`), profiled once per test run."""
 
     def get(name: str, script: Path | None = None, *args: str) -> Path:
-        if name not in cache:
-            path = script or SCRIPTS / f"{name}.py"
-            cache[name] = profile_script(path, tmp_path_factory.mktemp(name) / "run", *args)
-        return cache[name]
+        path = script or SCRIPTS / f"{name}.py"
+        key = "-".join(["rules", name, *(a.strip("-") for a in args)])
+        return made_once(key, lambda folder: profile_script(path, folder / "run", *args)) / "run"
 
     return get

@@ -42,7 +42,7 @@ def line_of(name: str, needle: str) -> int:
 
 
 @pytest.fixture(scope="session")
-def cpu_profile(tmp_path_factory: pytest.TempPathFactory, rules_profile) -> Callable[[str], Profile]:
+def cpu_profile(made_once, rules_profile) -> Callable[[str], Profile]:
     """name -> CPU Profile of scripts/<name>.py, or of an example ("example:bert_train").
 
     The examples come from tests/rules' `rules_profile` fixture (profiled once per session for every rule
@@ -56,16 +56,7 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory, rules_profile) -> Call
                 stem = name.split(":", 1)[1]
                 run = rules_profile(stem, script_path(name))
             else:
-                run = tmp_path_factory.mktemp(name) / "run"
-                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-                os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU profile, even on a GPU machine
-                try:
-                    profile_script(script_path(name), run)
-                finally:
-                    if saved is None:
-                        del os.environ["CUDA_VISIBLE_DEVICES"]
-                    else:
-                        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                run = made_once(f"cpu-{name}", lambda folder: _cpu_profile(name, folder / "run")) / "run"
             cache[name] = load_profile(run / "profile.json")
         if cache[name].has_gpu:
             pytest.skip(
@@ -74,6 +65,18 @@ def cpu_profile(tmp_path_factory: pytest.TempPathFactory, rules_profile) -> Call
         return cache[name]
 
     return get
+
+
+def _cpu_profile(name: str, run: Path) -> None:
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU profile, even on a GPU machine
+    try:
+        profile_script(script_path(name), run)
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
 compiled = torch.compile(model, backend="aot_eager")
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 x, target = torch.randn(8, 32), torch.randn(8, 32)
-for step in range(6):
+for _step in range(6):
     loss = F.mse_loss(compiled(x), target)
     loss.backward()
     opt.step()

@@ -13,7 +13,8 @@ Why it is slow
     A recompile runs dynamo and the backend compiler again, seconds each for a model (the first compile's
     time, again); a function that reaches its recompile limit (8 by default) runs uncompiled for the rest of
     the run, losing every speed-up. The cost shown is the compile time the recompiles took, spread over the
-    run's steps so far, and the step time of the eager fallback where the limit was hit.
+    run's steps so far; where the limit was hit the finding says so (the time lost running eagerly is in
+    the step, not in that number).
 
 Example
     model = torch.compile(model)
@@ -50,7 +51,7 @@ FIX_CAVEAT = "none for recompiles on a changing number, dtype or training flag (
 # index 1. expected 16, actual 17"; "L['lr'] == 0.001"; "___check_obj_id(...training...)")
 _SIZE = re.compile(r"tensor '([^']+)' (?:size|stride) mismatch at index (\d+)\. expected (\S+), actual (\S+)")
 _DTYPE = re.compile(r"tensor '([^']+)' dtype mismatch")
-_VALUE = re.compile(r"L\['([^']+)'\] == ([^ ,)]+)")
+_VALUE = re.compile(r"^(?:L\['([^']+)'\]|([A-Za-z_][\w.]*)) == ([^\s,)#]+)")
 _CACHE_LIMIT = ("recompile limit", "recompile_limit", "cache_size_limit", "cache size limit")
 ADVICE = {
     "shape": "compile with `dynamic=True` (one graph for every size), mark the dimension dynamic "
@@ -91,16 +92,24 @@ def _limit_hit(frame: CompiledFrame) -> bool:
 
 
 def _kind(frame: CompiledFrame) -> str:
-    text = " ".join(frame.recompile_reasons)
-    if _SIZE.search(text):
+    guards = [_guard_words(r) for r in frame.recompile_reasons]
+    if any(_SIZE.search(g) for g in guards):
         return "shape"
-    if _DTYPE.search(text):
+    if any(_DTYPE.search(g) for g in guards):
         return "dtype"
-    if "training" in text:
+    if any("training" in g for g in guards):
         return "training"
-    if _VALUE.search(text):
+    if any(_VALUE.search(g) for g in guards):
         return "scalar"
     return "other"
+
+
+def _guard_words(reason: str) -> str:
+    """A guard failure without its compile id, the source comment and stack torch appends to it:
+    "0/0: temperature == 1.0   # return x / temperature  # train.py:7 ..." -> "temperature == 1.0"."""
+    first = reason.strip().splitlines()[0] if reason.strip() else ""
+    first = re.sub(r"^\d+/\d+: ", "", first)
+    return first.split("  #", 1)[0].split(" # ", 1)[0].strip()
 
 
 def _recompiles(frames: list[CompiledFrame]) -> int:
@@ -114,7 +123,7 @@ def _recompiles(frames: list[CompiledFrame]) -> int:
 
 
 def _facts(kind: str, frames: list[CompiledFrame], first: CompiledFrame | None) -> RecompileFacts:
-    reasons = list(dict.fromkeys(r.split(": ", 1)[-1] for f in frames for r in f.recompile_reasons))
+    reasons = list(dict.fromkeys(_guard_words(r) for f in frames for r in f.recompile_reasons))
     facts = RecompileFacts(
         kind=kind,
         reasons=reasons[:8],
@@ -134,8 +143,8 @@ def _facts(kind: str, frames: list[CompiledFrame], first: CompiledFrame | None) 
         ]
         facts.values = list(dict.fromkeys(seen))
     elif kind == "scalar" and value is not None:
-        facts.input = value.group(1)
-        facts.values = list(dict.fromkeys(m.group(2) for r in reasons if (m := _VALUE.search(r))))
+        facts.input = value.group(1) or value.group(2)
+        facts.values = list(dict.fromkeys(m.group(3) for r in reasons if (m := _VALUE.search(r))))
     return facts
 
 
@@ -166,7 +175,7 @@ def _finding(
     fixable = kind == "shape" and call is not None and "dynamic" not in facts.compile_kwargs
     what = {
         "shape": f"the size of `{facts.input}` (dim {facts.dim}) changed: {', '.join(facts.values[:6])}",
-        "scalar": f"the number `{facts.input}` changed: {', '.join(facts.values[:6])}",
+        "scalar": f"the number `{facts.input}` changed (compiled for {', '.join(facts.values[:6])} before)",
         "dtype": "an input's dtype changed",
         "training": "a module's training flag flipped",
         "other": facts.reasons[0] if facts.reasons else "a guard failed",

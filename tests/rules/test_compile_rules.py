@@ -18,7 +18,7 @@ import pytest
 from rules_testlib import REPO, SCRIPTS, expected_lines
 
 from opadvisor.profile.compiled import CompileRecorder
-from opadvisor.profile.model import CompiledFrame, load_profile, profile_from_dict, profile_to_dict
+from opadvisor.profile.model import CompiledFrame, Profile, load_profile, profile_from_dict, profile_to_dict
 from opadvisor.rules import graph_break, recompile
 from opadvisor.rules._compiled import break_kind
 from opadvisor.rules.compile_facts import GraphBreakFacts, RecompileFacts
@@ -152,3 +152,37 @@ def test_the_recorder_reads_dynamo_records():
         break_file="/nowhere/model.py", break_line=31,
     )  # fmt: skip
     assert break_kind(frame.break_reason, frame.break_explanation) == "scalar_read"
+
+
+def _synthetic(tmp_path: Path, frames: list[CompiledFrame]) -> Profile:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n\n\n\n@torch.compile\ndef step_fn(x, temperature):\n    return x / temperature\n"
+    )
+    return Profile(script=str(script), sources={str(script): "0" * 64}, compiled_frames=frames, steps_seen=10)
+
+
+def test_a_changing_number_and_the_recompile_limit_are_named(tmp_path):
+    """Guard failures as torch 2.13 words a float argument (source comment and stack appended), and a
+    function that reached the recompile limit: kind, input, values, and the limit said."""
+    file = str(tmp_path / "train.py")
+    guard = (
+        "0/0: temperature == 1.0                      # return x / temperature  # train.py:7 in step_fn\n"
+        'User stack trace:\n  File "train.py", line 7, in step_fn'
+    )
+    frames = [
+        CompiledFrame(compile_id="0/0", function="step_fn", file=file, line=6, compile_s=0.5),
+        CompiledFrame(compile_id="0/1", function="step_fn", file=file, line=6, step=1, compile_s=0.25,
+                      recompile_reasons=[guard]),
+        CompiledFrame(compile_id="0/2", function="step_fn", file=file, line=6, step=2, compile_s=0.25,
+                      recompile_reasons=[guard.replace("1.0", "2.0")],
+                      failed="Unsupported: Dynamo recompile limit exceeded"),
+    ]  # fmt: skip
+    (finding,) = recompile.detect(_synthetic(tmp_path, frames))
+    facts = RecompileFacts.from_details(finding.details)
+    assert facts.kind == "scalar" and facts.input == "temperature" and facts.values == ["1.0", "2.0"]
+    assert facts.reasons == ["temperature == 1.0", "temperature == 2.0"]
+    assert facts.recompiles == 2 and facts.compile_s == 0.5 and facts.cache_limit_hit
+    assert finding.fix == "none" and "0-d tensor" in finding.advice
+    assert "reached the recompile limit" in finding.message and finding.line == 6
+    assert finding.time_ms_per_step == pytest.approx(50.0)  # 0.5 s of recompiling over 10 steps

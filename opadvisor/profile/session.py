@@ -156,6 +156,7 @@ class Session:
         ] = []  # clock at the ends of the calibration steps (and the one before)
         self._calibration_synced = False
         self.compiles = CompileRecorder(lambda: self.steps_seen)
+        self._decorator_kwargs: dict[str, Any] | None = None  # of the `@torch.compile(...)` being applied
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -526,12 +527,19 @@ class Session:
     def _record_compile(self, args: tuple, kwargs: dict) -> None:
         caller = sys._getframe(2)
         by_user = resolve_user_file(caller.f_code.co_filename) is not None
-        if not by_user and not caller.f_code.co_filename.endswith(MODULE_COMPILE_FILE):
+        if not by_user and not caller.f_code.co_filename.endswith(COMPILE_CALLERS):
             return  # torch compiling its own helpers (flex attention, ...), not the user's code
+        target = args[0] if args else kwargs.get("model")
+        if target is None:
+            # `@torch.compile(...)`: torch calls this again with the decorated function and every
+            # keyword at its default; the user's own keywords are these
+            self._decorator_kwargs = dict(kwargs)
+            return
+        if caller.f_code.co_filename.endswith(COMPILE_CALLERS[1]) and self._decorator_kwargs is not None:
+            kwargs, self._decorator_kwargs = self._decorator_kwargs, None
         frame = innermost_user_frame(skip=2)
         if frame is None:
             return
-        target = args[0] if args else kwargs.get("model")
         attrs: dict[str, Any] = {k: _shown(v) for k, v in kwargs.items() if k != "model"}
         attrs.update(compiled_code(target))
         self.constructions.append(Construction("compile", "torch.compile", *frame, attrs=attrs))
@@ -611,7 +619,9 @@ class Session:
         self._modules_by_construction[id(module)] = construction
 
 
-MODULE_COMPILE_FILE = "torch/nn/modules/module.py"  # nn.Module.compile calls torch.compile from there
+# torch calls torch.compile for the user from these: nn.Module.compile, and the decorator that
+# `@torch.compile(...)` returns
+COMPILE_CALLERS = ("torch/nn/modules/module.py", "torch/__init__.py")
 
 
 def compiled_code(target: Any) -> dict[str, Any]:
@@ -621,8 +631,6 @@ def compiled_code(target: Any) -> dict[str, Any]:
 
     import torch
 
-    if target is None:
-        return {"target": None}  # `@torch.compile(...)`: the decorated function comes in the next call
     fn = getattr(target, "__func__", target)
     if isinstance(fn, torch.nn.Module):
         fn = type(fn).forward

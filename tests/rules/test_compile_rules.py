@@ -108,6 +108,10 @@ def _check_recompile(profile, script: Path) -> None:
 def test_a_clean_compiled_script_has_neither(rules_profile):
     profile = load_profile(rules_profile("compiled_clean") / "profile.json")
     assert profile.compiled_frames  # it was compiled, and recorded
+    (call,) = [c for c in profile.constructions if c.kind == "compile"]
+    assert call.line == expected_lines(SCRIPTS / "compiled_clean.py", "compile")[0]
+    assert call.attrs == {"backend": "'aot_eager'", "target": "loss_of", "code_file": call.file,
+                          "code_line": call.line}  # fmt: skip
     assert graph_break.detect(profile) == [] and recompile.detect(profile) == []
 
 

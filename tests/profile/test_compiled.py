@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from opadvisor.profile.model import load_profile
+
 SCRIPT = Path(__file__).parent / "scripts" / "compiled_attention.py"
 
 pytestmark = pytest.mark.slow
@@ -39,6 +41,9 @@ def test_compiled_time_is_reported_and_eager_finds_the_patterns(tmp_path: Path) 
     assert done.returncode == 0, done.stderr[-2000:]
     doc = json.loads(opadvisor(tmp_path, "suggest", "eager", "--format", "json").stdout)
     assert doc["eager"] is True and doc["compiled"] is None
+    # nothing compiled, so nothing of torch.compile's own is judged (issue 33's rules say why)
+    assert load_profile(tmp_path / "eager" / "profile.json").compiled_frames == []
+    assert "nothing was compiled with torch.compile in this run (profiled with --eager)" in json.dumps(doc)
     rules = {f["rule"]: f for f in doc["findings"]}
     assert rules["fused_softmax"]["apply"] and rules["sdpa_attention"]["apply"]
     assert rules["fused_dropout_add"]["apply"]

@@ -15,14 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from rules_testlib import REPO, SCRIPTS, expected_lines
+from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.model import CompiledFrame, Profile, load_profile, profile_from_dict, profile_to_dict
 from opadvisor.rules import graph_break, recompile
 from opadvisor.rules._compiled import break_kind
 from opadvisor.rules.compile_facts import GraphBreakFacts, RecompileFacts
-from opadvisor.rules.engine import NotApplicable
 
 BREAKS = SCRIPTS / "compiled_breaks.py"
 
@@ -113,19 +112,6 @@ def test_a_clean_compiled_script_has_neither(rules_profile):
     assert call.attrs == {"backend": "'aot_eager'", "target": "loss_of", "code_file": call.file,
                           "code_line": call.line}  # fmt: skip
     assert graph_break.detect(profile) == [] and recompile.detect(profile) == []
-
-
-def test_an_eager_run_is_not_judged(tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "opadvisor", "profile", str(SCRIPTS / "compiled_clean.py"), "--eager"]
-    proc = subprocess.run([*cmd, "--steps", "2", "--warmup", "1", "--out", str(run)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    profile = load_profile(run / "profile.json")
-    assert profile.compiled_frames == []
-    for rule in (graph_break, recompile):
-        with pytest.raises(NotApplicable, match="--eager"):
-            rule.detect(profile)
 
 
 def test_the_recorder_reads_dynamo_records():

@@ -37,6 +37,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite import _metadata
+from opadvisor.rewrite._compile_edits import torch_binding
 from opadvisor.rewrite._match import code, nodes_of, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
@@ -88,21 +89,6 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())]))
 
 
-def _torch_binding(stmt: cst.BaseStatement) -> str | None:
-    """The name a top-level `import torch` / `import torch as th` / `import torch.nn` statement binds."""
-    if not isinstance(stmt, cst.SimpleStatementLine):
-        return None
-    for small in stmt.body:
-        if isinstance(small, cst.Import):
-            for alias in small.names:
-                name = code(alias.name)
-                if alias.asname is None and name.split(".")[0] == "torch":
-                    return "torch"
-                if alias.asname is not None and name == "torch":
-                    return alias.asname.name.value  # type: ignore[union-attr]
-    return None
-
-
 class Fp32GemmCodemod(RuleCodemod):
     """TF32 flags at the script's start (default), or bf16 autocast around the step's forward (mode)."""
 
@@ -126,8 +112,8 @@ class Fp32GemmCodemod(RuleCodemod):
         self._found: tuple[Sequence[cst.Assign], Sequence[cst.Call]] | None = None  # _candidates
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._torch = next((b for b in map(_torch_binding, node.body) if b), "torch")
-        self._torch_imported = any(_torch_binding(s) for s in node.body)
+        self._torch = next((b for b in map(torch_binding, node.body) if b), "torch")
+        self._torch_imported = any(torch_binding(s) for s in node.body)
         if self.mode == "autocast" and self.targets is None:
             self.skipped.append(
                 Note(
@@ -174,7 +160,7 @@ class Fp32GemmCodemod(RuleCodemod):
             at = 1
         while at < len(body) and _is_import_line(body[at]):
             at += 1
-        bound_at = next((i + 1 for i, s in enumerate(body) if _torch_binding(s)), None)
+        bound_at = next((i + 1 for i, s in enumerate(body) if torch_binding(s)), None)
         if bound_at is None:
             AddImportsVisitor.add_needed_import(self.context, "torch")
         else:

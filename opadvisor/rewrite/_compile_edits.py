@@ -1,5 +1,6 @@
-"""Source edits the torch.compile fixes share (graph_break, recompile; fp32_gemm reads the torch name too): the name the file imports torch as,
-the top-level config lines (found and placed), the forms of a scalar read, and `torch.where` for an `if`.
+"""Source edits the torch.compile fixes share (graph_break, recompile): the name the file imports torch as
+(fp32_gemm reads it too), the top-level config lines (found and placed), the forms of a scalar read, and
+`torch.where` for an `if`.
 
 Everything here reads or builds libcst nodes; the codemods decide where (from the profile's targets).
 """

@@ -25,8 +25,10 @@ and `recompile` read them.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from opadvisor.profile.model import CompiledFrame
@@ -46,7 +48,8 @@ BOOKKEEPING = frozenset(
         CACHE_LOOKUP,
     }
 )
-TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace: logging.getLogger of this name
+TRACE_LOGGER = "torch.__trace"
+OWN_DIR = str(Path(__file__).resolve().parent) + os.sep  # this package: the session's hooks  # torch._logging's structured trace: logging.getLogger of this name
 _BREAK_AT = re.compile(r"^Graph break(?: \(user stack suppressed[^)]*\))? in user code at (.+):(\d+)\s*$")
 _REASON = re.compile(r"^Graph Break Reason:\s*(.*)$")
 MAX_TEXT = 2000  # characters kept of a reason or an explanation
@@ -118,6 +121,11 @@ class CompileRecorder:
     def _metrics(self, metadata: dict[str, Any]) -> None:
         metrics = metadata.get("compilation_metrics") or {}
         frame = self._frame_of(metadata)
+        if str(metrics.get("co_filename") or "").startswith(OWN_DIR):
+            # the session's own module hooks, which dynamo compiles around a compiled module's call: an
+            # artifact of profiling, not the user's code
+            self.frames.remove(frame)
+            return
         frame.function = str(metrics.get("co_name") or frame.function)
         file = metrics.get("co_filename")
         frame.file = (resolve_user_file(file) or file) if isinstance(file, str) else None

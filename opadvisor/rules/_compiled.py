@@ -40,20 +40,19 @@ def compiled_regions(profile: Profile) -> dict[str, Any] | None:
         step = sum(spans) / len(spans) if spans else None
     else:
         step = ix.step_ms
-    frames = user_frames(profile)
     return {
         "ms_per_step": round(ms, 4),
         "share_of_step": round(min(1.0, ms / step), 4) if step else None,
         "basis": ix.basis,
         "graphs": graphs_per_step(profile)
         or len({op.name for op in regions if op.name.startswith(FORWARD_PREFIX)}),
-        **compile_times(frames),
+        **compile_times(profile.compiled_frames),
     }
 
 
 def compile_times(frames: list[CompiledFrame]) -> dict[str, Any]:
-    """Seconds torch.compile spent on the user's code: in all, in the first step, and after it
-    (recompiles); None where the run recorded no compiles (older runs)."""
+    """Seconds torch.compile spent compiling the model (the user's code and the libraries'): in all and in
+    the first step (the rest is recompiles); None where the run recorded no compiles (older runs)."""
     if not frames:
         return {"compile_s": None, "compile_s_first_step": None}
     total = sum(f.compile_s or 0.0 for f in frames)
@@ -87,7 +86,7 @@ _BREAK_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def user_frames(profile: Profile) -> list[CompiledFrame]:
-    """The frames of the user's own code (opadvisor's hooks and library code are compiled too)."""
+    """The frames of the user's own code (a library's, such as a transformers model's, are compiled too)."""
     return [f for f in profile.compiled_frames if f.file in profile.sources]
 
 
@@ -164,8 +163,9 @@ def _parent_at(ops: list[Op], op: Op, path: str, line: int) -> bool:
 
 
 def graphs_per_step(profile: Profile) -> int | None:
-    """Graphs of the user's code that one call runs: one per distinct compiled frame (each break adds one)."""
-    ids = {f.compile_id.split("/", 1)[0] for f in user_frames(profile) if not f.failed}
+    """Graphs one call runs: one per distinct compiled frame, the user's or a library's (each break adds
+    one)."""
+    ids = {f.compile_id.split("/", 1)[0] for f in profile.compiled_frames if not f.failed}
     return len(ids) or None
 
 

@@ -5,9 +5,10 @@ start (cpu_torchvision/), and only there."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import runpy
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +19,14 @@ _CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(_CPU_TORCHVISION), os.environ.get("PYTHONPATH")) if p
 )
-runpy.run_path(str(_CPU_TORCHVISION / "sitecustomize.py"))
+# Loaded as a module of its own (kept in sys.modules): runpy.run_path would clear its globals once run, and
+# the import hook it installs reads them when torchvision is first imported in this process.
+_spec = importlib.util.spec_from_file_location(
+    "_opadvisor_cpu_torchvision", _CPU_TORCHVISION / "sitecustomize.py"
+)
+_module = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _module
+_spec.loader.exec_module(_module)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -53,6 +53,7 @@ from opadvisor.profile.userframes import (
     note_search_path,
     resolve_user_file,
 )
+from opadvisor.profile.vendored import vendored_transformers_words
 
 
 class WindowComplete(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -563,6 +564,9 @@ class Session:
         self.constructions.append(
             Construction("model", _qualified(cls), file, line, function, module="", attrs=attrs)
         )
+        vendored = vendored_transformers_words(cls)
+        if vendored is not None:
+            self.warnings.append(vendored)
 
     def _record_optimizer(self, opt: Any, args: tuple, kwargs: dict) -> None:
         params = [p for group in opt.param_groups for p in group["params"]]

@@ -25,6 +25,11 @@ precision of the loop it replaces.
 On CUDA the cell's four weight tensors are not one packed buffer, so each call packs them for cuDNN (one
 copy of the weights, far less than the sequence's work); cuDNN's warning about it ("RNN module weights are
 not part of single contiguous chunk of memory") is silenced for this call only: it is expected here.
+
+Under torch.compile the call traces into the caller's graph without a break (tests/kernels/
+test_kernels_fullgraph.py): the compiled code runs torch's decomposition of the op (the recurrence as matrix
+products, which follow the matmul TF32 setting as the loop did), so neither the warning filter nor the cuDNN
+flag is set there.
 """
 
 from __future__ import annotations
@@ -83,19 +88,28 @@ def cell_sequence(
         state = tuple(s.unsqueeze(0) for s in state) if lstm else state.unsqueeze(0)
     args = (_parameters(cell), cell.bias, 1, 0.0, torch.is_grad_enabled(), False, time_dim == 1)
     _dispatch.record(OP, _dispatch.KERNEL)
-    with warnings.catch_warnings(), _loop_precision(inputs.is_cuda, _loop_tf32()):
-        warnings.filterwarnings("ignore", message=_PACKING_WARNING)
-        if lstm:
-            outputs, h, c = op(inputs, (_layer_state(state[0]), _layer_state(state[1])), *args)
-            final: Any = (h[0], c[0])
-        else:
-            outputs, h = op(inputs, _layer_state(state), *args)
-            final = h[0]
-    _backward_at_loop_precision(outputs)
+    if torch.compiler.is_compiling():
+        # Traced: no warning filter or cuDNN flag to set (dynamo breaks the graph at both). The compiled graph
+        # runs torch's decomposition of the op (the recurrence as matrix products, as the loop ran them).
+        outputs, final = _run(op, lstm, inputs, state, args)
+    else:
+        with warnings.catch_warnings(), _loop_precision(inputs.is_cuda, _loop_tf32()):
+            warnings.filterwarnings("ignore", message=_PACKING_WARNING)
+            outputs, final = _run(op, lstm, inputs, state, args)
+        _backward_at_loop_precision(outputs)
     if not batched:
         outputs = outputs.squeeze(1)
         final = tuple(s.squeeze(0) for s in final) if lstm else final.squeeze(0)
     return outputs, final
+
+
+def _run(op: Any, lstm: bool, inputs: Tensor, state: Any, args: tuple) -> tuple[Tensor, Any]:
+    """(outputs, final state in the cell's form, batched) of the fused layer op."""
+    if lstm:
+        outputs, h, c = op(inputs, (_layer_state(state[0]), _layer_state(state[1])), *args)
+        return outputs, (h[0], c[0])
+    outputs, h = op(inputs, _layer_state(state), *args)
+    return outputs, h[0]
 
 
 def _loop_tf32() -> bool:

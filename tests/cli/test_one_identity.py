@@ -85,7 +85,13 @@ def verdict(f: dict) -> str:
     return "no automatic fix" if f["fix"] == "none" else f["fix"]
 
 
-def test_every_format_names_each_finding_alike(outputs: dict) -> None:
+def test_every_format_and_apply_name_each_finding_alike(outputs: dict) -> None:
+    """One test per example (a module fixture split across xdist workers would profile it on each)."""
+    _formats_agree(outputs)
+    _apply_agrees(outputs)
+
+
+def _formats_agree(outputs: dict) -> None:
     findings = outputs["json"]["findings"]
     results = outputs["sarif"]["runs"][0]["results"]
     assert [r["ruleId"] for r in results] == [f["rule"] for f in findings]
@@ -102,7 +108,8 @@ def test_every_format_names_each_finding_alike(outputs: dict) -> None:
             assert verdict(f) in outputs["table"]
 
 
-def test_apply_speaks_of_the_same_findings_with_the_same_verdicts(outputs: dict) -> None:
+def _apply_agrees(outputs: dict) -> None:
+    """apply speaks of the same findings, by the same lines, with the same verdicts."""
     findings = {(identity(f), f["rule"]): f for f in outputs["json"]["findings"]}
     said: dict[tuple[str, str], list[str]] = {}
     for line in outputs["apply"]:

@@ -42,9 +42,13 @@ def only_run(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bert_run(tmp_path_factory) -> Path:
-    """The BERT-like example profiled for 3 steps on CPU, as a user would run it (a subprocess)."""
-    cwd = tmp_path_factory.mktemp("bert")
+def bert_run(made_once) -> Path:
+    """The BERT-like example profiled for 3 steps on CPU, as a user would run it (a subprocess; once per
+    test run)."""
+    return only_run(made_once("profile-bert", _profile_bert))
+
+
+def _profile_bert(cwd: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -63,7 +67,6 @@ def bert_run(tmp_path_factory) -> Path:
     assert proc.returncode == 0, proc.stderr
     # torch 2.13's Kineto prints `USDT: ... profiler_start` / `profiler_stop` on stderr: filtered out
     assert "profiler_start" not in proc.stderr and "profiler_stop" not in proc.stderr, proc.stderr
-    return only_run(cwd)
 
 
 def _line_of(path: Path, needle: str) -> int:

@@ -42,7 +42,8 @@ def losses(cwd: Path, script: Path) -> list[float]:
     return values
 
 
-@pytest.mark.parametrize("name", ["bert_train", "gpt_train"])
+# bert_train only: gpt_train's `apply --rule all` and its losses are held by tests/verify/test_verify_e2e.py
+@pytest.mark.parametrize("name", ["bert_train"])
 def test_apply_keeps_the_losses(tmp_path, name):
     if not (EXAMPLES / f"{name}.py").is_file():
         pytest.skip(f"examples/{name}.py is not there")

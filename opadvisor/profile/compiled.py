@@ -172,7 +172,7 @@ def _read_break(frame: CompiledFrame, payload: Any) -> None:
         file = where.group(1)
         frame.break_file = resolve_user_file(file) or file
         frame.break_line = int(where.group(2))
-    body = [ln for ln in lines[1:]]
+    body = lines[1:]
     for i, ln in enumerate(body):
         reason = _REASON.match(ln.strip())
         if reason:

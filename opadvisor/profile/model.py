@@ -336,6 +336,11 @@ class CompiledFrame:
     break_line: int | None = None
     failed: str | None = None
 
+    @property
+    def frame_id(self) -> str:
+        """Dynamo's frame id ("0" of "0/1"): every compile of one piece of code shares it."""
+        return self.compile_id.split("/", 1)[0]
+
 
 @dataclass
 class ModuleCall:

@@ -528,7 +528,9 @@ class Session:
     def _record_compile(self, args: tuple, kwargs: dict) -> None:
         caller = sys._getframe(2)
         by_user = resolve_user_file(caller.f_code.co_filename) is not None
-        if not by_user and not caller.f_code.co_filename.endswith(COMPILE_CALLERS):
+        if not by_user and not caller.f_code.co_filename.endswith(
+            (MODULE_COMPILE_FILE, DECORATOR_COMPILE_FILE)
+        ):
             return  # torch compiling its own helpers (flex attention, ...), not the user's code
         target = args[0] if args else kwargs.get("model")
         if target is None:
@@ -536,7 +538,7 @@ class Session:
             # keyword at its default; the user's own keywords are these
             self._decorator_kwargs = dict(kwargs)
             return
-        if caller.f_code.co_filename.endswith(COMPILE_CALLERS[1]) and self._decorator_kwargs is not None:
+        if caller.f_code.co_filename.endswith(DECORATOR_COMPILE_FILE) and self._decorator_kwargs is not None:
             kwargs, self._decorator_kwargs = self._decorator_kwargs, None
         frame = innermost_user_frame(skip=2)
         if frame is None:
@@ -625,7 +627,8 @@ class Session:
 
 # torch calls torch.compile for the user from these: nn.Module.compile, and the decorator that
 # `@torch.compile(...)` returns
-COMPILE_CALLERS = ("torch/nn/modules/module.py", "torch/__init__.py")
+MODULE_COMPILE_FILE = "torch/nn/modules/module.py"
+DECORATOR_COMPILE_FILE = "torch/__init__.py"
 
 
 def compiled_code(target: Any) -> dict[str, Any]:

@@ -54,12 +54,18 @@ def _is_docstring(stmt: cst.BaseStatement) -> bool:
     return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())]))
 
 
-def after_imports(body: Sequence[cst.BaseStatement], names: set[str]) -> int:
-    """Where top-level lines go: after the docstring and the leading imports, and after the statements
-    that import `names` (the lines read them), wherever those come."""
+def after_docstring_and_imports(body: Sequence[cst.BaseStatement]) -> int:
+    """The index of the first top-level statement after the module docstring and the leading imports."""
     at = 1 if body and _is_docstring(body[0]) else 0
     while at < len(body) and _is_import_line(body[at]):
         at += 1
+    return at
+
+
+def after_imports(body: Sequence[cst.BaseStatement], names: set[str]) -> int:
+    """Where top-level lines go: after the docstring and the leading imports, and after the statements
+    that import `names` (the lines read them), wherever those come."""
+    at = after_docstring_and_imports(body)
     for i, stmt in enumerate(body):
         if imported_names(stmt) & names or ("torch" in names and torch_binding(stmt)):
             at = max(at, i + 1)

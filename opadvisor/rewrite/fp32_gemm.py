@@ -37,7 +37,7 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite import _metadata
-from opadvisor.rewrite._compile_edits import torch_binding
+from opadvisor.rewrite._compile_edits import after_docstring_and_imports, config_block, torch_binding
 from opadvisor.rewrite._match import code, nodes_of, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 
@@ -77,16 +77,6 @@ _KEYWORDS = {
 TF32_COMMENT = (
     "# TF32 tensor cores for float32 matmuls and convolutions (opadvisor fp32_gemm: changes numerics)"
 )
-
-
-def _is_import_line(stmt: cst.BaseStatement) -> bool:
-    return isinstance(stmt, cst.SimpleStatementLine) and all(
-        isinstance(s, cst.Import | cst.ImportFrom) for s in stmt.body
-    )
-
-
-def _is_docstring(stmt: cst.BaseStatement) -> bool:
-    return m.matches(stmt, m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())]))
 
 
 class Fp32GemmCodemod(RuleCodemod):
@@ -155,20 +145,13 @@ class Fp32GemmCodemod(RuleCodemod):
             return updated_node
 
         body = list(updated_node.body)
-        at = 0
-        if body and _is_docstring(body[0]):
-            at = 1
-        while at < len(body) and _is_import_line(body[at]):
-            at += 1
+        at = after_docstring_and_imports(body)
         bound_at = next((i + 1 for i, s in enumerate(body) if torch_binding(s)), None)
         if bound_at is None:
             AddImportsVisitor.add_needed_import(self.context, "torch")
         else:
             at = max(at, bound_at)
-        new = [cst.parse_statement(line) for line in lines]
-        new[0] = new[0].with_changes(
-            leading_lines=[cst.EmptyLine(), cst.EmptyLine(comment=cst.Comment(TF32_COMMENT))]
-        )
+        new = config_block([(TF32_COMMENT, lines)])
         line = self.lines_of(original_node.body[at - 1])[1] + 1 if at else 1
         self.changes.append(
             Note(

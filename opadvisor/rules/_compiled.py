@@ -19,7 +19,6 @@ from opadvisor.profile.compiled import BOOKKEEPING, CACHE_LOOKUP, GRAPH_FUNCTION
 from opadvisor.profile.model import CompiledFrame, Construction, Op, Profile
 from opadvisor.rules._index import index_of
 
-FORWARD_PREFIX = REGION_PREFIX
 BACKWARD_SUFFIX = "CompiledFunctionBackward"
 
 
@@ -30,7 +29,7 @@ def compiled_regions(profile: Profile) -> dict[str, Any] | None:
         for op in profile.ops
         if op.parent is None
         and ix.in_window(op)
-        and (op.name.startswith(FORWARD_PREFIX) or op.is_backward and op.name.endswith(BACKWARD_SUFFIX))
+        and (op.name.startswith(REGION_PREFIX) or op.is_backward and op.name.endswith(BACKWARD_SUFFIX))
     ]
     if not regions:
         return None
@@ -45,7 +44,7 @@ def compiled_regions(profile: Profile) -> dict[str, Any] | None:
         "share_of_step": round(min(1.0, ms / step), 4) if step else None,
         "basis": ix.basis,
         "graphs": graphs_per_step(profile)
-        or len({op.name for op in regions if op.name.startswith(FORWARD_PREFIX)}),
+        or len({op.name for op in regions if op.name.startswith(REGION_PREFIX)}),
         **compile_times(profile.compiled_frames),
     }
 
@@ -112,7 +111,7 @@ def resumed_frame_ids(profile: Profile, path: str, line: int) -> set[str]:
     """Dynamo's frame ids of the code resumed after the break at path:line."""
     suffix = f"_at_{line}"
     return {
-        f.compile_id.split("/", 1)[0]
+        f.frame_id
         for f in profile.compiled_frames
         if f.file == path and f.function.startswith(RESUME_PREFIX) and f.function.endswith(suffix)
     }
@@ -124,12 +123,12 @@ def site_host_us(profile: Profile, path: str, line: int, resumed: set[str]) -> t
     and their bookkeeping ops)."""
     ix = index_of(profile)
     ops = profile.ops
-    regions = {f"{FORWARD_PREFIX}: {fid}/" for fid in resumed}
+    regions = {f"{REGION_PREFIX}: {fid}/" for fid in resumed}
     eager = overhead = 0.0
     for op in ops:
         if op.is_backward or not ix.in_window(op):
             continue
-        if op.name.startswith(FORWARD_PREFIX) and any(op.name.startswith(r) for r in regions):
+        if op.name.startswith(REGION_PREFIX) and any(op.name.startswith(r) for r in regions):
             kids = [ops[c] for c in ix.children[op.id]]
             own = op.duration_us - sum(k.duration_us for k in kids)
             overhead += max(0.0, own) + sum(k.duration_us for k in kids if k.name in BOOKKEEPING)
@@ -165,7 +164,7 @@ def _parent_at(ops: list[Op], op: Op, path: str, line: int) -> bool:
 def graphs_per_step(profile: Profile) -> int | None:
     """Graphs one call runs: one per distinct compiled frame, the user's or a library's (each break adds
     one)."""
-    ids = {f.compile_id.split("/", 1)[0] for f in profile.compiled_frames if not f.failed}
+    ids = {f.frame_id for f in profile.compiled_frames if not f.failed}
     return len(ids) or None
 
 

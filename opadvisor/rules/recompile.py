@@ -118,7 +118,7 @@ def _recompiles(frames: list[CompiledFrame]) -> int:
     per_frame: dict[str, int] = defaultdict(int)
     for f in frames:
         if f.recompile_reasons:
-            per_frame[f.compile_id.split("/", 1)[0]] += 1
+            per_frame[f.frame_id] += 1
     return max(per_frame.values(), default=0)
 
 

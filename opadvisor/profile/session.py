@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opadvisor.libraries import LOADERS
+from opadvisor.profile.blocks import repeated_blocks
 from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Calibration, Construction
@@ -545,6 +546,9 @@ class Session:
             return
         attrs: dict[str, Any] = {k: _shown(v) for k, v in kwargs.items() if k != "model"}
         attrs.update(compiled_code(target))
+        blocks = _compiled_module_blocks(target)
+        if blocks is not None:
+            attrs["blocks"] = blocks
         self.constructions.append(Construction("compile", "torch.compile", *frame, attrs=attrs))
 
     def _record_model(self, root: Any) -> None:
@@ -652,6 +656,14 @@ def compiled_code(target: Any) -> dict[str, Any]:
         "code_file": resolve_user_file(code.co_filename) if code is not None else None,
         "code_line": code.co_firstlineno if code is not None else None,
     }
+
+
+def _compiled_module_blocks(target: Any) -> dict[str, Any] | None:
+    """The repeated blocks of a module compiled whole (`torch.compile(model)`, `model.compile()`)."""
+    import torch
+
+    module = getattr(target, "__self__", target) if getattr(target, "__name__", "") == "_call_impl" else target
+    return repeated_blocks(module) if isinstance(module, torch.nn.Module) else None
 
 
 def _shown(value: Any) -> str:

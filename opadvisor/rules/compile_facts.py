@@ -85,4 +85,34 @@ class RecompileFacts(Facts):
     compile_kwargs: dict[str, str] = field(default_factory=dict)
 
 
-__all__ = ["BREAK_KINDS", "RECOMPILE_KINDS", "GraphBreakFacts", "RecompileFacts"]
+@dataclass
+class RegionalCompileFacts(Facts):
+    """A model compiled whole whose repeated blocks could be compiled one at a time (regional compilation).
+
+    model: the compiled model's class. block / block_qualified: the repeated block class (its name, and
+    module.qualname); count: its instances; containers: the paths, from the compiled model, of the
+    `nn.ModuleList`s / `nn.Sequential`s whose every child is a block ("blocks", "model.layers",
+    "layers.0.blocks"); singles: the paths of blocks outside such containers; param_share: the blocks'
+    share of the model's parameter tensors; outside: the outermost modules holding no block (they run
+    eagerly once the blocks alone are compiled). compile_s: the seconds torch.compile spent compiling the
+    model in this run (every frame and recompile of it); compile_s_first_step: of those, in the first step.
+    compile_file / compile_line: the `torch.compile(...)` (or `model.compile(...)`) call; compile_kwargs:
+    its keyword arguments as written (`{"mode": "'max-autotune'"}`), passed on to each block's compile.
+    """
+
+    model: str = ""
+    block: str = ""
+    block_qualified: str = ""
+    count: int = 0
+    containers: list[str] = field(default_factory=list)
+    singles: list[str] = field(default_factory=list)
+    param_share: float | None = None
+    outside: list[str] = field(default_factory=list)
+    compile_s: float = 0.0
+    compile_s_first_step: float = 0.0
+    compile_file: str | None = None
+    compile_line: int | None = None
+    compile_kwargs: dict[str, str] = field(default_factory=dict)
+
+
+__all__ = ["BREAK_KINDS", "RECOMPILE_KINDS", "GraphBreakFacts", "RecompileFacts", "RegionalCompileFacts"]

@@ -32,6 +32,7 @@ RULE_MODULES: tuple[str, ...] = (
     "fuse_region",
     "graph_break",
     "recompile",
+    "regional_compile",
 )
 
 

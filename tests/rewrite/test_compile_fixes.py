@@ -293,7 +293,7 @@ def build(backend):
 
 
 # ---- a second apply changes nothing: the targets moved onto the output as `opadvisor apply` moves them --------
-FIXTURES = [*cases("graph_break"), *cases("recompile")]
+FIXTURES = [*cases("graph_break"), *cases("recompile"), *cases("regional_compile")]
 
 
 @pytest.mark.parametrize("case", FIXTURES, ids=lambda p: f"{p.parent.name}/{p.name.removesuffix('.in.py')}")

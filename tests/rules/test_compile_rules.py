@@ -19,7 +19,7 @@ from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.model import CompiledFrame, Profile, load_profile, profile_from_dict, profile_to_dict
-from opadvisor.rules import graph_break, recompile
+from opadvisor.rules import graph_break, recompile, regional_compile
 from opadvisor.rules._compiled import break_kind
 from opadvisor.rules.compile_facts import GraphBreakFacts, RecompileFacts
 
@@ -112,6 +112,7 @@ def test_a_clean_compiled_script_has_neither(rules_profile):
     assert call.attrs == {"backend": "'aot_eager'", "target": "loss_of", "code_file": call.file,
                           "code_line": call.line}  # fmt: skip
     assert graph_break.detect(profile) == [] and recompile.detect(profile) == []
+    assert regional_compile.detect(profile) == []  # a function compiled, not a model of blocks
 
 
 def test_the_recorder_reads_dynamo_records():

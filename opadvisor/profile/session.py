@@ -662,7 +662,9 @@ def _compiled_module_blocks(target: Any) -> dict[str, Any] | None:
     """The repeated blocks of a module compiled whole (`torch.compile(model)`, `model.compile()`)."""
     import torch
 
-    module = getattr(target, "__self__", target) if getattr(target, "__name__", "") == "_call_impl" else target
+    module = (
+        getattr(target, "__self__", target) if getattr(target, "__name__", "") == "_call_impl" else target
+    )
     return repeated_blocks(module) if isinstance(module, torch.nn.Module) else None
 
 

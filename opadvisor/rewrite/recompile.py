@@ -2,7 +2,8 @@
 
 Profile mode only (the recompiles are what dynamo reported while the script ran: static mode rewrites
 nothing). Each target is the statement that compiled the function (`RecompileFacts.compile_line`); for a
-recompile of kind "shape" the compile gets `dynamic=True`, in its own layout (one argument a line stays one
+recompile of kind "shape" (a size that changed) or "scalar" (a Python number that changed: dynamic=True
+makes ints and floats symbolic too, torch 2.11-2.13) the compile gets `dynamic=True`, in its own layout (one argument a line stays one
 a line, a trailing comma stays, comments stay where they were):
 
     model = torch.compile(model)                  ->  model = torch.compile(model, dynamic=True)
@@ -16,8 +17,7 @@ is `nn.Module.compile` (which passes its keywords to torch.compile) unless `x` i
 
 Refused (left alone, with the reason): a compile that sets `dynamic=` already (any value: `dynamic=False`
 is the user's choice of static shapes) or passes `**kwargs` (which may set it). Other kinds get advice only:
-a Python number that changes ("scalar": pass it as a 0-d tensor), a dtype that changes, a module's
-`training` flag that flips (compile once per mode), anything else.
+a dtype that changes, a module's `training` flag that flips (compile once per mode), anything else.
 
 Fix safety: safe (the same values: dynamic shapes change how the graph is compiled, not what it computes).
 """
@@ -38,6 +38,7 @@ from opadvisor.rewrite.base import Note, RuleCodemod, Target
 from opadvisor.rules.compile_facts import RecompileFacts
 
 COMPILES = frozenset({"torch.compile"})
+DYNAMIC_KINDS = frozenset({"shape", "scalar"})  # the recompiles `dynamic=True` ends
 
 
 def facts_of(target: Target) -> RecompileFacts | None:
@@ -45,7 +46,7 @@ def facts_of(target: Target) -> RecompileFacts | None:
 
 
 def advice(facts: RecompileFacts) -> str:
-    """What to do for a recompile the codemod does not rewrite (every kind but "shape")."""
+    """What to do for a recompile the codemod does not rewrite (every kind but DYNAMIC_KINDS)."""
     what = facts.input or "an argument"
     seen = f" (values {', '.join(facts.values[:4])})" if facts.values else ""
     return {
@@ -58,6 +59,12 @@ def advice(facts: RecompileFacts) -> str:
         facts.kind,
         f"dynamo's guard: {facts.reasons[0] if facts.reasons else 'not recorded'}: advice only",
     )
+
+
+def _what_changed(facts: RecompileFacts) -> str:
+    if facts.kind == "scalar":
+        return f"the number {facts.input}"
+    return f"{facts.input}'s dim {facts.dim}" if facts.dim is not None else f"{facts.input}'s size"
 
 
 class RecompileCodemod(RuleCodemod):
@@ -88,7 +95,7 @@ class RecompileCodemod(RuleCodemod):
         if self.targets is not None:
             for target in self.targets:
                 facts = facts_of(target)
-                if facts is not None and facts.kind != "shape":
+                if facts is not None and facts.kind not in DYNAMIC_KINDS:
                     self.answered.add(target)
                     self.skipped.append(Note(target.line, advice(facts)))
                 elif id(target) not in self._handled:
@@ -105,12 +112,12 @@ class RecompileCodemod(RuleCodemod):
 
     # ---- the compile call or decorator on a target's lines ----------------------------------------------------
     def _shape_targets(self, node: cst.CSTNode, def_line: int | None) -> list[Target]:
-        """The "shape" targets on `node`'s lines (or, for a decorator, on its function's `def` line)."""
+        """The DYNAMIC_KINDS targets on `node`'s lines (or, for a decorator, on its function's `def` line)."""
         start, end = self.lines_of(node)
         found = []
         for target in self.targets or []:
             facts = facts_of(target)
-            if facts is None or facts.kind != "shape":
+            if facts is None or facts.kind not in DYNAMIC_KINDS:
                 continue
             if (start <= target.end_line and target.line <= end) or (
                 def_line is not None and target.line <= def_line <= target.end_line
@@ -178,13 +185,8 @@ class RecompileCodemod(RuleCodemod):
     def _record(self, targets: list[Target]) -> None:
         """One change a target, on its first line (a decorator found from its `def` line is outside it)."""
         facts = [f for f in map(facts_of, targets) if f is not None]
-        sizes = sorted(
-            {
-                f"{f.input}'s dim {f.dim}" if f.dim is not None else f"{f.input}'s size"
-                for f in facts
-                if f.input
-            }
-        )
+        sizes = sorted({_what_changed(f) for f in facts if f.input})
         what = f" ({', '.join(sizes)})" if sizes else ""
-        message = f"dynamic=True: one graph for every size{what} instead of a recompile for each new one"
+        kinds = "size" if all(f.kind == "shape" for f in facts) else "value"
+        message = f"dynamic=True: one graph for every {kinds}{what} instead of a recompile for each new one"
         self.changes.extend(Note(t.line, message) for t in targets)

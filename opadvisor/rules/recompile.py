@@ -22,10 +22,11 @@ Example
         loss = model(batch["input_ids"])    # recompiles for each new length until dims turn dynamic
 
 Fix and its safety
-    `opadvisor apply --rule recompile`: a changing size gets `dynamic=True` on the `torch.compile(...)` call
-    (one graph for every length; safe, the same values). A Python number that changes every step should be
-    passed as a 0-d tensor, and a train/eval flip compiled once per mode; those are advice. Where the
-    shapes are few, padding the batch to a few bucket sizes keeps static shapes (advice).
+    `opadvisor apply --rule recompile`: a changing size, or a Python number (int or float) that changes,
+    gets `dynamic=True` on the `torch.compile(...)` call (one graph for every length or value: dynamo
+    traces sizes and numbers as symbols; safe, the same values). Passing a changing number as a 0-d tensor
+    does the same by hand; a train/eval flip is compiled once per mode (advice). Where the shapes are few,
+    padding the batch to a few bucket sizes keeps static shapes (advice).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ _CACHE_LIMIT = ("recompile limit", "recompile_limit", "cache_size_limit", "cache
 ADVICE = {
     "shape": "compile with `dynamic=True` (one graph for every size), mark the dimension dynamic "
     "(`torch._dynamo.mark_dynamic(x, dim)`), or pad batches to a few fixed sizes",
-    "scalar": "pass the changing number as a 0-d tensor (`torch.tensor(lr)`), which dynamo does not specialise on",
+    "scalar": "compile with `dynamic=True` (dynamo traces the number as a symbol), or pass it as a 0-d tensor "
+    "(`torch.tensor(lr)`), which dynamo does not specialise on",
     "dtype": "keep the input's dtype the same every call (cast before the compiled call)",
     "training": "keep one mode per compiled model (compile a separate one for evaluation), or accept one "
     "compile per mode",
@@ -172,7 +174,7 @@ def _finding(
     steps = max(profile.steps_seen, len(profile.steps), 1)
     ms = facts.compile_s * 1000.0 / steps
     share = ix.share_of_step(ms)
-    fixable = kind == "shape" and call is not None and "dynamic" not in facts.compile_kwargs
+    fixable = kind in ("shape", "scalar") and call is not None and "dynamic" not in facts.compile_kwargs
     what = {
         "shape": f"the size of `{facts.input}` (dim {facts.dim}) changed: {', '.join(facts.values[:6])}",
         "scalar": f"the number `{facts.input}` changed (compiled for {', '.join(facts.values[:6])} before)",

@@ -292,6 +292,32 @@ def build(backend):
     assert counts[1] == 1 < counts[0], counts
 
 
+
+def test_scalar_recompile_compiles_once(tmp_path: Path) -> None:
+    """A float argument that changes every call (a temperature): dynamic=True traces it as a symbol."""
+    before = """import torch
+
+
+def build(backend):
+    def scaled(x, temperature):
+        return torch.softmax(x / temperature, dim=-1)
+
+    return scaled, torch.compile(scaled, backend=backend)
+"""
+    target = _target(before, "torch.compile(", kind="scalar", input="temperature", values=["0.5", "0.6"])
+    after = _rewrite("recompile", before, [target])
+    assert "torch.compile(scaled, backend=backend, dynamic=True)" in after
+    counts = []
+    for name, source in (("before_scalar", before), ("after_scalar", after)):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        plain, compiled = _load(tmp_path, name, source).build(counter)
+        x = torch.randn(4, 8)
+        for temperature in (0.5, 0.6, 0.7, 0.8):
+            torch.testing.assert_close(compiled(x, temperature), plain(x, temperature))
+        counts.append(counter.frame_count)
+    assert counts[1] == 1 < counts[0], counts
+
 # ---- a second apply changes nothing: the targets moved onto the output as `opadvisor apply` moves them --------
 FIXTURES = [*cases("graph_break"), *cases("recompile"), *cases("regional_compile")]
 

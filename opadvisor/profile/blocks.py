@@ -10,6 +10,8 @@ session sees `torch.compile(model)` (or `model.compile()`), as plain data for th
      "containers": ["blocks"],       # paths (from the compiled model) whose every child is such a block
      "singles": [],                  # paths of blocks outside such containers
      "param_share": 0.93,            # the blocks' share of the model's parameter tensors
+     "variants": 1,                  # distinct graphs the blocks compile to (_variants)
+     "differs": [],                  # the number attributes that differ between blocks
      "outside": ["emb", "head"]}     # the outermost modules holding no block (they run eagerly)
 
 The block class is a class with at least two instances that has submodules of its own and is not one of
@@ -58,6 +60,7 @@ def repeated_blocks(model: Any) -> dict[str, Any] | None:
         "containers": containers,
         "singles": singles,
         "param_share": round(shares[cls], 4) if total else None,
+        **_variants([named[p] for p in paths]),
         "outside": _outside(paths, named)[:MAX_OUTSIDE],
     }
 
@@ -76,6 +79,29 @@ def _is_block(module: Any) -> bool:
     if cls.__module__.startswith("torch.") and cls.__module__ != TORCH_LAYERS:
         return False  # torch's own modules (attention, containers): parts of a layer, not the layer
     return cls.__name__ not in CONTAINERS and next(module.children(), None) is not None
+
+
+def _variants(blocks: list[Any]) -> dict[str, Any]:
+    """How many different graphs the blocks compile to, as far as their Python numbers tell: dynamo treats a
+    module's int, float and bool attributes as constants, so blocks that differ in one (a transformers
+    layer's `layer_idx`, which indexes the cache; timm's per-block stochastic-depth rate; a Swin block's
+    shift) compile once per distinct set of values, each a recompile of the same code, and past dynamo's
+    recompile limit (8) the rest run eagerly. {"variants": distinct sets, "differs": the attributes that
+    differ ("self_attn.layer_idx")}."""
+    signatures = [_numbers(block) for block in blocks]
+    differs = sorted({k for sig in signatures for k in sig if len({s.get(k) for s in signatures}) > 1})
+    distinct = {tuple(sorted(sig.items())) for sig in signatures}
+    return {"variants": len(distinct), "differs": differs[:6]}
+
+
+def _numbers(block: Any) -> dict[str, Any]:
+    """The block's Python-number attributes and its submodules', by path ("self_attn.layer_idx": 3)."""
+    found: dict[str, Any] = {}
+    for path, module in block.named_modules():
+        for name, value in vars(module).items():
+            if not name.startswith("_") and type(value) in (int, float, bool):
+                found[f"{path}.{name}" if path else name] = value
+    return found
 
 
 def _score(share: float, count: int) -> float:

@@ -94,7 +94,8 @@ class RegionalCompileFacts(Facts):
     `nn.ModuleList`s / `nn.Sequential`s whose every child is a block ("blocks", "model.layers",
     "layers.0.blocks"); singles: the paths of blocks outside such containers; param_share: the blocks'
     share of the model's parameter tensors; outside: the outermost modules holding no block (they run
-    eagerly once the blocks alone are compiled). compile_s: the seconds torch.compile spent compiling the
+    eagerly once the blocks alone are compiled). variants: the graphs the blocks compile to (distinct sets
+    of their Python-number attributes, on which dynamo specialises); differs: those attributes that differ. compile_s: the seconds torch.compile spent compiling the
     model in this run (every frame and recompile of it); compile_s_first_step: of those, in the first step.
     compile_file / compile_line: the `torch.compile(...)` (or `model.compile(...)`) call; compile_kwargs:
     its keyword arguments as written (`{"mode": "'max-autotune'"}`), passed on to each block's compile.
@@ -108,6 +109,8 @@ class RegionalCompileFacts(Facts):
     singles: list[str] = field(default_factory=list)
     param_share: float | None = None
     outside: list[str] = field(default_factory=list)
+    variants: int = 1
+    differs: list[str] = field(default_factory=list)
     compile_s: float = 0.0
     compile_s_first_step: float = 0.0
     compile_file: str | None = None

@@ -56,12 +56,17 @@ def test_transformers_models_name_their_layers():
     found = _blocks_of(bert)
     assert (found["cls"], found["containers"]) == ("BertLayer", ["bert.encoder.layer"])
     assert found["outside"] == ["bert.embeddings", "cls"]
+    # numbered layers (`layer_idx` indexes the cache): one graph per layer under regional compilation
+    assert found["variants"] == 2 and found["differs"] == ["attention.self.layer_idx"]
 
 
 def test_timm_models_name_their_blocks():
     timm = pytest.importorskip("timm")
     found = _blocks_of(timm.create_model("vit_tiny_patch16_224", pretrained=False))
     assert (found["cls"], found["count"], found["containers"]) == ("Block", 12, ["blocks"])
+    assert found["variants"] == 1  # alike: one graph for all twelve
+    found = _blocks_of(timm.create_model("vit_tiny_patch16_224", pretrained=False, drop_path_rate=0.1))
+    assert found["variants"] == 12 and "drop_path1.drop_prob" in found["differs"]
     found = _blocks_of(timm.create_model("swin_tiny_patch4_window7_224", pretrained=False))
     assert found["cls"] == "SwinTransformerBlock" and found["containers"][1] == "layers.1.blocks"
     found = _blocks_of(timm.create_model("resnet18", pretrained=False))

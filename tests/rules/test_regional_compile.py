@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from rules_testlib import SCRIPTS, expected_lines
 
-from opadvisor.profile.model import load_profile
+from opadvisor.profile.model import CompiledFrame, Construction, Profile, load_profile
 from opadvisor.rules import regional_compile
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
@@ -52,7 +52,7 @@ def test_a_model_compiled_whole_is_compiled_block_by_block(tmp_path):
     (call,) = [c for c in profile.constructions if c.kind == "compile"]
     assert call.attrs["blocks"] == {"cls": "Block", "qualified": "__main__.Block", "count": 6,
                                     "containers": ["blocks"], "singles": [], "param_share": 0.9231,  # 36 of 39 tensors
-                                    "outside": ["emb", "head"]}  # fmt: skip
+                                    "outside": ["emb", "head"], "variants": 1, "differs": []}  # fmt: skip
     (finding,) = regional_compile.detect(profile)
     facts = RegionalCompileFacts.from_details(finding.details)
     assert (Path(finding.path), finding.line) == (script, expected_lines(BLOCKS, "regional_compile")[0])
@@ -72,3 +72,31 @@ def test_a_model_compiled_whole_is_compiled_block_by_block(tmp_path):
     after = _profile(tmp_path)
     assert [c.attrs.get("blocks") for c in after.constructions if c.kind == "compile"] == [None] * 6
     assert regional_compile.detect(after) == []
+
+
+def _compiled_whole(tmp_path: Path, blocks: dict) -> Profile:
+    """A profile of `model = torch.compile(model)` whose model has `blocks`, 30 s of compiling."""
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n\nmodel = torch.nn.Linear(2, 2)\nmodel = torch.compile(model)\n")
+    call = Construction("compile", "torch.compile", str(script), 4,
+                        attrs={"target": "Model.forward", "code_file": None, "code_line": None, "blocks": blocks})  # fmt: skip
+    frame = CompiledFrame(compile_id="0/0", function="forward", file="/lib/model.py", line=10, compile_s=30.0)
+    return Profile(script=str(script), sources={str(script): "0" * 64}, compiled_frames=[frame],
+                   constructions=[call], steps_seen=10)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("variants", "differs", "found"),
+    [(1, [], True), (3, ["shift_size"], True), (12, ["self_attn.layer_idx"], False)],
+)
+def test_blocks_that_differ_in_a_number_compile_once_each(tmp_path, variants, differs, found):
+    """Blocks numbered by a `layer_idx` (every transformers model) recompile once per block under regional
+    compilation (dynamo specialises on module numbers), so no finding; a few variants still pay."""
+    blocks = {"cls": "Layer", "count": 12, "containers": ["layers"], "singles": [], "param_share": 0.95,
+              "outside": ["embed"], "variants": variants, "differs": differs}  # fmt: skip
+    findings = regional_compile.detect(_compiled_whole(tmp_path, blocks))
+    assert len(findings) == int(found)
+    if found:
+        (finding,) = findings
+        assert finding.est_saving_ms_per_step == pytest.approx(3000.0 * 0.95 * (1 - variants / 12))
+        assert finding.line == 4 and "30.00 s of compiling for 12 Layer blocks" in finding.message

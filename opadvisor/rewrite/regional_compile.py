@@ -29,18 +29,17 @@ Fix safety: safe (the same values; the modules outside the blocks run eagerly, w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar, TypeVar
+from typing import ClassVar
 
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite._compile_edits import imported_names
-from opadvisor.rewrite._match import code, parent, qualified
+from opadvisor.rewrite._match import code, nodes_of, parent, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
-N = TypeVar("N", bound=cst.CSTNode)
 COMPILES = frozenset({"torch.compile"})
 LOOP_NAME = "block"
 
@@ -96,7 +95,7 @@ class RegionalCompileCodemod(RuleCodemod):
         self._top_imports = set().union(*map(imported_names, node.body))
         source = node.code
         self._reads_orig_mod = "_orig_mod" in source
-        self._names = {n.value for n in _nodes(node, cst.Name)}
+        self._names = {n.value for n in nodes_of(node, cst.Name)}
         return True
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
@@ -204,7 +203,7 @@ class RegionalCompileCodemod(RuleCodemod):
 
     def _compiles_inside(self, stmt: cst.CSTNode) -> bool:
         """Whether a torch.compile(...) call is nested somewhere in `stmt` (an original node)."""
-        calls = _nodes(stmt, cst.Call)
+        calls = nodes_of(stmt, cst.Call)
         return any(self._is_torch_compile(c.func) for c in calls)
 
     def _loop(
@@ -266,17 +265,3 @@ def _simple(node: cst.BaseExpression) -> bool:
     while isinstance(node, cst.Attribute):
         node = node.value
     return isinstance(node, cst.Name)
-
-
-def _nodes(node: cst.CSTNode, kind: type[N]) -> list[N]:
-    """Every node of type `kind` inside `node` (one walk)."""
-    found: list[N] = []
-
-    class _Collect(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            if isinstance(n, kind):
-                found.append(n)
-            return True
-
-    node.visit(_Collect())
-    return found

@@ -1,0 +1,52 @@
+"""Helpers shared by the end-to-end tests: run an opadvisor command in this process, copy a profiled project.
+
+`opadvisor_here(cwd, "apply", "--rule", "all")` runs the command as `python -m opadvisor` would, from `cwd`,
+but in the test's own process: a child would spend 1.5-2 s importing torch again, for commands (suggest,
+apply, diff, report, verify's parent) that start nothing of the user's in their own process. Profiling a
+script stays a child process (it runs the script in the profiling process).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Done:
+    """What a test reads of a finished command (the fields of subprocess.CompletedProcess it reads)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def opadvisor_here(cwd: Path, *args: str) -> Done:
+    """`opadvisor ARGS` run from `cwd` in this process; an exception other than an exit is raised again (a
+    crash fails the test with its own traceback, not as exit code 1)."""
+    from typer.testing import CliRunner
+
+    from opadvisor.cli import app
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        os.chdir(old)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        detail = "".join(traceback.format_exception(result.exception))
+        raise AssertionError(f"opadvisor {' '.join(args)} raised:\n{detail}") from result.exception
+    return Done(result.exit_code, result.stdout, result.stderr)
+
+
+def copy_project(source: Path, dest: Path) -> Path:
+    """A private copy of a profiled project (`source` is shared: never changed), its runs' absolute paths
+    moved to the copy, so that apply and verify find the copy's files."""
+    shutil.copytree(source, dest, symlinks=True)
+    for profile in (dest / ".opadvisor" / "runs").glob("*/profile*.json"):
+        profile.write_text(profile.read_text().replace(str(source), str(dest)))
+    return dest

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,15 @@ def opadvisor_here(cwd: Path, *args: str) -> Done:
         detail = "".join(traceback.format_exception(result.exception))
         raise AssertionError(f"opadvisor {' '.join(args)} raised:\n{detail}") from result.exception
     return Done(result.exit_code, result.stdout, result.stderr)
+
+
+def opadvisor(cwd: Path, *args: str, timeout: float = 600) -> Done | subprocess.CompletedProcess:
+    """`opadvisor ARGS` from `cwd`: `profile` in a child process (it runs the user's script in its own
+    process, as a user's `opadvisor profile` does), every other command in this process."""
+    if args[0] != "profile":
+        return opadvisor_here(cwd, *args)
+    cmd = [sys.executable, "-m", "opadvisor", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def copy_project(source: Path, dest: Path) -> Path:

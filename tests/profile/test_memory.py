@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from cli_testlib import opadvisor_here
 
 from opadvisor.profile.memory import MemoryRecorder, activation_holders, block_groups
 from opadvisor.profile.model import ModuleCall, Profile, Step, load_profile, profile_from_dict
@@ -217,8 +218,7 @@ def test_suggest_json_has_the_memory_section(blocks_run: Path):
     jsonschema = pytest.importorskip("jsonschema")
     from opadvisor.rules.suggest_schema import SUGGEST_SCHEMA
 
-    cmd = [sys.executable, "-m", "opadvisor", "suggest", str(blocks_run), "--format", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = opadvisor_here(blocks_run.parent, "suggest", str(blocks_run), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     jsonschema.validate(doc, SUGGEST_SCHEMA)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import cli_testlib
+from cli_testlib import Done
 
 from opadvisor.profile.model import Profile, save_profile
 
@@ -22,11 +24,10 @@ class ExampleRuns:
     after: Path  # run folder of the rewritten script
 
 
-def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -m opadvisor ARGS` in `cwd`; the test fails with the output when it exits non-zero."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess | Done:
+    """`opadvisor ARGS` in `cwd` (profile in a child process, the others in this one: cli_testlib); the test
+    fails with the output when it exits non-zero."""
+    proc = cli_testlib.opadvisor(cwd, *args)
     assert proc.returncode == 0, (
         f"opadvisor {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     )

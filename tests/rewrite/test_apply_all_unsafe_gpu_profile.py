@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor_here
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "bert_train.py"
@@ -64,10 +65,7 @@ def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> Non
     script = project_with_gpu_run(tmp_path)
     original = tmp_path / "original.py"
     shutil.copy(script, original)
-    done = subprocess.run(
-        [sys.executable, "-m", "opadvisor", "apply", "--rule", "all", "--unsafe"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = opadvisor_here(tmp_path, "apply", "--rule", "all", "--unsafe")
     assert done.returncode == 0, done.stdout + done.stderr
     rewritten = script.read_text()
     assert "fused=True" in rewritten  # fused_optimizer

@@ -61,3 +61,25 @@ def copy_project(source: Path, dest: Path) -> Path:
     for profile in (dest / ".opadvisor" / "runs").glob("*/profile*.json"):
         profile.write_text(profile.read_text().replace(str(source), str(dest)))
     return dest
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+# The examples as the end-to-end tests profile them: tiny sizes on the CPU (a vocabulary of 1003: no multiple
+# of 8), 2 steps recorded after 1 warm-up; the script's own --steps leaves verify's 3 steps room.
+TINY = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003 --steps 20"
+EXAMPLE_ARGS = {"lstm_train.py": "--device cpu --seq 20 --steps 20"}  # the others: TINY
+
+
+def example_args(name: str) -> list[str]:
+    return EXAMPLE_ARGS.get(name, TINY).split()
+
+
+def profile_example(name: str, project: Path, *out: str) -> None:
+    """examples/<name> copied into `project` (when not there yet) and profiled there with its example_args
+    (into `out`, e.g. ("--out", "after"), when given; else a new run under .opadvisor/runs)."""
+    if not (project / name).exists():
+        shutil.copy(EXAMPLES / name, project / name)
+    proc = opadvisor(
+        project, "profile", name, "--steps", "2", "--warmup", "1", *out, "--", *example_args(name)
+    )
+    assert proc.returncode == 0, f"profiling {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"

@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cli_testlib import copy_project
+from cli_testlib import copy_project, profile_example
 from filelock import FileLock
 
 _CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
@@ -67,35 +66,15 @@ def made_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callab
     return get
 
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-# The examples as the end-to-end tests profile them: tiny sizes on the CPU (a vocabulary of 1003: no multiple
-# of 8), 2 steps recorded after 1 warm-up; the script's own --steps leaves verify's 3 steps room.
-TINY = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003 --steps 20"
-EXAMPLE_ARGS = {"lstm_train.py": "--device cpu --seq 20 --steps 20"}  # others: TINY
-
-
-def _profile_example(name: str, project: Path) -> None:
-    shutil.copy(EXAMPLES / name, project / name)
-    cmd = [sys.executable, "-m", "opadvisor", "profile", name, "--steps", "2", "--warmup", "1", "--"]
-    proc = subprocess.run(
-        [*cmd, *EXAMPLE_ARGS.get(name, TINY).split()],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"profiling {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-
-
 @pytest.fixture(scope="session")
 def example_project(made_once) -> Callable[[str, Path], Path]:
     """(example, dest) -> dest: a private copy of a project holding examples/<example> (bert_train.py, say)
-    and one run of it, profiled with its EXAMPLE_ARGS once for the whole test run: apply and verify tests change
+    and one run of it, profiled with cli_testlib.example_args once for the whole test run: apply and verify tests change
     their copy, never the profile they share."""
 
     def get(name: str, dest: Path) -> Path:
         source = made_once(
-            f"example-{name.removesuffix('.py')}", lambda project: _profile_example(name, project)
+            f"example-{name.removesuffix('.py')}", lambda project: profile_example(name, project)
         )
         return copy_project(source, dest)
 

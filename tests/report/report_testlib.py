@@ -3,8 +3,10 @@ and the GPU profiles kept under tests/data, written as run folders."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +16,6 @@ from cli_testlib import Done
 from opadvisor.profile.model import Profile, save_profile
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003".split()
 
 
 @dataclass
@@ -34,13 +35,19 @@ def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess | Done:
     return proc
 
 
-def make_example_runs(project: Path) -> ExampleRuns:
-    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again."""
-    shutil.copy(REPO / "examples" / "bert_train.py", project / "bert_train.py")
-    profile = ["profile", "bert_train.py", "--steps", "2", "--warmup", "1"]
-    opadvisor(project, *profile, "--out", "before", "--", *SMALL)
+def make_example_runs(folder: Path, example_project: Callable[[str, Path], Path]) -> ExampleRuns:
+    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again. The first run is
+    a copy of tests/conftest.py's `example_project` (made once a test run), moved where `profile --out
+    before` would have written it: the folder `before`, the run's id its name, no latest."""
+    project = example_project("bert_train.py", folder / "project")
+    (run,) = (project / ".opadvisor" / "runs").iterdir()
+    profile = json.loads((run / "profile.json").read_text())
+    profile["run_id"] = "before"
+    (run / "profile.json").write_text(json.dumps(profile))
+    run.rename(project / "before")
+    shutil.rmtree(project / ".opadvisor")
     opadvisor(project, "apply", "--rule", "fused_softmax", "before")
-    opadvisor(project, *profile, "--out", "after", "--", *SMALL)
+    cli_testlib.profile_example("bert_train.py", project, "--out", "after")
     return ExampleRuns(project, project / "before", project / "after")
 
 

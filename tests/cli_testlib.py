@@ -83,3 +83,24 @@ def profile_example(name: str, project: Path, *out: str) -> None:
         project, "profile", name, "--steps", "2", "--warmup", "1", *out, "--", *example_args(name)
     )
     assert proc.returncode == 0, f"profiling {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+
+
+REPO = EXAMPLES.parent
+
+
+def profile_script(script: Path, out: Path, *script_args: str, steps: int = 2, warmup: int = 1) -> Path:
+    """Run `opadvisor profile` on a script into `out` (a new folder), from the checkout's root; what it
+    printed goes to `<out>.stdout.txt` beside it. Fails the test with its output if it fails."""
+    cmd = [sys.executable, "-m", "opadvisor", "profile", str(script), "--steps", str(steps)]
+    cmd += ["--warmup", str(warmup), "--out", str(out)]
+    if script_args:
+        cmd += ["--", *script_args]
+    # without Triton's interpreter (tests/kernels sets it for the whole session): a script that calls
+    # opadvisor.kernels would run the fused kernels element by element on the CPU (killed for memory)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, (
+        f"profiling {script.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
+    out.with_name(f"{out.name}.stdout.txt").write_text(proc.stdout)
+    return out

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cli_testlib import copy_project, profile_example
+from cli_testlib import REPO, copy_project, profile_example, profile_script
 from filelock import FileLock
 
 _CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
@@ -77,5 +77,19 @@ def example_project(made_once) -> Callable[[str, Path], Path]:
             f"example-{name.removesuffix('.py')}", lambda project: profile_example(name, project)
         )
         return copy_project(source, dest)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def script_run(made_once) -> Callable[..., Path]:
+    """(script, *args) -> the run folder of `opadvisor profile SCRIPT --steps 2 --warmup 1 [-- ARGS]` run
+    from the checkout's root (cli_testlib.profile_script), made once a test run for every test directory
+    that profiles the same script alike; what profile printed is `run.stdout.txt` beside it."""
+
+    def get(script: Path, *args: str) -> Path:
+        parts = script.resolve().relative_to(REPO).with_suffix("").parts
+        key = "-".join(["script", *parts, *(a.strip("-") for a in args)])
+        return made_once(key, lambda folder: profile_script(script, folder / "run", *args)) / "run"
 
     return get

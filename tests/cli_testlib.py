@@ -90,7 +90,7 @@ REPO = EXAMPLES.parent
 
 def profile_script(script: Path, out: Path, *script_args: str, steps: int = 2, warmup: int = 1) -> Path:
     """Run `opadvisor profile` on a script into `out` (a new folder), from the checkout's root; what it
-    printed goes to `<out>.stdout.txt` beside it. Fails the test with its output if it fails."""
+    printed goes to `<out>.stdout.txt` and `<out>.stderr.txt` beside it. Fails the test with its output if it fails."""
     cmd = [sys.executable, "-m", "opadvisor", "profile", str(script), "--steps", str(steps)]
     cmd += ["--warmup", str(warmup), "--out", str(out)]
     if script_args:
@@ -103,4 +103,5 @@ def profile_script(script: Path, out: Path, *script_args: str, steps: int = 2, w
         f"profiling {script.name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     )
     out.with_name(f"{out.name}.stdout.txt").write_text(proc.stdout)
+    out.with_name(f"{out.name}.stderr.txt").write_text(proc.stderr)
     return out

@@ -85,7 +85,8 @@ def example_project(made_once) -> Callable[[str, Path], Path]:
 def script_run(made_once) -> Callable[..., Path]:
     """(script, *args) -> the run folder of `opadvisor profile SCRIPT --steps 2 --warmup 1 [-- ARGS]` run
     from the checkout's root (cli_testlib.profile_script), made once a test run for every test directory
-    that profiles the same script alike; what profile printed is `run.stdout.txt` beside it."""
+    that profiles the same script alike; what profile printed is `run.stdout.txt` and `run.stderr.txt`
+    beside it."""
 
     def get(script: Path, *args: str) -> Path:
         parts = script.resolve().relative_to(REPO).with_suffix("").parts

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_testlib import REPO, copy_project, profile_example, profile_script
 from filelock import FileLock
 
 _CPU_TORCHVISION = Path(__file__).resolve().parent / "cpu_torchvision"
@@ -61,5 +62,35 @@ def made_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callab
                 make(folder)
                 (root / f"{key}.done").touch()
         return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def example_project(made_once) -> Callable[[str, Path], Path]:
+    """(example, dest) -> dest: a private copy of a project holding examples/<example> (bert_train.py, say)
+    and one run of it, profiled with cli_testlib.example_args once for the whole test run: apply and verify tests change
+    their copy, never the profile they share."""
+
+    def get(name: str, dest: Path) -> Path:
+        source = made_once(
+            f"example-{name.removesuffix('.py')}", lambda project: profile_example(name, project)
+        )
+        return copy_project(source, dest)
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def script_run(made_once) -> Callable[..., Path]:
+    """(script, *args) -> the run folder of `opadvisor profile SCRIPT --steps 2 --warmup 1 [-- ARGS]` run
+    from the checkout's root (cli_testlib.profile_script), made once a test run for every test directory
+    that profiles the same script alike; what profile printed is `run.stdout.txt` and `run.stderr.txt`
+    beside it."""
+
+    def get(script: Path, *args: str) -> Path:
+        parts = script.resolve().relative_to(REPO).with_suffix("").parts
+        key = "-".join(["script", *parts, *(a.strip("-") for a in args)])
+        return made_once(key, lambda folder: profile_script(script, folder / "run", *args)) / "run"
 
     return get

@@ -9,22 +9,14 @@ import html
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from opadvisor.cli import app
 
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003".split()
-EXAMPLES = {
-    "bert_train.py": SMALL,
-    "lstm_train.py": ["--device", "cpu", "--seq", "20"],
-}  # deberta_train.py passes too, but costs minutes of the suite's 10 on 2 cores
+EXAMPLES = ["bert_train.py", "lstm_train.py"]
+# deberta_train.py passes too, but costs minutes of the suite's 10 on 2 cores
 # apply's lines name a finding: "path:LINES: rule: ..."
 APPLY_LINE = re.compile(r"^(?P<where>\S+:\d+(?:-\d+)?): (?P<rule>\w+): (?P<rest>.*)$")
 
@@ -32,27 +24,12 @@ APPLY_LINE = re.compile(r"^(?P<where>\S+:\d+(?:-\d+)?): (?P<rule>\w+): (?P<rest>
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=sorted(EXAMPLES))
-def outputs(request, tmp_path_factory) -> dict:
-    """One example profiled in a fresh folder; what suggest (3 formats), report and apply say of it."""
+@pytest.fixture(scope="module", params=EXAMPLES)
+def outputs(request, example_project, tmp_path_factory) -> dict:
+    """One example profiled on the CPU (the run tests/conftest.py makes once, copied); what suggest (3
+    formats), report and apply say of it."""
     script = request.param
-    cwd = tmp_path_factory.mktemp(script.removesuffix(".py"))
-    shutil.copytree(ROOT / "examples", cwd / "examples")
-    cmd = [
-        sys.executable,
-        "-m",
-        "opadvisor",
-        "profile",
-        f"examples/{script}",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-    ]
-    proc = subprocess.run(
-        [*cmd, "--", "--steps", "20", *EXAMPLES[script]], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr
+    cwd = example_project(script, tmp_path_factory.mktemp(script.removesuffix(".py")) / "project")
     old = os.getcwd()
     os.chdir(cwd)
     try:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_testlib import Done, opadvisor_here
 
 from opadvisor.profile.model import load_profile
 from opadvisor.profile.runs import load_run, profile_paths
@@ -44,15 +45,24 @@ def runs_in(cwd: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The DDP example, 2 ranks on CPU; rank 1 sleeps 60 ms per step (a straggler to find)."""
-    cwd = tmp_path_factory.mktemp("ddp")
-    proc = opadvisor(
-        cwd, "profile", "--nproc-per-node", "2", "--steps", "3", "--warmup", "2", "--memory", str(EXAMPLE),
-        "--", "--steps", "50", "--device", "cpu", "--slow-rank", "1", "--slow-ms", "60",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return cwd, proc
+def ddp_run(made_once) -> tuple[Path, Done]:
+    """The DDP example, 2 ranks on CPU; rank 1 sleeps 60 ms per step (a straggler to find). Launched once a
+    test run (a module fixture launched it again on each xdist worker that ran one of its tests): (the
+    folder it ran in, what the launch printed). The tests only read the folder."""
+
+    def launch(folder: Path) -> None:
+        (folder / "project").mkdir()
+        proc = opadvisor(
+            folder / "project", "profile", "--nproc-per-node", "2", "--steps", "3", "--warmup", "2", "--memory",
+            str(EXAMPLE), "--", "--steps", "50", "--device", "cpu", "--slow-rank", "1", "--slow-ms", "60",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        (folder / "stdout.txt").write_text(proc.stdout)
+        (folder / "stderr.txt").write_text(proc.stderr)
+
+    folder = made_once("ddp-example", launch)
+    printed = Done(0, (folder / "stdout.txt").read_text(), (folder / "stderr.txt").read_text())
+    return folder / "project", printed
 
 
 def test_every_rank_writes_its_profile_and_trace(ddp_run) -> None:
@@ -105,11 +115,11 @@ def test_cross_rank_analysis_of_the_written_profiles(ddp_run) -> None:
 
 def test_suggest_on_the_multi_rank_run(ddp_run) -> None:
     cwd, _ = ddp_run
-    table = opadvisor(cwd, "suggest", timeout=120)
+    table = opadvisor_here(cwd, "suggest")
     assert table.returncode == 0, table.stderr
     assert "[straggler] rank 1" in table.stdout and "gloo" in table.stdout
     assert "ranks 0, 1" in table.stdout  # each merged finding says which ranks it holds for
-    as_json = opadvisor(cwd, "suggest", "--format", "json", timeout=120)
+    as_json = opadvisor_here(cwd, "suggest", "--format", "json")
     assert as_json.returncode == 0, as_json.stderr
     data = json.loads(as_json.stdout)
     assert data["cross_rank"]["straggler"]["rank"] == 1 and data["cross_rank"]["basis"] == "cpu"

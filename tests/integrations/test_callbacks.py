@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor_here
 
 from opadvisor.profile.runs import load_run
 
@@ -58,7 +59,11 @@ def test_integrations_import_no_framework() -> None:
 
 
 @pytest.mark.slow
-def test_trainer_run_is_suggested_applied_verified_reported_and_diffed(project) -> None:
+def test_trainer_run_is_suggested_applied_verified_reported_and_diffed(project, monkeypatch) -> None:
+    # suggest, apply, verify, diff and report run in this process (verify's runs of the script are child
+    # processes, offline as the others)
+    for name, value in OFFLINE.items():
+        monkeypatch.setenv(name, value)
     script = project / "trainer_custom.py"
     first = run(project, "trainer_custom.py", "6", "1", "2", "--stop")
     assert "global steps 3" in first.stdout  # stop_after_window: 1 warm-up + 2 recorded, then stopped
@@ -71,29 +76,27 @@ def test_trainer_run_is_suggested_applied_verified_reported_and_diffed(project) 
     assert profile.script == str(script) and (before / "trace.json.gz").is_file()
     assert any(c.kind == "optimizer" for c in profile.constructions)  # built inside trainer.train()
 
-    doc = json.loads(run(project, "-m", "opadvisor", "suggest", "--format", "json").stdout)
+    doc = json.loads(opadvisor_here(project, "suggest", "--format", "json").stdout)
     softmax = [f for f in doc["findings"] if f["rule"] == "fused_softmax"]
     assert [(f["path"], f["line"]) for f in softmax] == [
         ("trainer_custom.py", line_of(script, "scores.masked_fill"))
     ]
 
-    run(project, "-m", "opadvisor", "apply", "--rule", "fused_softmax")
+    assert opadvisor_here(project, "apply", "--rule", "fused_softmax").returncode == 0
     assert "opadvisor.kernels" in script.read_text()
-    verify = run(
-        project, "-m", "opadvisor", "verify", "--steps", "2", "--warmup", "0", "--no-timing", "--no-reprofile"
+    verify = opadvisor_here(
+        project, "verify", "--steps", "2", "--warmup", "0", "--no-timing", "--no-reprofile"
     )
-    assert "parity passed" in verify.stdout
+    assert verify.returncode == 0 and "parity passed" in verify.stdout, verify.stdout + verify.stderr
     assert runs_in(project) == [before]  # the callback records nothing under verify
 
     second = run(project, "trainer_custom.py", "5", "1", "2")
     assert "global steps 5" in second.stdout  # without stop_after_window training goes on
     after = next(r for r in runs_in(project) if r != before)
-    diff = json.loads(
-        run(project, "-m", "opadvisor", "diff", before.name, after.name, "--format", "json").stdout
-    )
+    diff = json.loads(opadvisor_here(project, "diff", before.name, after.name, "--format", "json").stdout)
     assert ("fused_softmax", "fixed") in {(f["rule"], f["status"]) for f in diff["findings"]}
 
-    run(project, "-m", "opadvisor", "report", before.name, "-o", "report.html")
+    assert opadvisor_here(project, "report", before.name, "-o", "report.html").returncode == 0
     page = (project / "report.html").read_text()
     assert 'id="findings-table"' in page and "fused_softmax" in page
 
@@ -133,7 +136,7 @@ def test_hf_example_with_a_config_built_bert_records_a_run(tmp_path) -> None:
     assert any(
         op.name == "aten::softmax" for op in profile.ops
     )  # the library's eager attention ran in the window
-    doc = json.loads(run(tmp_path, "-m", "opadvisor", "suggest", "--format", "json").stdout)
+    doc = json.loads(opadvisor_here(tmp_path, "suggest", "--format", "json").stdout)
     assert doc["step_ms"] > 0
 
 
@@ -150,7 +153,7 @@ def test_lightning_callback_counts_optimizer_steps(project) -> None:
             o for o in profile.ops if o.step == step and o.name == "aten::embedding" and o.parent is None
         ]
         assert len(embeddings) == 2
-    doc = json.loads(run(project, "-m", "opadvisor", "suggest", "--format", "json").stdout)
+    doc = json.loads(opadvisor_here(project, "suggest", "--format", "json").stdout)
     assert "fused_softmax" in {f["rule"] for f in doc["findings"]}
 
 

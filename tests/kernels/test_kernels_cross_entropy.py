@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -280,19 +281,31 @@ def _with_tiles(monkeypatch, tiles):
     _clear_plans()
 
 
-@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"g{t.group}-{t.fwd_block}-{t.bwd_block}")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_tilings_match_reference_and_each_other(tiles, dtype, device, monkeypatch):
-    """Several loop iterations, a masked last block (1000 = 15 * 64 + 40), whole groups of -inf, an ignored
-    row, an out-of-range target: each tiling matches the float64 reference and the per-class tiling."""
+@functools.cache
+def _per_class(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(x, targets, dloss, loss, dx) of the per-class tiling, which every tiling is compared with: computed
+    once a worker (a forward and a backward under the interpreter). Not to be changed."""
     n, c = 6, 1000
     x = _logits(n, c, dtype, device, pad=8, seed=11)
     x[2, 200:336] = float("-inf")  # groups of 8 and 16 whole, the target (124) outside
     t = _targets(n, c, device)
     t[3] = c  # out of range: NaN row
     dloss = torch.randn(n, generator=torch.Generator().manual_seed(5)).to(device)
-    _with_tiles(monkeypatch, PER_CLASS)
-    base, dbase = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
+    with pytest.MonkeyPatch.context() as mp:
+        _with_tiles(mp, PER_CLASS)
+        try:
+            base, dbase = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)
+        finally:
+            _clear_plans()
+    return x, t, dloss, base, dbase
+
+
+@pytest.mark.parametrize("tiles", TILINGS, ids=lambda t: f"g{t.group}-{t.fwd_block}-{t.bwd_block}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tilings_match_reference_and_each_other(tiles, dtype, device, monkeypatch):
+    """Several loop iterations, a masked last block (1000 = 15 * 64 + 40), whole groups of -inf, an ignored
+    row, an out-of-range target: each tiling matches the float64 reference and the per-class tiling."""
+    x, t, dloss, base, dbase = _per_class(dtype, device)
     _with_tiles(monkeypatch, tiles)
     try:
         loss, dx = _loss_and_grad(lambda v: cross_entropy(v, t, reduction="none"), x, dloss)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from cli_testlib import copy_project
 from library_testlib import SCRIPTS, run_opadvisor
 
 pytest.importorskip("transformers")
@@ -35,10 +36,6 @@ def project_copy(library_run):
     """A private copy of a profiled project, its run's absolute paths moved to the copy."""
 
     def get(name: str, dest: Path) -> Path:
-        source = library_run(name)
-        shutil.copytree(source, dest, symlinks=True)
-        for profile in (dest / ".opadvisor" / "runs").glob("*/profile.json"):
-            profile.write_text(profile.read_text().replace(str(source), str(dest)))
-        return dest
+        return copy_project(library_run(name), dest)
 
     return get

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_testlib import Done, opadvisor_here
+
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
@@ -16,16 +18,23 @@ def process_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def run_opadvisor(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = process_env()
-    done = subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+# Commands that run nothing of the user's in their own process run in the test's (cli_testlib): a child
+# would import torch and transformers again. `profile` runs the script in its process: a child.
+IN_PROCESS = ("apply", "suggest", "verify")
+
+
+def run_opadvisor(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess | Done:
+    if args[0] in IN_PROCESS:
+        done = opadvisor_here(cwd, *args)
+    else:
+        done = subprocess.run(
+            [sys.executable, "-m", "opadvisor", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=process_env(),
+        )
     if check:
         assert done.returncode == 0, (
             f"opadvisor {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -10,18 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor
 
 from opadvisor.profile.model import load_profile
 
 SCRIPT = Path(__file__).parent / "scripts" / "compiled_attention.py"
 
 pytestmark = pytest.mark.slow
-
-
-def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
 
 
 def test_compiled_time_is_reported_and_eager_finds_the_patterns(tmp_path: Path) -> None:

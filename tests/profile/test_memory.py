@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from cli_testlib import opadvisor_here
 
 from opadvisor.profile.memory import MemoryRecorder, activation_holders, block_groups
 from opadvisor.profile.model import ModuleCall, Profile, Step, load_profile, profile_from_dict
@@ -179,16 +180,14 @@ def test_weights_flat_follows_cudnn_s_test():
 
 
 @pytest.fixture(scope="module")
-def blocks_run(made_once) -> Path:
-    return made_once("profile-blocks", _profile_blocks) / "run"  # once per test run
+def blocks_run(script_run) -> Path:
+    """blocks_train.py profiled once a test run (tests/conftest.py's script_run: the rule tests read it too)."""
+    return script_run(SCRIPTS / "blocks_train.py")
 
 
-def _profile_blocks(cwd: Path) -> None:
-    cmd = [sys.executable, "-m", "opadvisor", "profile", str(SCRIPTS / "blocks_train.py")]
-    cmd += ["--steps", "2", "--warmup", "1", "--out", str(cwd / "run")]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "Memory: " in proc.stdout and "blocks.0-3 (Block x4)" in proc.stdout
+def test_profile_prints_the_activation_memory(blocks_run: Path):
+    printed = blocks_run.with_name("run.stdout.txt").read_text()
+    assert "Memory: " in printed and "blocks.0-3 (Block x4)" in printed
 
 
 def test_profiled_script_records_activation_memory_by_module(blocks_run: Path):
@@ -217,8 +216,7 @@ def test_suggest_json_has_the_memory_section(blocks_run: Path):
     jsonschema = pytest.importorskip("jsonschema")
     from opadvisor.rules.suggest_schema import SUGGEST_SCHEMA
 
-    cmd = [sys.executable, "-m", "opadvisor", "suggest", str(blocks_run), "--format", "json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    proc = opadvisor_here(blocks_run.parent, "suggest", str(blocks_run), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     jsonschema.validate(doc, SUGGEST_SCHEMA)

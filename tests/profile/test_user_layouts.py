@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor
 
 LAYOUT = Path(__file__).parent / "layouts" / "src_on_path"
 MODEL = "src/mymodel/model.py"
@@ -28,12 +29,6 @@ WINDOW = ["--steps", "2", "--warmup", "1"]
 EXPECTED = {"sdpa_attention": 29, "fused_softmax": 30, "fuse_region": 11}
 
 pytestmark = pytest.mark.slow
-
-
-def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.fixture

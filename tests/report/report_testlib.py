@@ -3,16 +3,19 @@ and the GPU profiles kept under tests/data, written as run folders."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import cli_testlib
+from cli_testlib import Done
 
 from opadvisor.profile.model import Profile, save_profile
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = "--device cpu --hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --vocab 1003".split()
 
 
 @dataclass
@@ -22,24 +25,29 @@ class ExampleRuns:
     after: Path  # run folder of the rewritten script
 
 
-def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    """`python -m opadvisor ARGS` in `cwd`; the test fails with the output when it exits non-zero."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
+def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess | Done:
+    """`opadvisor ARGS` in `cwd` (profile in a child process, the others in this one: cli_testlib); the test
+    fails with the output when it exits non-zero."""
+    proc = cli_testlib.opadvisor(cwd, *args)
     assert proc.returncode == 0, (
         f"opadvisor {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     )
     return proc
 
 
-def make_example_runs(project: Path) -> ExampleRuns:
-    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again."""
-    shutil.copy(REPO / "examples" / "bert_train.py", project / "bert_train.py")
-    profile = ["profile", "bert_train.py", "--steps", "2", "--warmup", "1"]
-    opadvisor(project, *profile, "--out", "before", "--", *SMALL)
+def make_example_runs(folder: Path, example_project: Callable[[str, Path], Path]) -> ExampleRuns:
+    """examples/bert_train.py profiled on the CPU, fused_softmax applied, profiled again. The first run is
+    a copy of tests/conftest.py's `example_project` (made once a test run), moved where `profile --out
+    before` would have written it: the folder `before`, the run's id its name, no latest."""
+    project = example_project("bert_train.py", folder / "project")
+    (run,) = (project / ".opadvisor" / "runs").iterdir()
+    profile = json.loads((run / "profile.json").read_text())
+    profile["run_id"] = "before"
+    (run / "profile.json").write_text(json.dumps(profile))
+    run.rename(project / "before")
+    shutil.rmtree(project / ".opadvisor")
     opadvisor(project, "apply", "--rule", "fused_softmax", "before")
-    opadvisor(project, *profile, "--out", "after", "--", *SMALL)
+    cli_testlib.profile_example("bert_train.py", project, "--out", "after")
     return ExampleRuns(project, project / "before", project / "after")
 
 

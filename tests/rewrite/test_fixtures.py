@@ -167,12 +167,19 @@ def profiled_expected(case: Path) -> Path:
     return special if special.is_file() else _out(case)
 
 
+# rule -> its note on a CPU profile ("needs a CUDA profile: ..."): the same for every fixture of the rule, so
+# the rule's other fixtures are skipped without being profiled again (on this xdist worker)
+NEEDS_CUDA: dict[str, str] = {}
+
+
 def profiled_targets(case: Path, rule: str) -> tuple[list, list]:
     """(targets, findings) of `rule` in this fixture: `make_inputs()` profiled in training mode on the CPU."""
     from opadvisor.profile.runner import profile_steps
     from opadvisor.rewrite.base import Target
     from opadvisor.rules.engine import analyse
 
+    if rule in NEEDS_CUDA:
+        pytest.skip(f"{rule} on a CPU profile: {NEEDS_CUDA[rule]}")
     namespace: dict = {"__name__": f"profiled_{case.stem}"}
     exec(compile(case.read_bytes(), str(case), "exec"), namespace)  # noqa: S102 - our own fixture files
     torch.manual_seed(0)
@@ -185,6 +192,8 @@ def profiled_targets(case: Path, rule: str) -> tuple[list, list]:
     profile = profile_steps(step, case, steps=1, warmup=1)
     report = analyse([profile], select=[rule])
     if report.notes:
+        if report.notes[0].message.startswith("needs a CUDA profile"):
+            NEEDS_CUDA[rule] = report.notes[0].message
         pytest.skip(f"{rule} on a CPU profile: {report.notes[0].message}")
     findings = [f for f in report.findings if Path(f.path) == case.resolve()]
     return [Target(f.line, f.end_line, f.details) for f in findings if f.fix != "none"], findings

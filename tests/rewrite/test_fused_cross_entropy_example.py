@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_testlib import opadvisor_here
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ARGS = "--hidden 32 --layers 1 --heads 2 --seq 16 --batch 4 --steps 3 --dropout 0".split()
@@ -45,10 +46,7 @@ def test_rewritten_example_trains_like_the_original(tmp_path: Path, example: str
     script = tmp_path / f"{example}.py"
     shutil.copy(EXAMPLES / f"{example}.py", original)
     shutil.copy(EXAMPLES / f"{example}.py", script)
-    done = subprocess.run(
-        [sys.executable, "-m", "opadvisor", "apply", "--rule", "fused_cross_entropy", str(script)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = opadvisor_here(tmp_path, "apply", "--rule", "fused_cross_entropy", str(script))
     assert done.returncode == 0, done.stdout + done.stderr
     rewritten = script.read_text()
     assert "from opadvisor.kernels import cross_entropy" in rewritten

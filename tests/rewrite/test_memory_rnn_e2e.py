@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS = REPO / "tests" / "profile" / "scripts" / "blocks_train.py"
@@ -20,12 +19,6 @@ CELLS = REPO / "tests" / "rules" / "scripts" / "lstm_cell_loop.py"
 LAYERS = REPO / "tests" / "rules" / "scripts" / "lstm_layers.py"
 
 pytestmark = pytest.mark.slow
-
-
-def opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True, timeout=600
-    )
 
 
 def _project(tmp_path: Path, script: Path, *profile_args: str) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_testlib import opadvisor_here
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bert_train.py"
 ARGS = "--hidden 64 --layers 2 --heads 4 --seq 32 --batch 8 --steps 6 --dropout 0".split()
@@ -34,10 +35,7 @@ def test_graphed_example_trains_like_the_original(tmp_path: Path, device: str) -
     script = tmp_path / "bert_train.py"
     shutil.copy(EXAMPLE, original)
     shutil.copy(EXAMPLE, script)
-    done = subprocess.run(
-        [sys.executable, "-m", "opadvisor", "apply", "--rule", "sparse_launch", "--unsafe", str(script)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    done = opadvisor_here(tmp_path, "apply", "--rule", "sparse_launch", "--unsafe", str(script))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "model = cuda_graphed(model)" in script.read_text()
     before, after = _losses(original, device), _losses(script, device)

@@ -10,16 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from rules_testlib import SCRIPTS, profile_script
+from rules_testlib import SCRIPTS
 
 
 @pytest.fixture(scope="session")
-def rules_profile(made_once):
-    """name -> run folder of scripts/<name>.py (or of `script`), profiled once per test run."""
+def rules_profile(script_run):
+    """name -> run folder of scripts/<name>.py (or of `script`), profiled once per test run (tests/conftest.py's
+    script_run: shared with the other test directories that profile the same script)."""
 
     def get(name: str, script: Path | None = None, *args: str) -> Path:
-        path = script or SCRIPTS / f"{name}.py"
-        key = "-".join(["rules", name, *(a.strip("-") for a in args)])
-        return made_once(key, lambda folder: profile_script(path, folder / "run", *args)) / "run"
+        return script_run(script or SCRIPTS / f"{name}.py", *args)
 
     return get

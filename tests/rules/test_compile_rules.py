@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor
 from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.compiled import CompileRecorder
@@ -33,11 +34,6 @@ def _losses(cwd: Path, script: Path, *args: str) -> list[float]:
     return [float(v) for v in re.findall(r"loss ([-\d.eE+]+)", proc.stdout)]
 
 
-def _opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
-
-
 def test_four_planted_problems_are_found_fixed_and_compile_whole(tmp_path):
     """The done-when of issue 33 on the CPU, as a user runs it: profile, suggest, apply --rule all; the
     rewritten script then compiles with fullgraph=True and trains to the same losses. (One test, one
@@ -46,7 +42,7 @@ def test_four_planted_problems_are_found_fixed_and_compile_whole(tmp_path):
     shutil.copy(BREAKS, script)
     before = _losses(tmp_path, script)
     assert len(before) == 6
-    done = _opadvisor(tmp_path, "profile", "train.py", "--steps", "2", "--warmup", "2", "--", "--steps", "6")
+    done = opadvisor(tmp_path, "profile", "train.py", "--steps", "2", "--warmup", "2", "--", "--steps", "6")
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / ".opadvisor" / "runs" / (tmp_path / ".opadvisor" / "latest").read_text().strip()
     profile = load_profile(run / "profile.json")
@@ -55,7 +51,7 @@ def test_four_planted_problems_are_found_fixed_and_compile_whole(tmp_path):
     again = profile_from_dict(json.loads(json.dumps(profile_to_dict(profile))))
     assert again.compiled_frames == profile.compiled_frames
 
-    report = _opadvisor(tmp_path, "suggest", "--format", "json")
+    report = opadvisor(tmp_path, "suggest", "--format", "json")
     assert report.returncode == 0, report.stderr
     data = json.loads(report.stdout)
     ours = sorted(f["rule"] for f in data["findings"] if f["rule"] in ("graph_break", "recompile"))
@@ -65,7 +61,7 @@ def test_four_planted_problems_are_found_fixed_and_compile_whole(tmp_path):
     assert compiled["graphs"] == 4
     assert compiled["compile_s"] > compiled["compile_s_first_step"] > 0  # the recompile came later
 
-    applied = _opadvisor(tmp_path, "apply", "--rule", "all")
+    applied = opadvisor(tmp_path, "apply", "--rule", "all")
     assert applied.returncode == 0, applied.stderr
     text = script.read_text()
     assert "torch.where(y.max() > 0, y * 0.5, y)" in text and "dynamic=True" in text

@@ -7,16 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
-from test_verify_e2e import opadvisor, profiled
+from cli_testlib import opadvisor_here
+from test_verify_e2e import profiled
 
 from opadvisor.verify.applied import load_applied
 
 pytestmark = pytest.mark.slow
 
 
-def test_parity_original_carries_the_dropout_replacement(tmp_path: Path) -> None:
-    project, run_dir = profiled(tmp_path, "deberta_train.py")
-    proc = opadvisor(project, "apply", "--rule", "fuse_region")
+def test_parity_original_carries_the_dropout_replacement(example_project, tmp_path: Path) -> None:
+    project, run_dir = profiled(example_project, tmp_path, "deberta_train.py")
+    proc = opadvisor_here(project, "apply", "--rule", "fuse_region")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (
         "XDropout.apply (dropout written by hand) -> opadvisor.kernels.dropout" in proc.stdout + proc.stderr
@@ -35,7 +36,9 @@ def test_parity_original_carries_the_dropout_replacement(tmp_path: Path) -> None
         "parity/"
     )
 
-    proc = opadvisor(project, "verify", "--steps", "3", "--no-timing", "--no-reprofile", "--format", "json")
+    proc = opadvisor_here(
+        project, "verify", "--steps", "3", "--no-timing", "--no-reprofile", "--format", "json"
+    )
     report = json.loads(proc.stdout)
     assert proc.returncode == 0 and report["parity"]["ok"], proc.stdout + proc.stderr
     assert any("dropout written by hand ran as opadvisor.kernels.dropout" in n for n in report["notes"])

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_testlib import opadvisor
 from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.model import CompiledFrame, Construction, Profile, load_profile
@@ -29,9 +30,8 @@ def _losses(cwd: Path) -> list[float]:
     return [float(v) for v in re.findall(r"loss ([-\d.eE+]+)", proc.stdout)]
 
 
-def _opadvisor(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "opadvisor", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+def _opadvisor(cwd: Path, *args: str):
+    done = opadvisor(cwd, *args)  # profile in a child process, the rest in this one
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 

@@ -15,8 +15,8 @@ session sees `torch.compile(model)` (or `model.compile()`), as plain data for th
      "outside": ["emb", "head"]}     # the outermost modules holding no block (they run eagerly)
 
 The block class is a class with at least two instances that has submodules of its own and is not one of
-torch's modules (but nn.Transformer's layers); of several, the one whose instances hold the largest share of the model's parameter
-tensors, discounted by one instance (`_score`).
+torch's modules (but nn.Transformer's layers); of several, the one whose instances hold the largest share
+of the model's parameter tensors, discounted by one instance (`_score`).
 """
 
 from __future__ import annotations

@@ -48,10 +48,8 @@ BOOKKEEPING = frozenset(
         CACHE_LOOKUP,
     }
 )
-TRACE_LOGGER = "torch.__trace"
-OWN_DIR = (
-    str(Path(__file__).resolve().parent) + os.sep
-)  # this package: the session's hooks  # torch._logging's structured trace: logging.getLogger of this name
+TRACE_LOGGER = "torch.__trace"  # torch._logging's structured trace: logging.getLogger of this name
+OWN_DIR = str(Path(__file__).resolve().parent) + os.sep  # this package: the session's hooks
 _BREAK_AT = re.compile(r"^Graph break(?: \(user stack suppressed[^)]*\))? in user code at (.+):(\d+)\s*$")
 _REASON = re.compile(r"^Graph Break Reason:\s*(.*)$")
 MAX_TEXT = 2000  # characters kept of a reason or an explanation

@@ -3,8 +3,8 @@
 Profile mode only (the recompiles are what dynamo reported while the script ran: static mode rewrites
 nothing). Each target is the statement that compiled the function (`RecompileFacts.compile_line`); for a
 recompile of kind "shape" (a size that changed) or "scalar" (a Python number that changed: dynamic=True
-makes ints and floats symbolic too, torch 2.11-2.13) the compile gets `dynamic=True`, in its own layout (one argument a line stays one
-a line, a trailing comma stays, comments stay where they were):
+makes ints and floats symbolic too, torch 2.11-2.13) the compile gets `dynamic=True`, in its own layout
+(one argument a line stays one a line, a trailing comma stays, comments stay where they were):
 
     model = torch.compile(model)                  ->  model = torch.compile(model, dynamic=True)
     model.compile(mode="max-autotune")            ->  model.compile(mode="max-autotune", dynamic=True)

@@ -256,7 +256,7 @@ def _without_trailing_comma(args: list[cst.Arg]) -> list[cst.Arg]:
     if not args:
         return []
     last = args[-1]
-    if isinstance(last.comma, cst.Comma) and "\n" not in cst.Module([]).code_for_node(last.comma):
+    if isinstance(last.comma, cst.Comma) and "\n" not in code(last.comma):
         args = [*args[:-1], last.with_changes(comma=cst.MaybeSentinel.DEFAULT)]
     return args
 

@@ -41,6 +41,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _each_test_rewrites_afresh() -> None:
+    """The engine remembers its rewrites per process (engine.forget_rewrites); a test starts without them, so
+    a test that changes a codemod between two calls is not answered from another test's."""
+    from opadvisor.rewrite.engine import forget_rewrites
+
+    forget_rewrites()
+
+
 @pytest.fixture(scope="session")
 def made_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], None]], Path]:
     """(key, make) -> a folder `make` filled once for the whole test run, shared by every xdist worker.

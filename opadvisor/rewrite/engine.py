@@ -36,6 +36,7 @@ refusing a file edited since the apply wrote it (unless forced), then drops thos
 
 from __future__ import annotations
 
+import copy
 import difflib
 import hashlib
 import json
@@ -312,8 +313,64 @@ def rewrite_source(
     should not); raises UserError otherwise, and OverBudget when the analysis (all its passes) runs past
     the budget of `_budget.py`.
     """
-    with _budget.analysis_budget(lines=source.count(b"\n")):
-        return _rewrite_checked(source, rule, targets, path, allow_unsafe, options)
+    key = _memo_key(source, rule, targets, path, allow_unsafe, options)
+    if key is not None and key in _REWRITES:
+        return _recalled(key)
+    try:
+        with _budget.analysis_budget(lines=source.count(b"\n")):
+            done = _rewrite_checked(source, rule, targets, path, allow_unsafe, options)
+    except (UserError, _budget.OverBudget) as exc:
+        _remember(key, exc)
+        raise
+    _remember(key, done)
+    return _recalled(key) if key is not None else done
+
+
+# ---- one rewrite per input in a process ------------------------------------------------------------------------
+# `apply` dry-runs every finding's fix on the file as profiled (the verdict suggest shows), then rewrites the
+# same file: the rule it runs first on that text asks for the very rewrite the dry run made. A rewrite is a
+# function of its inputs, so it is made once per process and recalled (a copy) after; a refusal or an
+# over-budget analysis is recalled too, so the dry run's verdict and apply's cannot disagree by the clock.
+_REWRITES: dict[tuple, tuple[bytes, RuleResult] | Exception] = {}
+_REWRITES_KEPT = 64
+
+
+def forget_rewrites() -> None:
+    """Drop the rewrites this process remembers (tests that change a codemod between two calls)."""
+    _REWRITES.clear()
+
+
+def _memo_key(source, rule, targets, path, allow_unsafe, options) -> tuple | None:
+    """What a rewrite depends on, as a key; None where an input cannot be keyed (it is then not kept)."""
+    try:
+        wanted = (
+            None
+            if targets is None
+            else json.dumps(
+                [(t.line, t.end_line, t.details, t.finding_rule) for t in targets], sort_keys=True
+            )
+        )
+        extra = json.dumps(options, sort_keys=True) if options else ""
+    except (TypeError, ValueError):
+        return None
+    budget = _budget.budget_seconds(source.count(b"\n"))
+    codemod = registry.get_codemod(rule)
+    return (sha256(source), rule, codemod, wanted, str(path), allow_unsafe, extra, budget, _relevance.ENABLED)
+
+
+def _remember(key: tuple | None, done: tuple[bytes, RuleResult] | Exception) -> None:
+    if key is None:
+        return
+    if len(_REWRITES) >= _REWRITES_KEPT:
+        _REWRITES.pop(next(iter(_REWRITES)))
+    _REWRITES[key] = done if isinstance(done, Exception) else copy.deepcopy(done)
+
+
+def _recalled(key: tuple) -> tuple[bytes, RuleResult]:
+    done = _REWRITES[key]
+    if isinstance(done, Exception):
+        raise copy.copy(done)
+    return copy.deepcopy(done)
 
 
 def _rewrite_checked(

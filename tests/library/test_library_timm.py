@@ -27,12 +27,14 @@ def _findings(project: Path):
     return analyse(profiles).findings
 
 
-def _losses(script: Path) -> list[float]:
+def _losses(script: Path) -> tuple[list[float], str]:
+    """The script's losses, and which attention timm's blocks ran (the script prints `fused_attn <bool>`)."""
     done = subprocess.run(
         [sys.executable, str(script)], cwd=script.parent, capture_output=True, text=True, env=process_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [float(x) for x in re.findall(r"loss ([-\d.]+)", done.stdout)]
+    fused = re.findall(r"fused_attn (\w+)", done.stdout)
+    return [float(x) for x in re.findall(r"loss ([-\d.]+)", done.stdout)], " ".join(fused)
 
 
 def test_the_finding_names_timms_attention_and_offers_its_switch(library_run) -> None:
@@ -65,15 +67,12 @@ def test_apply_writes_the_switch_once_and_the_losses_match(project_copy, tmp_pat
     text = script.read_text()
     again = run_opadvisor(project, "apply", "--rule", "sdpa_attention")
     assert script.read_text() == text and "nothing to rewrite" in again.stdout + again.stderr
-    before, after = _losses(original), _losses(script)
+    (before, eager), (after, fused) = _losses(original), _losses(script)
     assert len(before) == len(after) == 6
     assert after == pytest.approx(before, rel=1e-4, abs=1e-6)
-    # profiled again, timm runs its fused attention: the attention by hand is gone
-    run_opadvisor(project, "profile", "timm_vit.py", "--steps", "2", "--warmup", "1")
-    runs = sorted((project / ".opadvisor" / "runs").iterdir())
-    _, profiles = load_run(str(runs[-1]))
-    assert not [f for f in analyse(profiles).findings if f.rule in ("sdpa_attention", "fused_softmax")]
-    assert any(op.name == "aten::scaled_dot_product_attention" for op in profiles[0].ops)
+    # timm's blocks now run its fused attention (scaled_dot_product_attention); the original ran the ops by
+    # hand. (Not profiled again: 10 s of the suite for what these flags say.)
+    assert (eager, fused) == ("False", "True")
 
 
 def test_which_switch_a_timm_class_reads(tmp_path: Path) -> None:

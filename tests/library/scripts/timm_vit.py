@@ -28,3 +28,4 @@ for step in range(6):
     opt.step()
     opt.zero_grad()
     print(f"step {step} loss {loss.item():.6f}")
+print(f"fused_attn {model.blocks[0].attn.fused_attn}")  # which attention timm ran

@@ -77,6 +77,7 @@ def _finding(profile: Profile, c: Construction, backward: float, synced: float) 
         forward_line=forward[1],
         step_file=step[0],
         step_line=step[1],
+        lines=_lines(c.file, forward, step),
     )
     fix_words = "model.no_sync()" if c.kind == "ddp" else "model.set_requires_gradient_sync(False)"
     return finding_at(
@@ -98,6 +99,15 @@ def _finding(profile: Profile, c: Construction, backward: float, synced: float) 
         advice=f"run the micro-steps that do not step the optimizer without gradient sync ({fix_words})",
         details=facts.to_details(),
     )
+
+
+def _lines(file: str | None, forward: list, step: list) -> dict[str, list[int]]:
+    """The loop's lines for the codemod, when they are in the construction's file."""
+    out = {}
+    for label, (where, line) in (("forward", forward), ("step", step)):
+        if where == file and isinstance(line, int):
+            out[label] = [line, line]
+    return out
 
 
 def _saving(comm: Comm | None, grads_ms: float, synced: float) -> float | None:

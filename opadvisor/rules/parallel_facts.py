@@ -38,7 +38,9 @@ class GradSyncFacts(Facts):
     construction_line: the DDP(...) / root fully_shard(...) line; backward_per_step / synced_per_step:
     backward passes per optimizer step and how many of them all-reduced / reduce-scattered gradients
     (medians over the steps seen); forward_file / forward_line: where the wrapped model's forward was
-    called; step_file / step_line: where the optimizer stepped (the accumulation loop holds both)."""
+    called; step_file / step_line: where the optimizer stepped (the accumulation loop holds both); lines:
+    {"forward": [line, line], "step": [line, line]} the same lines, in the form the rewrite engine moves
+    when an earlier fix of the same apply shifted them."""
 
     wrapper: str = "ddp"
     construction_line: int | None = None
@@ -48,6 +50,7 @@ class GradSyncFacts(Facts):
     forward_line: int | None = None
     step_file: str | None = None
     step_line: int | None = None
+    lines: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -123,8 +123,7 @@ class FsdpRootOnlyCodemod(RuleCodemod):
         body = cst.SimpleStatementLine([cst.Expr(block_call)])
         comment = cst.EmptyLine(
             comment=cst.Comment(
-                f"# one FSDP unit per {facts.block}: FSDP2 gathers each block while the one before computes "
-                "(opadvisor fsdp_root_only)"
+                f"# one FSDP unit per {facts.block}, gathered while the one before computes (opadvisor fsdp_root_only)"
             )
         )
         return loop.with_changes(

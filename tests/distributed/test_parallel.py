@@ -164,19 +164,37 @@ def test_apply_on_the_ddp_example(ddp_project: Path, tmp_path: Path) -> None:
     compile(text, DDP_EXAMPLE.name, "exec")
 
 
-def test_apply_on_the_fsdp_example_then_the_rules_are_quiet(fsdp_project: Path, tmp_path: Path) -> None:
-    """apply --rule all --unsafe, then the rewritten script profiled (one process): five units, one sync per
-    optimizer step, 16-bit gathers, and none of the three findings."""
-    project = copy_project(fsdp_project, tmp_path / "project")
+@pytest.fixture(scope="module")
+def fsdp_applied(fsdp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the FSDP project after `apply --rule all --unsafe` (the profiled run keeps the backups)."""
+    project = copy_project(fsdp_project, tmp_path_factory.mktemp("fsdp-applied") / "project")
     done = opadvisor_here(project, "apply", "--rule", "all", "--unsafe")
     assert done.returncode == 0, done.stderr
-    text = (project / FSDP_EXAMPLE.name).read_text()
+    return project
+
+
+def test_apply_on_the_fsdp_example(fsdp_applied: Path) -> None:
+    text = (fsdp_applied / FSDP_EXAMPLE.name).read_text()
     assert "for block_ in model.blocks:" in text
     assert "model.set_requires_gradient_sync((i + 1) % args.accum == 0)" in text
-    assert (
-        text.count("mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)")
-        == 2
-    )
+    policy = "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
+    assert text.count(policy) == 2 and "from torch.distributed.fsdp import MixedPrecisionPolicy" in text
+
+
+def test_verify_runs_both_programs_on_two_ranks(fsdp_applied: Path) -> None:
+    """`verify --quick` of the 2-rank run: both programs on 2 gloo ranks, every rank's losses compared."""
+    (run,) = [p for p in (fsdp_applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
+    done = opadvisor_here(fsdp_applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+    assert any("verify runs both programs on 2 ranks" in n for n in report["notes"])
+
+
+def test_the_rules_are_quiet_on_the_fixed_fsdp_example(fsdp_applied: Path) -> None:
+    """The rewritten script profiled (one process): five units, one sync per optimizer step, 16-bit
+    gathers, and none of the three findings."""
+    project = fsdp_applied
     profile(project, FSDP_EXAMPLE.name, warmup=1)
     _, (prof,) = load_run(None, project)
     units = {c.module: c.attrs for c in prof.constructions if c.kind == "fsdp"}

@@ -568,7 +568,7 @@ class Session:
         if site is None:
             return
         file, line, function, how = site
-        cls = type(model)
+        cls = _unsharded_class(type(model))
         lib = library_file(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
         attrs: dict[str, Any] = {"how": how, "package": lib.package if lib is not None else None}
         config = getattr(model, "config", None)
@@ -684,7 +684,19 @@ def _shown(value: Any) -> str:
 
 
 def _qualified(cls: type) -> str:
+    cls = _unsharded_class(cls)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_FSDP_PACKAGE = "torch.distributed.fsdp"
+
+
+def _unsharded_class(cls: type) -> type:
+    """The user's class of a module FSDP2 wrapped: `fully_shard` swaps its class for a subclass
+    `FSDP<Name>(FSDPModule, Name)` made in torch's own module, which would read as torch's code."""
+    if cls.__name__.startswith("FSDP") and cls.__module__.startswith(_FSDP_PACKAGE):
+        return next((b for b in cls.__bases__ if not b.__module__.startswith(_FSDP_PACKAGE)), cls)
+    return cls
 
 
 def _unwrap(module: Any) -> Any:
@@ -708,6 +720,8 @@ def _compiling() -> bool:
 def _public_name(cls: type, package: str) -> str:
     """`torch.optim.adamw.AdamW` -> `torch.optim.AdamW` when the package exports it; user classes as is."""
     import importlib
+
+    cls = _unsharded_class(cls)
 
     try:
         if getattr(importlib.import_module(package), cls.__name__, None) is cls:

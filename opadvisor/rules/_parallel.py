@@ -4,13 +4,14 @@ measured communication (cross_rank's numbers), and a finding at the construction
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
 from opadvisor.rules._index import index_of
 from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules._units import unit_comm, words
 from opadvisor.rules.cross_rank import rank_stats
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.finding import Evidence, Finding, FixSafety
@@ -120,4 +121,21 @@ def finding_at(
     )
 
 
-__all__ = ["Comm", "comm_of", "constructions", "finding_at", "forward_wrapper", "per_step_median"]
+def unit_notes(profile: Profile) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every FSDP unit's collectives as plain data (most exposed first), and a note naming the top ones."""
+    units = unit_comm(profile)
+    if not units:
+        return [], []
+    how = "NCCL kernel time, exposed part" if profile.has_gpu else "sizes; times per unit need a GPU profile"
+    return [asdict(u) for u in units], [f"collectives per unit ({how}): {words(units)}"]
+
+
+__all__ = [
+    "Comm",
+    "comm_of",
+    "constructions",
+    "finding_at",
+    "forward_wrapper",
+    "per_step_median",
+    "unit_notes",
+]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at, forward_wrapper
+from opadvisor.rules._parallel import comm_of, constructions, finding_at, forward_wrapper, unit_notes
 from opadvisor.rules.finding import Finding
 from opadvisor.rules.parallel_facts import FsdpFacts
 
@@ -64,6 +64,7 @@ def _gathers_fp32(c: Construction) -> bool:
 def _finding(profile: Profile, calls: list[Construction], autocast: str, units: int) -> Finding:
     c = calls[0]
     comm = comm_of(profile)
+    per_unit, unit_words = unit_notes(profile)
     gather = comm.of("all_gather") if comm is not None else 0.0
     time_ms = gather if gather > 0 else None
     saving = gather / 2.0 * comm.exposed_share if time_ms is not None and comm is not None else None
@@ -81,6 +82,7 @@ def _finding(profile: Profile, calls: list[Construction], autocast: str, units: 
         param_dtypes=list(c.attrs.get("param_dtypes") or []),
         mp_param_dtype=c.attrs.get("mp_param_dtype"),
         given=list(c.attrs.get("given") or []),
+        units=per_unit,
     )
     return finding_at(
         profile,
@@ -96,6 +98,7 @@ def _finding(profile: Profile, calls: list[Construction], autocast: str, units: 
             f"estimate: {autocast} all-gathers move half the bytes: half the all-gather time, times its exposed "
             "share",
             "unsafe: parameters autocast keeps in float32 (norms, softmax, loss) become 16-bit",
+            *unit_words,
         ],
         advice=f"pass mp_policy=MixedPrecisionPolicy(param_dtype=torch.{autocast}, reduce_dtype=torch.float32) "
         "to fully_shard",

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at
+from opadvisor.rules._parallel import comm_of, constructions, finding_at, unit_notes
 from opadvisor.rules.finding import Finding
 from opadvisor.rules.parallel_facts import FsdpFacts
 
@@ -66,6 +66,7 @@ def detect(profile: Profile) -> list[Finding]:
 def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
     a = c.attrs
     comm = comm_of(profile)
+    per_unit, unit_words = unit_notes(profile)
     count = int(blocks["count"])
     time_ms = comm.total_ms if comm is not None and comm.total_ms > 0 else None
     saving = comm.exposed_ms * (1.0 - 1.0 / count) if time_ms is not None and comm is not None else None
@@ -87,6 +88,7 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
         singles=list(blocks.get("singles") or []),
         param_share=blocks.get("param_share"),
         given=list(a.get("given") or []),
+        units=per_unit,
     )
     return finding_at(
         profile,
@@ -103,6 +105,7 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
             f"estimate: with one unit per {facts.block}, FSDP2 prefetches the next block's all-gather during "
             f"the current block; the exposed communication less one block's share ({fmt_ms(saving)}/step)",
             "one unit also holds the whole unsharded model in memory in forward and backward",
+            *unit_words,
         ],
         advice=f"call fully_shard on each {facts.block} before the root: `for block in model.{where.split(', ')[0]}: "
         "fully_shard(block)`",

@@ -6,6 +6,7 @@ codemods (plain data, in each finding's `details`). The constructions they come 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from opadvisor.rules.facts import Facts
 
@@ -61,7 +62,9 @@ class FsdpFacts(Facts):
     module's repeated blocks (as `regional_compile` records them), where a per-block `fully_shard` loop
     goes; autocast: the autocast dtype of the forward (None without autocast); param_dtypes: the dtypes of
     its parameters; mp_param_dtype: its MixedPrecisionPolicy's param_dtype (None: none given); given: the
-    keywords passed to the call (each block's call gets the same ones)."""
+    keywords passed to the call (each block's call gets the same ones); units: the collectives of every unit
+    (`rules/_units.py`: unit, collective, calls_per_step, mib_per_call, dtype, ms_per_step and
+    exposed_ms_per_step on a GPU profile), most exposed first."""
 
     construction_line: int | None = None
     module: str | None = None
@@ -77,6 +80,7 @@ class FsdpFacts(Facts):
     param_dtypes: list[str] = field(default_factory=list)
     mp_param_dtype: str | None = None
     given: list[str] = field(default_factory=list)
+    units: list[dict[str, Any]] = field(default_factory=list)
 
 
 __all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts"]

@@ -104,6 +104,8 @@ def test_fsdp_construction_recorded_on_every_rank(fsdp_project: Path) -> None:
         assert (
             a["grad_sync"]["per_step"] == [[2, 2]] * a["grad_sync"]["steps"] and a["grad_sync"]["steps"] >= 4
         )
+        (model,) = [c for c in prof.constructions if c.kind == "model"]
+        assert model.cls == "__main__.GPT" and prof.modules[""] == "__main__.GPT"  # not FSDP's FSDPGPT
         names = {x.name for x in prof.annotations}
         assert {"FSDP::all_gather", "FSDP::post_backward_reduce"} <= names  # FSDP2's ranges, one unit
 
@@ -137,6 +139,12 @@ def test_fsdp_rules_find_the_naive_example(fsdp_project: Path) -> None:
     assert "4 Block blocks" in ours["fsdp_root_only"]["message"]
     assert ours["grad_accum_sync"]["details"]["wrapper"] == "fsdp"
     assert "bfloat16 autocast" in ours["fsdp_fp32_gather"]["message"]
+    units = {(u["unit"], u["collective"]): u for u in ours["fsdp_root_only"]["details"]["units"]}
+    assert set(units) == {("", "all_gather"), ("", "reduce_scatter")}  # the one root unit
+    params = ours["fsdp_root_only"]["details"]["own_params"]
+    for u in units.values():  # two micro-steps: gathered and reduced twice a step, the whole model each
+        assert u["calls_per_step"] == 2 and u["dtype"] == "float32"
+        assert abs(u["mib_per_call"] - params * 4 / 2**20) < 0.01 and u["ms_per_step"] is None  # CPU: sizes
 
 
 def test_ddp_rules_find_the_naive_example(ddp_project: Path) -> None:

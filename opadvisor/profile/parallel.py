@@ -202,9 +202,7 @@ class ParallelRecorder:
         root = next((m for m in modules if id(m) in self._by_module), None)
         if root is None:
             return
-        groups = [
-            g for s in state._state_ctx.all_states for g in getattr(s, "_fsdp_param_groups", None) or []
-        ]
+        groups = [g for s in state._state_ctx.all_states for g in _param_groups(s)]
         counts = self._pending.setdefault(id(root), [0, 0])
         counts[0] += 1
         counts[1] += any(g.reduce_grads for g in groups)
@@ -265,6 +263,15 @@ def _before_shard(module: Any) -> dict[str, Any]:
         if blocks is not None:
             facts["blocks"] = blocks
     return facts
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: a list in recent torch (2.13), one group (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
 
 
 def _group_facts(group: Any) -> dict[str, Any]:

@@ -84,7 +84,8 @@ def _finding(profile: Profile, c: Construction) -> Finding:
         notes=[
             f"{a.get('param_tensors')} parameter tensors require grad; none was without a gradient at an "
             "optimizer step",
-            "saving (estimate): the measured _post_forward time, most of which is the traversal",
+            "saving (estimate): the measured _post_forward time, most of which is the traversal; it is host "
+            "time, which lengthens the step where the host sets the pace (on a GPU-bound step it may hide)",
         ],
         advice="drop find_unused_parameters=True from DistributedDataParallel(...)",
         details=facts.to_details(),

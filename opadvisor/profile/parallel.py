@@ -174,13 +174,15 @@ class ParallelRecorder:
         self._by_module[id(modules[0])] = (modules[0], construction)
 
     # ---- at run time ---------------------------------------------------------------------------------
-    def on_outer_forward(self, module: Any) -> None:
-        """The forward of the outermost module called (the session's pre hook): DDP's sync decision, the
-        autocast dtype, the forward's line."""
-        if id(module) in self._by_module:
-            self._guarded(lambda: self._outer_forward(module), None)
+    def watches(self, key: int) -> bool:
+        """Whether the module with this id is a DDP wrapper or an FSDP unit (the session's pre hook asks)."""
+        return key in self._by_module
 
-    def _outer_forward(self, module: Any) -> None:
+    def on_wrapper_forward(self, module: Any) -> None:
+        """A wrapper's forward begins: DDP's sync decision, the autocast dtype, the forward's line."""
+        self._guarded(lambda: self._wrapper_forward(module), None)
+
+    def _wrapper_forward(self, module: Any) -> None:
         import torch
 
         entry = self._by_module.get(id(module))
@@ -233,10 +235,11 @@ class ParallelRecorder:
 
     def finish(self, module_paths: dict[int, str], outer: int | None) -> None:
         """After the script: module paths, which unit is the root, DDP's measured _post_forward time."""
-        for key, (_module, construction) in self._by_module.items():
+        for key, (module, construction) in self._by_module.items():
             if construction.kind == "fsdp":
                 construction.module = module_paths.get(key)
-                construction.attrs["root"] = key == outer
+                root = self._guarded(lambda m=module: _is_root(m), None)
+                construction.attrs["root"] = root if root is not None else key == outer
             times = self._timings.get(key)
             if times and len(times) > 1:
                 # the first call pays for DDP's lazy set-up: left out
@@ -263,6 +266,14 @@ def _before_shard(module: Any) -> dict[str, Any]:
         if blocks is not None:
             facts["blocks"] = blocks
     return facts
+
+
+def _is_root(module: Any) -> bool | None:
+    """FSDP2's own word on whether the unit is the root (set at its first forward); None when unknown."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if callable(get_state) else None
+    root = getattr(state, "_is_root", None)
+    return root if isinstance(root, bool) else None
 
 
 def _param_groups(state: Any) -> list[Any]:

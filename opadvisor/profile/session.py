@@ -394,7 +394,8 @@ class Session:
             self._outer = key
         if key == self._outer:
             self._outer_calls += 1
-            self.parallel.on_outer_forward(module)
+        if self.parallel.watches(key):
+            self.parallel.on_wrapper_forward(module)
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:

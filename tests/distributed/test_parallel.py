@@ -228,3 +228,44 @@ def test_accumulation_rewrites_keep_the_weights_on_two_ranks() -> None:
     assert set(lines) == {"ddp_range_form", "fsdp_if_form"}
     assert "syncs_before=6 syncs_after=2" in lines["ddp_range_form"]
     assert "syncs_before=18 syncs_after=6" in lines["fsdp_if_form"]
+
+
+# ---- on two GPUs (NCCL): `python3 -m pytest -m gpu tests/distributed` on a machine with 2+ GPUs -----------
+
+
+@pytest.mark.gpu
+def test_fsdp_on_two_gpus_times_each_unit(tmp_path: Path) -> None:
+    """The FSDP example on 2 GPUs, the fixes applied first where they change the units: the findings'
+    costs come from NCCL kernels, and every unit's collectives carry their GPU time and exposed part."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    shutil.copy(FSDP_EXAMPLE, tmp_path / FSDP_EXAMPLE.name)
+    cmd = [
+        sys.executable,
+        "-m",
+        "opadvisor",
+        "profile",
+        "--nproc-per-node",
+        "2",
+        "--steps",
+        "3",
+        "--warmup",
+        "3",
+    ]
+    cmd += [FSDP_EXAMPLE.name, "--", "--size", "tiny", "--device", "cuda", "--steps", "10", "--accum", "2"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = {f["rule"]: f for f in findings(tmp_path) if f["rule"] in FSDP_RULES}
+    assert set(ours) == FSDP_RULES
+    assert all(f["time_basis"] == "gpu" and f["time_ms_per_step"] > 0 for f in ours.values())
+    units = ours["fsdp_root_only"]["details"]["units"]
+    assert {u["collective"] for u in units} == {"all_gather", "reduce_scatter"}
+    assert all(
+        u["ms_per_step"] > 0 and 0 <= u["exposed_ms_per_step"] <= u["ms_per_step"] + 1e-9 for u in units
+    )
+    done = opadvisor_here(tmp_path, "apply", "--rule", "all", "--unsafe")
+    assert done.returncode == 0, done.stderr
+    done = opadvisor_here(tmp_path, "verify", "--quick", "--steps", "3", "--format", "json")
+    assert done.returncode == 0 and json.loads(done.stdout)["parity"]["ok"], done.stdout[-3000:]

@@ -290,6 +290,25 @@ class Construction:
         "from_config"), package (the library of its class, None for the user's own), attn_implementation
         (HuggingFace models: the config's, e.g. "eager" or "sdpa"), supports_sdpa (with it: whether the
         class can run transformers' SDPA attention).
+    kind "ddp" (issue 34; opadvisor/profile/parallel.py): cls "torch.nn.parallel.DistributedDataParallel";
+        attrs: find_unused_parameters, bucket_cap_mb, gradient_as_bucket_view, static_graph, given (the
+        keywords the script passed), param_tensors / grad_bytes (parameters that require grad), world_size,
+        backend; after the run: unused_params (the most parameters that require grad still without a
+        .grad at an optimizer step), unused_checked_steps, post_forward_ms (median host time of DDP's
+        `_post_forward` per forward: with find_unused_parameters=True its autograd-graph traversal).
+    kind "fsdp": one per `fully_shard(module, ...)` call, cls "torch.distributed.fsdp.fully_shard",
+        `module` the path of the module it wrapped ("" the model); attrs: own_params / own_param_bytes /
+        own_param_tensors (the parameters this unit owns: not those of units inside it), param_dtypes,
+        module_params, units_inside (units already inside it when it was called), reshard_after_forward
+        (as given, None: the default), mp_param_dtype / mp_reduce_dtype (its MixedPrecisionPolicy's, None:
+        none), given, grouped (the number of modules of a list call, else None), blocks (the module's
+        repeated blocks, as in a "compile" construction, when it had no unit inside), world_size, backend,
+        root (it wrapped the module whose forward the script calls).
+    On the construction of the module whose forward the script calls (the DDP wrapper, the root unit):
+        grad_sync {"steps", "backward", "synced", "per_step": [[backward passes, synced], ...]} counted
+        between optimizer steps (warm-up included); autocast (the autocast dtype of its first forward with
+        grad, None without autocast); forward_at / step_at ([file, line] of that forward's call and of
+        the optimizer step).
 
     file/line/function are the innermost user frame at the construction; lib_file/lib_line/lib_function
     the innermost library frame inside it when a library built the object (an nn.Linear built in

@@ -45,6 +45,7 @@ from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.memory import MemoryRecorder, StepMemory
 from opadvisor.profile.model import Calibration, Construction
 from opadvisor.profile.modules import ModuleCalls
+from opadvisor.profile.parallel import ParallelRecorder
 from opadvisor.profile.quiet import without_usdt_lines
 from opadvisor.profile.userframes import (
     construction_frame,
@@ -159,6 +160,7 @@ class Session:
         self._calibration_synced = False
         self.compiles = CompileRecorder(lambda: self.steps_seen)
         self._decorator_kwargs: dict[str, Any] | None = None  # of the `@torch.compile(...)` being applied
+        self.parallel = ParallelRecorder(self._add_construction, self.warnings)  # DDP / FSDP2 (issue 34)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def install(self) -> None:
@@ -195,6 +197,11 @@ class Session:
         self._wrap_init(torch.utils.data.DataLoader, self._record_dataloader)
         self._wrap_init(torch.nn.Linear, self._record_module)
         self._wrap_init(torch.nn.Embedding, self._record_module)
+        if torch.distributed.is_available():
+            from torch.nn.parallel import DistributedDataParallel
+
+            self._wrap_init(DistributedDataParallel, self.parallel.record_ddp)
+            self._undo.append(self.parallel.install())
         self._built_at = weakref.WeakKeyDictionary()
         self._wrap_init(torch.nn.Module, self._remember_site)
         if self.config.eager:
@@ -221,6 +228,7 @@ class Session:
         self._undo.clear()
         for path_id, construction in self._modules_by_construction.items():
             construction.module = self.module_paths.get(path_id)
+        self.parallel.finish(self.module_paths, self._outer)
 
     def finish(self) -> Recording | None:
         """Stop a window still in progress (script ended or failed inside it); return what was recorded."""
@@ -236,6 +244,7 @@ class Session:
             self._first_optimizer = id(optimizer)
         if id(optimizer) != self._first_optimizer:
             return  # a second optimizer (e.g. a GAN's) steps inside the same training step
+        self.parallel.on_optimizer_step()
         self.on_step(explicit=False)
 
     def callback_step(self) -> None:
@@ -385,6 +394,8 @@ class Session:
             self._outer = key
         if key == self._outer:
             self._outer_calls += 1
+        if self.parallel.watches(key):
+            self.parallel.on_wrapper_forward(module)
         self._check_time_window()
 
     def _forward_post_hook(self, module: Any, args: Any, output: Any) -> None:
@@ -558,7 +569,7 @@ class Session:
         if site is None:
             return
         file, line, function, how = site
-        cls = type(model)
+        cls = _unsharded_class(type(model))
         lib = library_file(getattr(sys.modules.get(cls.__module__), "__file__", None) or "")
         attrs: dict[str, Any] = {"how": how, "package": lib.package if lib is not None else None}
         config = getattr(model, "config", None)
@@ -674,7 +685,19 @@ def _shown(value: Any) -> str:
 
 
 def _qualified(cls: type) -> str:
+    cls = _unsharded_class(cls)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+_FSDP_PACKAGE = "torch.distributed.fsdp"
+
+
+def _unsharded_class(cls: type) -> type:
+    """The user's class of a module FSDP2 wrapped: `fully_shard` swaps its class for a subclass
+    `FSDP<Name>(FSDPModule, Name)` made in torch's own module, which would read as torch's code."""
+    if cls.__name__.startswith("FSDP") and cls.__module__.startswith(_FSDP_PACKAGE):
+        return next((b for b in cls.__bases__ if not b.__module__.startswith(_FSDP_PACKAGE)), cls)
+    return cls
 
 
 def _unwrap(module: Any) -> Any:
@@ -698,6 +721,8 @@ def _compiling() -> bool:
 def _public_name(cls: type, package: str) -> str:
     """`torch.optim.adamw.AdamW` -> `torch.optim.AdamW` when the package exports it; user classes as is."""
     import importlib
+
+    cls = _unsharded_class(cls)
 
     try:
         if getattr(importlib.import_module(package), cls.__name__, None) is cls:

@@ -140,6 +140,21 @@ def _append(call: cst.Call, items: Sequence[tuple[str, cst.BaseExpression]]) -> 
     return call.with_changes(args=[*args[:-1], old_last, *added])
 
 
+def remove_keyword(call: cst.Call, name: str) -> cst.Call:
+    """`call` without its `name=` argument; the last argument left takes the removed one's comma and
+    closing whitespace when it was the last (a trailing comma stays trailing, none stays none)."""
+    args = list(call.args)
+    index = next((i for i, a in enumerate(args) if a.keyword is not None and a.keyword.value == name), None)
+    if index is None:
+        return call
+    removed = args.pop(index)
+    if index == len(args) and args:
+        args[-1] = args[-1].with_changes(
+            comma=removed.comma, whitespace_after_arg=removed.whitespace_after_arg
+        )
+    return call.with_changes(args=args)
+
+
 def replace_keyword_value(call: cst.Call, name: str, value: cst.BaseExpression) -> cst.Call:
     args = [
         a.with_changes(value=value) if a.keyword is not None and a.keyword.value == name else a

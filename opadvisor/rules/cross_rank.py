@@ -60,7 +60,16 @@ from typing import Any, Literal
 from opadvisor.profile.model import Profile
 from opadvisor.rules._findings import fmt_ms, fmt_share
 
-__all__ = ["Advice", "CrossRankReport", "RankStats", "Straggler", "analyse", "render", "to_json"]
+__all__ = [
+    "Advice",
+    "CrossRankReport",
+    "RankStats",
+    "Straggler",
+    "analyse",
+    "rank_stats",
+    "render",
+    "to_json",
+]
 
 JSON_SCHEMA = 1
 STRAGGLER_MIN_SHARE = 0.05  # the straggler's extra work per step, as a share of the median step
@@ -315,6 +324,16 @@ def _rank_stats(profile: Profile, steps: list[_StepComm]) -> RankStats:
     )
 
 
+def rank_stats(profile: Profile) -> tuple[RankStats, Basis] | None:
+    """One rank's communication, medians per recorded step, and what it was measured from; None when the
+    profile recorded no collective (or, on a GPU, no NCCL kernel) or no step. The rules of issue 34 read
+    their measured cost here (a rule sees one rank's profile at a time)."""
+    basis = _basis(profile)
+    if basis == "none" or not profile.steps:
+        return None
+    return _rank_stats(profile, _per_step(profile, basis)), basis
+
+
 # ---- across ranks ----------------------------------------------------------------------------------
 
 
@@ -518,7 +537,10 @@ def _advice(profiles: Sequence[Profile], report: CrossRankReport) -> list[Advice
         f"Communication costs {fmt_ms(report.comm_ms)}/step, {fmt_share(report.overlap or 0.0)} of it overlapped "
         f"with compute: {fmt_ms(report.exposed_comm_ms)}/step exposed ({fmt_share(exposed_share)} of the step)"
     )
-    if exposed_share >= EXPOSED_MIN_SHARE and (report.overlap or 0.0) < _OVERLAP_LOW:
+    # FSDP shards parameters and reduce-scatters per unit: DDP's bucket and no_sync advice does not apply
+    # (the fsdp_* and grad_accum_sync rules speak for it, at the fully_shard line)
+    fsdp = any(c.kind == "fsdp" for p in profiles for c in p.constructions)
+    if not fsdp and exposed_share >= EXPOSED_MIN_SHARE and (report.overlap or 0.0) < _OVERLAP_LOW:
         if backward_calls is not None and backward_calls <= 1.0:
             out.append(
                 Advice(
@@ -540,7 +562,7 @@ def _advice(profiles: Sequence[Profile], report: CrossRankReport) -> list[Advice
                     "synchronises (a hook calling .item()).",
                 )
             )
-    if comm_share >= COMM_HEAVY_SHARE:
+    if comm_share >= COMM_HEAVY_SHARE and not fsdp:
         out.append(
             Advice(
                 "grad_accumulation",

@@ -33,6 +33,11 @@ RULE_MODULES: tuple[str, ...] = (
     "graph_break",
     "recompile",
     "regional_compile",
+    "ddp_find_unused",
+    "ddp_small_bucket",
+    "grad_accum_sync",
+    "fsdp_root_only",
+    "fsdp_fp32_gather",
 )
 
 

@@ -312,6 +312,7 @@ def verify(
         raise UserError("--steps and --repeats must be at least 1, --warmup at least 0")
     argv = profile.argv or [script]
     cwd = profile.cwd or str(Path(script).parent)
+    nproc, ranks_note = verify_ranks(profile)  # a multi-rank run: on as many ranks, through torchrun
 
     def spec(mode: str, sources: dict[str, str], grads_dir: Path | None = None) -> ChildSpec:
         return ChildSpec(
@@ -326,6 +327,7 @@ def verify(
             module=profile.module,
             import_root=profile.import_root,
             grads_dir=str(grads_dir) if grads_dir is not None else None,
+            nproc=nproc,
         )
 
     notes = [DROPOUT_NOTE]
@@ -340,8 +342,8 @@ def verify(
         for f in applied.files
         if f.edited_since
     ]
-    if profile.world_size > 1:
-        notes.append("a multi-rank run: verify runs the script as a single process")
+    if ranks_note:
+        notes.append(ranks_note)
 
     parity_started = time.monotonic()
     before, after, parity = _parity_phase(spec, applied, opts, progress)
@@ -398,6 +400,7 @@ def _parity_phase(
         parity = compare_parity(
             before.result or {}, after.result or {}, steps=opts.steps, rtol=opts.rtol, atol=opts.atol
         )
+        _other_ranks(parity, before, after, opts)
         saved = all((r.result or {}).get("gradients") for r in (before, after))
         if saved and after.error is None and parity.tolerances is not None:
             progress("parity: comparing every gradient at step 1")
@@ -405,6 +408,40 @@ def _parity_phase(
                 parity, compare_gradients(grads["before"], grads["after"], parity.tolerances.grad_rtol)
             )
     return before, after, parity
+
+
+def verify_ranks(profile: Profile) -> tuple[int, str | None]:
+    """How many ranks verify runs the programs on (a multi-rank run: as many as it was profiled with, on this
+    machine, where it has the GPUs), and a note saying so."""
+    world = profile.world_size
+    if world <= 1:
+        return 1, None
+    if profile.has_gpu:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus < world:
+            return 1, f"a {world}-rank run, {gpus} GPU(s) here: verify runs the script as a single process"
+    return world, (
+        f"a {world}-rank run: verify runs both programs on {world} ranks through torchrun (this machine) and "
+        "compares every rank's losses; step times are rank 0's"
+    )
+
+
+def _other_ranks(parity: Parity, before: ChildResult, after: ChildResult, opts: VerifyOptions) -> None:
+    """Rank 1, 2, ...'s losses (a multi-rank verify): the first rank that diverges fails the parity."""
+    for rank in sorted(set(before.rank_results) | set(after.rank_results)):
+        other = compare_parity(
+            before.rank_results.get(rank, {}),
+            after.rank_results.get(rank, {}),
+            steps=opts.steps,
+            rtol=opts.rtol,
+            atol=opts.atol,
+        )
+        if not other.ok and parity.ok:
+            parity.ok = False
+            parity.first_bad_step = other.first_bad_step
+            parity.message = f"rank {rank}: {other.message}"
 
 
 def _rewrite_failed(report: VerifyReport, error: str) -> None:

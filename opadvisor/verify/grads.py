@@ -49,6 +49,7 @@ def save_gradients(optimizer: Any, names: dict[int, str], folder: Path) -> None:
                 entry["skipped"] = True
             elif grad is not None:
                 g = grad.detach()
+                g = g.to_local() if callable(getattr(g, "to_local", None)) else g  # FSDP2: this rank's shard
                 g = g.to_dense() if g.is_sparse else g
                 entry["file"] = f"{len(index)}.f32"
                 data = g.to(torch.float32).cpu().contiguous().numpy()

@@ -232,7 +232,7 @@ class Recorder:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    total += float(p.grad.detach().float().pow(2).sum().item())
+                    total += float(local_shard(p.grad.detach()).float().pow(2).sum().item())
         self.grad_norm = math.sqrt(total)
         if self.grads_dir is not None:
             from opadvisor.verify.grads import save_gradients
@@ -441,6 +441,17 @@ def dispatch_record() -> dict[str, Any]:
     }
 
 
+def rank_result_path(result: str, rank: int) -> str:
+    """Where rank `rank` writes its result: rank 0 (and a single process) at `result`, the others beside it."""
+    return result if rank == 0 else f"{result}.rank{rank}"
+
+
+def local_shard(tensor: Any) -> Any:
+    """A DTensor's local shard (FSDP2's sharded gradients: each rank compares its own); other tensors as is."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 # ---- running the script ---------------------------------------------------------------------------------
 
 
@@ -499,7 +510,9 @@ def main() -> int:
 
     mode = cfg["mode"]
     total = cfg["steps"] + (cfg.get("warmup", 0) if mode == "timing" else 0)
-    rec = Recorder(total, mode, cfg.get("grads_dir") if mode == "parity" else None)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun (a multi-rank verify): each rank its own file
+    grads_dir = cfg.get("grads_dir") if mode == "parity" and rank == 0 else None
+    rec = Recorder(total, mode, grads_dir)
     result: dict[str, Any] = {"schema": RESULT_SCHEMA, "mode": mode, "error": None, "dropout_patched": []}
     exit_code = 0
     seed_everything(int(cfg.get("seed", 0)))
@@ -534,9 +547,10 @@ def main() -> int:
         gradients=rec.grads_dir if rec.grads_saved else None,
         dispatch=dispatch_record(),
     )
-    tmp = Path(cfg["result"] + ".tmp")
+    target = Path(rank_result_path(cfg["result"], rank))
+    tmp = target.with_name(target.name + ".tmp")
     tmp.write_text(json.dumps(result), encoding="utf-8")
-    tmp.replace(cfg["result"])
+    tmp.replace(target)
     return exit_code
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opadvisor.verify.harness import CONFIG_ENV, EXIT_SCRIPT_ERROR
+from opadvisor.verify.harness import CONFIG_ENV, EXIT_SCRIPT_ERROR, rank_result_path
 
 TAIL_CHARS = 4000
 
@@ -36,13 +36,16 @@ class ChildSpec:
     module: str | None = None  # run as this module, as `python -m` does (the profile's `module`)
     import_root: str | None = None  # sys.path[0] for a module
     grads_dir: str | None = None  # parity mode: where the harness writes the step-1 gradients
+    # ranks to run through torchrun (standalone, this machine); 1: a plain process (issue 34)
+    nproc: int = 1
 
 
 @dataclass
 class ChildResult:
     returncode: int
-    result: dict[str, Any] | None  # what the harness wrote; None when it wrote nothing
+    result: dict[str, Any] | None  # what the harness wrote (rank 0's); None when it wrote nothing
     output_tail: str  # the last lines of the script's stdout and stderr
+    rank_results: dict[int, dict[str, Any]] = field(default_factory=dict)  # the other ranks' results
 
     @property
     def error(self) -> str | None:
@@ -90,7 +93,7 @@ def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
         with out_path.open("wb") as out:
             try:
                 proc = subprocess.run(
-                    [sys.executable, "-m", "opadvisor.verify.harness"],
+                    _command(spec.nproc),
                     cwd=spec.cwd,
                     env=env,
                     stdin=subprocess.DEVNULL,
@@ -106,8 +109,35 @@ def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
                     result=None,
                     output_tail=f"timed out after {timeout:g} s\n" + _tail(out_path),
                 )
-        result_path = tmpdir / "result.json"
-        result = json.loads(result_path.read_text(encoding="utf-8")) if result_path.is_file() else None
+        results = {
+            r: _read(Path(rank_result_path(str(tmpdir / "result.json"), r))) for r in range(spec.nproc)
+        }
+        result = results.pop(0)
         if result is not None and returncode not in (0, EXIT_SCRIPT_ERROR):
             result = None  # the harness itself failed after writing: do not trust it
-        return ChildResult(returncode=returncode, result=result, output_tail=_tail(out_path))
+        others = {r: data for r, data in results.items() if data is not None}
+        return ChildResult(
+            returncode=returncode, result=result, output_tail=_tail(out_path), rank_results=others
+        )
+
+
+def _command(nproc: int) -> list[str]:
+    """The harness, in one process or on `nproc` ranks through torchrun (--standalone: a rendezvous of its
+    own on this machine; a failing rank stops the others, as torchrun does)."""
+    harness = ["-m", "opadvisor.verify.harness"]
+    if nproc <= 1:
+        return [sys.executable, *harness]
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+    ]
+    return [sys.executable, *launcher, *harness]
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None

@@ -19,7 +19,7 @@ from cli_testlib import Done, opadvisor_here
 
 from opadvisor.profile.model import load_profile
 from opadvisor.profile.runs import load_run, profile_paths
-from opadvisor.rules import cross_rank
+from opadvisor.rules import cross_rank, engine
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
@@ -124,6 +124,24 @@ def test_suggest_on_the_multi_rank_run(ddp_run) -> None:
     data = json.loads(as_json.stdout)
     assert data["cross_rank"]["straggler"]["rank"] == 1 and data["cross_rank"]["basis"] == "cpu"
     assert all(f.get("ranks") for f in data["findings"])  # single-rank rules, merged with their ranks
+
+
+def test_data_parallel_rules_quiet_on_the_ddp_example(ddp_run) -> None:
+    """examples/ddp_train.py builds DDP with the default 25 MB buckets, no find_unused_parameters and one
+    micro-batch per step: recorded at its line, and none of issue 34's rules fires."""
+    cwd, _ = ddp_run
+    _, profiles = load_run(None, cwd)
+    for prof in profiles:
+        (ddp,) = [c for c in prof.constructions if c.kind == "ddp"]
+        assert ddp.line == next(
+            i for i, t in enumerate(EXAMPLE.read_text().splitlines(), 1) if "DDP(model" in t
+        )
+        assert ddp.attrs["bucket_cap_mb"] == 25.0 and not ddp.attrs["find_unused_parameters"]
+        assert ddp.attrs["grad_sync"]["per_step"][0] == [1, 1] and ddp.attrs["unused_params"] == 0
+    quiet = {"ddp_find_unused", "ddp_small_bucket", "grad_accum_sync", "fsdp_root_only", "fsdp_fp32_gather"}
+    report = engine.analyse(profiles, select=sorted(quiet))
+    assert not report.findings
+    assert {n.rule for n in report.notes} == {"fsdp_root_only", "fsdp_fp32_gather"}  # no fully_shard here
 
 
 # ---- a failing rank: one error line naming it, exit 2, no hang ------------------------------------------

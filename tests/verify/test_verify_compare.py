@@ -138,3 +138,22 @@ def test_comparisons_are_deterministic_and_add_up() -> None:
     assert compare_times(a, b) == compare_times(a, b)
     whole = compare_times(a, c)
     assert compare_times(a, b).saved_ms + compare_times(b, c).saved_ms == pytest.approx(whole.saved_ms)
+
+
+def test_a_multi_rank_verify_fails_on_the_first_rank_that_diverges() -> None:
+    """Issue 34: rank 0 agrees, rank 1's losses leave the tolerance at step 2: the parity fails, naming it."""
+    from opadvisor.profile.model import Environment, Profile
+    from opadvisor.verify.core import VerifyOptions, _other_ranks, verify_ranks
+    from opadvisor.verify.runner import ChildResult
+
+    opts = VerifyOptions(steps=3)
+    parity = compare_parity(result(2.0, 1.5, 1.2), result(2.0, 1.5, 1.2), steps=3)
+    before = ChildResult(0, result(2.0, 1.5, 1.2), "", rank_results={1: result(2.1, 1.6, 1.3)})
+    after = ChildResult(0, result(2.0, 1.5, 1.2), "", rank_results={1: result(2.1, 1.9, 1.3)})
+    _other_ranks(parity, before, after, opts)
+    assert not parity.ok and parity.first_bad_step == 2 and parity.message.startswith("rank 1: ")
+    agree = compare_parity(result(2.0, 1.5), result(2.0, 1.5), steps=2)
+    _other_ranks(agree, before, before, VerifyOptions(steps=2))
+    assert agree.ok
+    cpu_run = Profile(world_size=2, environment=Environment(device="cpu"))
+    assert verify_ranks(cpu_run)[0] == 2 and verify_ranks(Profile())[0] == 1

@@ -1,0 +1,135 @@
+"""FSDP2's collectives per unit (issue 34): which all-gather and reduce-scatter belongs to which module.
+
+FSDP2 names its ranges by unit: `FSDP::all_gather (blocks.3)`, `FSDP::post_backward_reduce (blocks.3)` (the
+root unit's without a suffix: `FSDP::all_gather`). Each c10d collective op the training thread called
+inside such a range belongs to that unit. Per unit and collective this gives calls per step, the bytes
+one call moves (its largest tensor: the gathered parameters, the gradients reduced), and on a GPU profile
+the time of its NCCL kernels and the part of it no other kernel overlapped (exposed: the GPU waited for
+it); on a CPU profile (gloo) the transfers run on gloo's own threads and cannot be told apart by unit, so
+times are None there.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+from opadvisor.profile.model import Annotation, Op, Profile
+from opadvisor.rules.cross_rank import interval_union
+
+_RANGE = re.compile(r"^FSDP::(?P<phase>all_gather|post_backward_reduce)(?: \((?P<unit>.*)\))?$")
+_COLLECTIVE = {"all_gather": "all_gather", "post_backward_reduce": "reduce_scatter"}
+_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
+
+
+@dataclass
+class UnitComm:
+    unit: str  # the wrapped module's path ("" the root unit)
+    collective: str  # "all_gather" | "reduce_scatter"
+    calls_per_step: float
+    mib_per_call: float | None  # MiB of the largest tensor of one call
+    dtype: str | None
+    ms_per_step: float | None  # GPU: NCCL kernel time; None on a CPU profile
+    exposed_ms_per_step: float | None  # GPU: the part no other kernel overlapped
+
+
+def unit_comm(profile: Profile) -> list[UnitComm]:
+    """Every unit's collectives, most exposed first (on a CPU profile: most bytes per step first)."""
+    steps = max(len(profile.steps), 1)
+    ranges = _ranges_by_thread(profile)
+    compute = interval_union(
+        (k.start_us, k.start_us + k.duration_us)
+        for o in profile.ops
+        for k in o.kernels
+        if o.step is not None and not k.name.lower().startswith("nccl")
+    )
+    found: dict[tuple[str, str], list[Op]] = defaultdict(list)
+    for op in profile.ops:
+        if op.step is None or not op.name.startswith("c10d::"):
+            continue
+        hit = _enclosing(ranges.get(op.thread, []), op.start_us)
+        if hit is not None:
+            found[hit].append(op)
+    out = [_summary(unit, coll, ops, steps, compute, profile.has_gpu) for (unit, coll), ops in found.items()]
+    if profile.has_gpu:
+        return sorted(out, key=lambda u: -(u.exposed_ms_per_step or 0.0))
+    return sorted(out, key=lambda u: -(u.mib_per_call or 0.0) * u.calls_per_step)
+
+
+def _ranges_by_thread(profile: Profile) -> dict[int, list[tuple[Annotation, str, str]]]:
+    out: dict[int, list[tuple[Annotation, str, str]]] = defaultdict(list)
+    for a in profile.annotations:
+        match = _RANGE.match(a.name)
+        if match and a.step is not None:
+            out[a.thread].append((a, match["unit"] or "", _COLLECTIVE[match["phase"]]))
+    return out
+
+
+def _enclosing(ranges: list[tuple[Annotation, str, str]], at_us: float) -> tuple[str, str] | None:
+    """(unit, collective) of the innermost unit range holding the instant."""
+    best = None
+    for a, unit, coll in ranges:
+        if a.start_us <= at_us <= a.start_us + a.duration_us and (best is None or a.duration_us < best[0]):
+            best = (a.duration_us, unit, coll)
+    return (best[1], best[2]) if best else None
+
+
+def _summary(
+    unit: str, coll: str, ops: list[Op], steps: int, compute: list[tuple[float, float]], gpu: bool
+) -> UnitComm:
+    sizes = [_largest(op) for op in ops]
+    known = [s for s in sizes if s is not None]
+    ms = exposed = None
+    if gpu:
+        kernels = [k for op in ops for k in op.kernels if k.name.lower().startswith("nccl")]
+        ms = sum(k.duration_us for k in kernels) / 1000.0 / steps
+        exposed = (
+            sum(_outside(k.start_us, k.start_us + k.duration_us, compute) for k in kernels) / 1000.0 / steps
+        )
+    return UnitComm(
+        unit=unit,
+        collective=coll,
+        calls_per_step=len(ops) / steps,
+        mib_per_call=round(max(b for b, _ in known) / 2**20, 3) if known else None,
+        dtype=max(known)[1] if known else None,
+        ms_per_step=ms,
+        exposed_ms_per_step=exposed,
+    )
+
+
+def _largest(op: Op) -> tuple[int, str] | None:
+    """(bytes, dtype) of the op's largest tensor input (a collective's gathered or reduced buffer)."""
+    best = None
+    for shape, dtype in zip(op.input_shapes, op.input_dtypes, strict=False):
+        if not isinstance(shape, list) or dtype not in _BYTES:
+            continue
+        size = math.prod(shape) * _BYTES[dtype]
+        if best is None or size > best[0]:
+            best = (size, dtype)
+    return best
+
+
+def _outside(start: float, end: float, covered: list[tuple[float, float]]) -> float:
+    """Microseconds of [start, end) that no interval of `covered` (sorted, disjoint) holds."""
+    inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in covered if b > start and a < end)
+    return (end - start) - inside
+
+
+def words(units: list[UnitComm], top: int = 3) -> str:
+    """ "blocks.3 all_gather 2x 12.0 MiB float32, exposed 1.2 ms/step; ..." for a note."""
+    parts = []
+    for u in units[:top]:
+        name = u.unit or "(root)"
+        size = f" {u.mib_per_call:.1f} MiB {u.dtype}" if u.mib_per_call is not None else ""
+        time = (
+            f", {u.ms_per_step:.2f} ms/step, {u.exposed_ms_per_step:.2f} exposed"
+            if u.ms_per_step is not None
+            else ""
+        )
+        parts.append(f"{name} {u.collective} {u.calls_per_step:g}x{size}{time}")
+    return "; ".join(parts)
+
+
+__all__ = ["UnitComm", "unit_comm", "words"]

@@ -288,10 +288,18 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 "hf_gelu_tanh": [("NewGELUActivation.forward", cls.forward, None)],
                 "hf_mlm_loss": [("BertForMaskedLM.forward", cls.forward, None)],
                 "hf_causal_lm_loss": [
-                    ("GPT2LMHeadModel.forward", cls.forward, None),
+                    ("GPT2LMHeadModel.forward", cls.forward, None)
+                    if name == "GPT2LMHeadModel"
+                    else ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")]),
                     ("ForCausalLMLoss", LOSS_MAPPING["ForCausalLM"], None),
                     ("fixed_cross_entropy", fixed_cross_entropy, None),
                 ],
+                # the Llama family's: tests/kernels/test_patch_llama.py
+                "hf_linear_cross_entropy": [
+                    ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")])
+                ],
+                "hf_rms_norm": [("LlamaRMSNorm.forward", cls.forward, name[: -len("RMSNorm")])],
+                "hf_swiglu_mlp": [("LlamaMLP.forward", cls.forward, name[: -len("MLP")])],
                 "hf_attn_implementation": [],
             }[fix.name]
             for key, function, prefix in checks:

@@ -175,8 +175,11 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, dloss, _ddh, _ddw):
     dh, dw = ctx.saved_tensors
     grad_hidden, grad_weight = ctx.grads
-    gh = dh * dloss.to(dh.dtype) if grad_hidden else None
-    gw = dw * dloss.to(dw.dtype) if grad_weight else None
+    # In place: the gradients are this op's own buffers, read by this backward only (a second backward through
+    # the same graph fails on their version counters rather than reading scaled values); out of place the
+    # weight's gradient would be allocated twice at the start of the model's backward (1 GiB at Llama-3's head).
+    gh = dh.mul_(dloss.to(dh.dtype)) if grad_hidden else None
+    gw = dw.mul_(dloss.to(dw.dtype)) if grad_weight else None
     return gh, gw, None, None, None, None, None, None
 
 

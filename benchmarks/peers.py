@@ -27,7 +27,8 @@ bf16 peak of 989 TFLOP/s), and the loss at every step of the first round (parity
 Sizes: Llama 16 layers, hidden 2048, intermediate 8192, 32 heads (8 KV heads), vocabulary 128256 (Llama
 3.2-1B's shape, untied head), sequence 2048, batch 4; BERT-base and DeBERTa-v3-base at sequence 512, batch 16
 and 8; GPT-2 124M at 1024, batch 8. Results: <out>/peers_<model>.json (rewritten after every run, so a run
-cut short keeps what finished) and a table on stdout.
+cut short keeps what finished) and a table on stdout. Time: every program's first round runs; a later
+round's run starts only before --budget seconds (480), so one command stays within ten minutes.
 """
 
 from __future__ import annotations
@@ -359,12 +360,15 @@ def run_parent(args: argparse.Namespace) -> int:
         "precision": "float32 parameters, bf16 autocast, AdamW", "peak_flops": PEAK_FLOPS,
         "compile_backend": args.compile_backend,
     }  # fmt: skip
-    path = out_dir / f"peers_{args.model}.json"
+    path = out_dir / f"peers_{args.model}{'_' + args.tag if args.tag else ''}.json"
     started = time.perf_counter()
     for round_ in range(args.rounds):
         order = programs if round_ % 2 == 0 else programs[::-1]  # alternate: no program always first or last
         for program in order:
             if results[program] and results[program][-1].get("status") == "skipped":
+                continue
+            if results[program] and time.perf_counter() - started > args.budget:
+                print(f"round {round_} {program}: not run (past --budget {args.budget} s)", flush=True)
                 continue
             result = run_program(args, program, out_dir, round_)
             results[program].append(result)
@@ -390,6 +394,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--tiny", action="store_true", help="tiny configurations: a smoke test (CPU)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=480,
+        help="seconds after which no further round starts (first rounds always run)",
+    )
+    parser.add_argument("--tag", default="", help="a suffix of the results file (peers_<model>_<tag>.json)")
     parser.add_argument(
         "--compile-backend", default=None, help="torch.compile's backend (inductor; tiny: aot_eager)"
     )

@@ -902,7 +902,8 @@ def _class_named(classes: dict[str, type], qualified: str) -> type:
 # A model built with a computed attn_implementation (`from_pretrained(..., attn_implementation=args.attn)`)
 # that ran "eager": apply cannot write the literal, so the patch sets transformers' own switch on this
 # instance at its first call, after running both attentions on that call and comparing them. Installed on the
-# outermost transformers model only (a ForCausalLM, not the LlamaModel inside it, which shares its config).
+# outermost transformers model only (a ForCausalLM, not the LlamaModel inside it, which shares its config), or,
+# where a patch of that model's own class takes its forward (a causal-LM loss), on the models inside it.
 
 
 def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
@@ -918,6 +919,11 @@ def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
             roots.add(id(module))
             inside.update(id(sub) for sub in module.modules() if sub is not module)
     return frozenset(roots)
+
+
+def _inner_hf_roots(module: nn.Module) -> frozenset[int]:
+    """ids of the outermost transformers models strictly inside `module`."""
+    return frozenset().union(*(_hf_switch_roots(child) for child in module.children()))
 
 
 def _check_hf_switch(module: nn.Module) -> str | None:
@@ -1011,7 +1017,7 @@ def patch(
         _install_parts, patchers=patchers, check=check, report=report, asked=asked
     )
     blocks = _compile_blocks(model, blocks_patcher, check, report, install_parts) if blocks_patcher else {}
-    hf_roots = _hf_switch_roots(model)
+    hf_roots = set(_hf_switch_roots(model))
     for path, module in model.named_modules():
         block = block_of(path, blocks)
         if block is not None:
@@ -1075,13 +1081,18 @@ def _patch_one(
     check: bool,
     report: PatchReport,
     asked: bool,
-    hf_roots: frozenset[int] = frozenset(),
+    hf_roots: set[int] | None = None,
 ) -> None:
     qualified = _qualified(type(module))
     candidates = [p for p in _PATCHERS if qualified in p.fix.classes]
     switch = next((p for p in patchers if p.fix.name == "hf_attn_switch"), None)
-    if switch is not None and id(module) in hf_roots:  # for the model as a whole, whatever its class
-        candidates.append(switch)
+    if switch is not None and hf_roots is not None and id(module) in hf_roots:  # the model as a whole
+        if any(p in patchers for p in candidates):
+            # a patch of the root's own class (a causal-LM loss) takes its forward: the switch goes to the
+            # transformers model inside (LlamaModel; it shares the config, so the attention is the same)
+            hf_roots.update(_inner_hf_roots(module))
+        else:
+            candidates.append(switch)
     if STATE in module.__dict__:
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return

@@ -148,7 +148,8 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids(), labels=ids()).loss
         loss.backward()
-    assert fixes(model) == UNSAFE | {"padded_linear"} and not P.patch_report(model).left[2:]
+    assert fixes(model) == UNSAFE | {"padded_linear"}
+    assert not [why for _, _, why in P.patch_report(model).left if why.startswith("fell back")]
 
 
 def test_a_changed_class_is_refused_by_name(monkeypatch, capsys, reference_path) -> None:
@@ -223,3 +224,17 @@ def test_compiled_with_fullgraph_after_one_eager_step(monkeypatch) -> None:
     assert ops == {
         f"opadvisor.{op}.default" for op in ("rms_norm_fwd", "silu_mul_fwd", "linear_cross_entropy")
     }
+
+
+def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(reference_path) -> None:
+    """The root's forward carries the loss patch, so transformers' SDPA switch (hf_attn_switch) goes to the
+    LlamaModel inside, which shares the config: the attention runs SDPA, the losses are kept, unpatch puts
+    "eager" back."""
+    original = tiny(attn_implementation="eager")
+    model = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    patched = {(path, fix) for path, _, fix in P.patch_report(model).patched}
+    assert {("", "hf_causal_lm_loss"), ("model", "hf_attn_switch")} <= patched
+    assert_same_training(original, model)
+    assert model.config._attn_implementation == "sdpa" and original.config._attn_implementation == "eager"
+    opadvisor.unpatch(model)
+    assert model.config._attn_implementation == "eager"

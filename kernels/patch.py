@@ -921,6 +921,13 @@ def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
     return frozenset(roots)
 
 
+def _own_attention_patch(module: nn.Module) -> str | None:
+    """The name of the first attention class under `module` that opadvisor has its own patch for, or None."""
+    return next(
+        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
+    )
+
+
 def _inner_hf_roots(module: nn.Module) -> frozenset[int]:
     """ids of the outermost transformers models strictly inside `module`."""
     return frozenset().union(*(_hf_switch_roots(child) for child in module.children()))
@@ -934,9 +941,7 @@ def _check_hf_switch(module: nn.Module) -> str | None:
         return f"{type(module).__name__} does not support attn_implementation='sdpa'"
     if not type(module)._can_set_attn_implementation():
         return "its attention does not go through transformers' attention interface (no switch at run time)"
-    own = next(
-        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
-    )
+    own = _own_attention_patch(module)
     if own is not None:
         return f"its {own} has opadvisor's own attention patch (hf_bert_self_attention / hf_gpt2_attention)"
     return _no_hooks(module)
@@ -1089,8 +1094,10 @@ def _patch_one(
     if switch is not None and hf_roots is not None and id(module) in hf_roots:  # the model as a whole
         if any(p in patchers for p in candidates):
             # a patch of the root's own class (a causal-LM loss) takes its forward: the switch goes to the
-            # transformers model inside (LlamaModel; it shares the config, so the attention is the same)
-            hf_roots.update(_inner_hf_roots(module))
+            # transformers model inside (LlamaModel; it shares the config, so the attention is the same),
+            # unless opadvisor patches the attention itself (BERT, GPT-2)
+            if _own_attention_patch(module) is None:
+                hf_roots.update(_inner_hf_roots(module))
         else:
             candidates.append(switch)
     if STATE in module.__dict__:

@@ -176,3 +176,57 @@ def test_compiled_with_fullgraph_the_ops_are_one_node_each(monkeypatch) -> None:
             {"opadvisor.linear_cross_entropy.default"} | (custom if path == "custom_op" else set())
         )
         assert rel_err(got, want) <= 1e-5 and rel_err(gh, wh) <= 1e-4 and rel_err(gw, ww) <= 1e-4
+
+
+# ---- on the GPU: the compiled kernels at a Llama's sizes ----------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("x_dtype", "w_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+)
+def test_rms_norm_on_cuda_at_llama_sizes(x_dtype, w_dtype) -> None:
+    x = torch.randn(4, 2048, 2048, device="cuda").to(x_dtype)
+    w = (torch.randn(2048, device="cuda") * 0.1 + 1).to(w_dtype)
+    assert rms_norm_backend(x, w) == "triton"
+    got, (gx, gw) = _grads(lambda x, w: rms_norm(x, w, 1e-5), x, w)
+    want, (wx, ww) = _grads(lambda x, w: rn.reference_rms_norm(x.double(), w.double(), 1e-5), x, w)
+    tol = 2e-2 if x_dtype == torch.bfloat16 else 1e-4
+    assert rel_err(got, want) <= tol and rel_err(gx, wx) <= tol and rel_err(gw, ww) <= tol
+
+
+@pytest.mark.gpu
+def test_silu_mul_on_cuda_at_llama_sizes() -> None:
+    g, u = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert silu_mul_backend(g, u) == "triton"
+    got, (dg, du) = _grads(silu_mul, g, u)
+    want, (wg, wu) = _grads(reference_silu_mul, g.float(), u.float())
+    assert rel_err(got, want) <= 1e-2 and rel_err(dg, wg) <= 1e-2 and rel_err(du, wu) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_on_cuda_chunked_under_autocast(monkeypatch) -> None:
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", 1000 * 32000 * 2)  # 4 chunks, the last one short
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(2, 1536, 1024, device="cuda", generator=g)
+    weight = torch.randn(32000, 1024, device="cuda", generator=g) * 0.02
+    target = torch.randint(0, 32000, (2, 1536), device="cuda", generator=g)
+    target[:, :100] = -100
+
+    def run(fn):
+        def call(h, w):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(h, w, target)
+
+        return _grads(call, hidden, weight)
+
+    def peak_of(fn):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = run(fn)
+        return out, torch.cuda.max_memory_allocated() - base
+
+    (got, (gh, gw)), peak = peak_of(linear_cross_entropy)
+    (want, (wh, ww)), eager_peak = peak_of(reference_linear_cross_entropy)
+    assert rel_err(got, want) <= 1e-4 and rel_err(gh, wh) <= 2e-2 and rel_err(gw, ww) <= 2e-2
+    # eager holds the [3072, 32000] logits in bf16 and float32 and their gradients; here one chunk at a time
+    assert peak < 0.6 * eager_peak, (peak, eager_peak)

@@ -238,3 +238,40 @@ def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(referenc
     assert model.config._attn_implementation == "sdpa" and original.config._attn_implementation == "eager"
     opadvisor.unpatch(model)
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> None:
+    """A small Llama (Llama-3's vocabulary) on the GPU: every first-call check passes under bf16 autocast, the
+    Triton kernels run, and three AdamW steps give the original's losses (bf16 rounding apart)."""
+    from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).cuda()
+    model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    x = torch.randint(
+        0, 128256, (4, 1024), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)
+    )
+    reset_dispatch_counts()
+    losses = []
+    for m in (original, model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        run = []
+        for _ in range(3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = m(input_ids=x, labels=x).loss
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
+    assert fixes(model) == UNSAFE
+    for op in ("rms_norm", "silu_mul", "linear_cross_entropy"):
+        assert dispatch_counts()[op].get("kernel", 0) > 0, op

@@ -14,6 +14,7 @@
 - ``quick_gelu(x)``: ``x * sigmoid(1.702 * x)``, one kernel each way.
 - ``silu_mul(g, u)``: ``F.silu(g) * u`` (a SwiGLU MLP's gate), one kernel each way, g and u saved only.
 - ``rms_norm(x, weight, eps)``: transformers' RMSNorm (LlamaRMSNorm and its copies), one kernel each way.
+- ``rotary_embedding(x, cos, sin)``: transformers' rotary embedding of q or k, one kernel each way.
 - ``linear_cross_entropy(hidden, weight, target, ...)``: an LM head's matrix product and cross-entropy,
   chunked over tokens: never the whole [tokens, vocabulary] logits, never in float32.
 - ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
@@ -52,6 +53,7 @@ from .region import compile_region, region_state
 from .relpos import disentangled_bias, disentangled_bias_backend, reference_disentangled_bias
 from .rms_norm import reference_rms_norm, rms_norm, rms_norm_backend
 from .rnn import cell_sequence
+from .rope import reference_rotary_embedding, rotary_embedding, rotary_embedding_backend
 from .seeded_dropout import dropout, dropout_backend, reference_dropout
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
@@ -85,12 +87,15 @@ __all__ = [
     "reference_linear_cross_entropy",
     "reference_masked_softmax",
     "reference_rms_norm",
+    "reference_rotary_embedding",
     "reference_silu_mul",
     "reset_dispatch_counts",
     "reference_quick_gelu",
     "region_state",
     "rms_norm",
     "rms_norm_backend",
+    "rotary_embedding",
+    "rotary_embedding_backend",
     "silu_mul",
     "silu_mul_backend",
 ]

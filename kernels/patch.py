@@ -25,7 +25,9 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept);
 - the Llama family (Llama, Mistral, Qwen2/3 and the classes `opadvisor.libraries.llama_family_classes`
   lists): RMSNorm as `opadvisor.kernels.rms_norm` (one Triton kernel each way), the SwiGLU MLP's
-  `act(gate(x)) * up(x)` as `opadvisor.kernels.silu_mul`, the causal-LM loss as GPT-2's above; with
+  `act(gate(x)) * up(x)` as `opadvisor.kernels.silu_mul`, Llama's attention with its rotary embedding as
+  `opadvisor.kernels.rotary_embedding` (the attention as transformers runs it), the causal-LM loss as GPT-2's
+  above; with
   unsafe=True, in training with labels, the LM head and its loss as `opadvisor.kernels.linear_cross_entropy`
   (chunked over tokens: the logits are never whole, never float32; the output's logits are None);
 - asked for by name only (`rules=["compile_blocks"]`, never by `rules=None`: it costs compile time): the
@@ -239,6 +241,9 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "LlamaMLP.forward": frozenset({"7d2027d4464e3e71"}),
     "SiLUActivation.forward": frozenset({"e730f54291b81588"}),  # transformers.activations
     "LlamaForCausalLM.forward": frozenset({"3eb801727fee5813"}),
+    "LlamaAttention.forward": frozenset({"935ef6caf5ea6f75"}),
+    "apply_rotary_pos_emb": frozenset({"4a8f8b85ee37bd3f"}),  # modeling_llama's (unsqueeze_dim=1)
+    "rotate_half": frozenset({"7b6c9b425ca04287"}),
 }
 
 
@@ -722,6 +727,55 @@ def _swiglu_mlp(module: nn.Module, state: _State, x):
     return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
 
 
+def _check_llama_attention(module: nn.Module) -> str | None:
+    cls = type(module)
+    namespace = sys.modules.get(cls.__module__)
+    problem = _fingerprint_problem(
+        cls, "LlamaAttention.forward", cls.forward, _llama_prefix(cls, "Attention")
+    )
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        problem = problem or _fingerprint_problem(cls, name, getattr(namespace, name, None), None)
+    linears = {"q_proj": nn.Linear, "k_proj": nn.Linear, "v_proj": nn.Linear, "o_proj": nn.Linear}
+    return problem or _types(module, linears) or _no_hooks(module)
+
+
+def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
+    """LlamaAttention.forward with the rotary embedding as one kernel per tensor (q, k)."""
+    from . import rotary_embedding
+
+    arguments = _arguments(module, (hidden_states, *args), kwargs)
+    position_embeddings = arguments.get("position_embeddings")
+    if position_embeddings is None:
+        return state.original(hidden_states, *args, **kwargs)
+    namespace = sys.modules[type(module).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
+    cache = _kv_cache(args, kwargs)
+    if cache is not None:
+        k, v = _update_cache(module, cache, k, v, arguments)
+    named = _named_parameters(type(module).forward)
+    extra = {n: a for n, a in arguments.items() if n not in named}  # the forward's **kwargs
+    attention = namespace.ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, namespace.eager_attention_forward
+    )
+    out, weights = attention(
+        module,
+        q,
+        k,
+        v,
+        arguments.get("attention_mask"),
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        **extra,
+    )
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
 def _check_linear_cross_entropy(module: nn.Module) -> str | None:
     problem = _check_causal_lm(module)
     head = getattr(module, "lm_head", None)
@@ -986,6 +1040,7 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("hf_causal_lm_loss"), _check_causal_lm, _causal_lm, _first),
     _Patcher(fix_by_name("hf_rms_norm"), _check_rms_norm, _rms_norm),
     _Patcher(fix_by_name("hf_swiglu_mlp"), _check_swiglu_mlp, _swiglu_mlp),
+    _Patcher(fix_by_name("hf_llama_rope"), _check_llama_attention, _llama_attention, _first),
     _Patcher(fix_by_name("compile_blocks"), _check_block, _compiled_block, _first_tensor),
 )
 assert {p.fix.name for p in _PATCHERS} == {f.name for f in FIXES if f.kind == "patch"}

@@ -76,7 +76,8 @@ def bert_family_classes(block: Literal["SelfAttention", "SelfOutput", "Output"])
 # against the installed transformers by the patch at run time and by tests/kernels/test_patch_llama.py):
 # package under transformers.models, module file, class-name prefix, the classes that match.
 _LLAMA_FAMILY: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
-    ("llama", "modeling_llama", "Llama", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
+    # Llama's attention forward is its own (Mistral and Qwen2 pass a sliding window, Qwen3 normalises q and k)
+    ("llama", "modeling_llama", "Llama", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer", "Attention")),
     ("mistral", "modeling_mistral", "Mistral", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
     ("qwen2", "modeling_qwen2", "Qwen2", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
     ("qwen3", "modeling_qwen3", "Qwen3", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
@@ -86,7 +87,9 @@ _LLAMA_FAMILY: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 )
 
 
-def llama_family_classes(block: Literal["RMSNorm", "MLP", "ForCausalLM", "DecoderLayer"]) -> tuple[str, ...]:
+def llama_family_classes(
+    block: Literal["RMSNorm", "MLP", "ForCausalLM", "DecoderLayer", "Attention"],
+) -> tuple[str, ...]:
     """Qualified names of the Llama-family classes of one block (see _LLAMA_FAMILY)."""
     return tuple(
         f"transformers.models.{package}.{module}.{prefix}{block}"
@@ -277,6 +280,17 @@ FIXES: tuple[LibraryFix, ...] = (
         "safe",
         "transformers' RMSNorm (Llama, Mistral, Qwen2/3, ...; float32 copy, square, mean, rsqrt, multiply, cast, "
         "weight: six kernels each way) as opadvisor.kernels.rms_norm, one Triton kernel each way",
+        found_in=llama_family_classes("DecoderLayer"),
+    ),
+    LibraryFix(
+        "hf_llama_rope",
+        "patch",
+        llama_family_classes("Attention"),
+        ("fuse_region",),
+        "safe",
+        "Llama's attention with its rotary embedding of q and k (slices, negation, concatenation, two products "
+        "and a sum each, in float32 under autocast) as opadvisor.kernels.rotary_embedding, one kernel each way; "
+        "the attention itself as transformers runs it (its attn_implementation)",
         found_in=llama_family_classes("DecoderLayer"),
     ),
     LibraryFix(

@@ -13,9 +13,12 @@ from opadvisor.kernels import (
     linear_cross_entropy,
     linear_cross_entropy_backend,
     reference_linear_cross_entropy,
+    reference_rotary_embedding,
     reference_silu_mul,
     rms_norm,
     rms_norm_backend,
+    rotary_embedding,
+    rotary_embedding_backend,
     silu_mul,
     silu_mul_backend,
 )
@@ -24,6 +27,7 @@ transformers = pytest.importorskip("transformers")
 rn = importlib.import_module("opadvisor.kernels.rms_norm")
 act = importlib.import_module("opadvisor.kernels.activations")
 lce = importlib.import_module("opadvisor.kernels.linear_cross_entropy")
+rope = importlib.import_module("opadvisor.kernels.rope")
 
 # Relative error allowed per dtype of the inputs (one rounding of that dtype, and sums in another order).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -80,6 +84,43 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype) -> None:
     assert got.dtype == dtype and dg.dtype == du.dtype == dtype
     tol = TOL[dtype]
     assert rel_err(got, want) <= tol and rel_err(dg, wg) <= tol and rel_err(du, wu) <= tol
+
+
+def _rope_case(x_dtype, cos_dtype, cos_batch: int, heads: int = 3):
+    """q or k as transformers makes them: [B, H, S, D], a transposed view of [B, S, H, D]; cos and sin of
+    cat(freqs, freqs) as LlamaRotaryEmbedding makes them, for 1 or B rows of positions."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, heads, 8, generator=g).to(x_dtype).transpose(1, 2)
+    freqs = torch.randn(cos_batch, 5, 4, generator=g)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x, emb.cos().to(cos_dtype), emb.sin().to(cos_dtype)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "cos_dtype", "cos_batch"),
+    [
+        (torch.float32, torch.float32, 2),
+        (torch.bfloat16, torch.float32, 1),
+        (torch.bfloat16, torch.bfloat16, 2),
+    ],
+)
+def test_rotary_embedding_is_transformers_apply_rotary_pos_emb(x_dtype, cos_dtype, cos_batch) -> None:
+    apply = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    x, cos, sin = _rope_case(x_dtype, cos_dtype, cos_batch)
+    assert rotary_embedding_backend(x, cos, sin) == "interpreter"
+    got, (gx,) = _grads(lambda x: rotary_embedding(x, cos, sin), x)
+    want, (wx,) = _grads(lambda x: apply(x, x, cos, sin)[0], x)
+    assert got.dtype == want.dtype == torch.promote_types(x_dtype, cos_dtype) and gx.dtype == x_dtype
+    tol = TOL[x_dtype if cos_dtype == torch.float32 else torch.bfloat16]
+    assert rel_err(got, want) <= tol and rel_err(gx, wx) <= tol
+    torch.testing.assert_close(reference_rotary_embedding(x, cos, sin), want)
+
+
+def test_rotary_embedding_takes_the_reference_for_what_the_kernel_does_not() -> None:
+    x, cos, sin = _rope_case(torch.float32, torch.float32, 2)
+    assert rotary_embedding_backend(x, cos[..., :7], sin[..., :7]) == "reference"  # shapes that do not match
+    assert rotary_embedding_backend(x[..., :7], cos[..., :7], sin[..., :7]) == "reference"  # odd head size
+    assert rotary_embedding_backend(x, cos.requires_grad_(), sin) == "reference"  # no gradient for cos, sin
 
 
 def _lce_case(seed: int = 0):
@@ -144,6 +185,8 @@ def test_the_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(rn.rms_norm_fwd_op, (x, w, 1e-6), test_utils=checks)
     g, u = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
     torch.library.opcheck(act.silu_mul_fwd_op, (g, u), test_utils=checks)
+    x, cos, sin = _rope_case(torch.float32, torch.float32, 1)
+    torch.library.opcheck(rope.rope_fwd_op, (x.detach().requires_grad_(), cos, sin), test_utils=checks)
     hidden, weight, target = _lce_case()
     args = (hidden.view(-1, 16).requires_grad_(), weight.requires_grad_(), target.view(-1), -100, "mean")
     torch.library.opcheck(lce.linear_cross_entropy_op, (*args, torch.float32, True, True), test_utils=checks)
@@ -230,3 +273,16 @@ def test_linear_cross_entropy_on_cuda_chunked_under_autocast(monkeypatch) -> Non
     assert rel_err(got, want) <= 1e-4 and rel_err(gh, wh) <= 2e-2 and rel_err(gw, ww) <= 2e-2
     # eager holds the [3072, 32000] logits in bf16 and float32 and their gradients; here one chunk at a time
     assert peak < 0.6 * eager_peak, (peak, eager_peak)
+
+
+@pytest.mark.gpu
+def test_rotary_embedding_on_cuda_at_llama_sizes() -> None:
+    """q [4, 32, 2048, 64] as a transposed view, bf16, with autocast's float32 cos and sin."""
+    q = torch.randn(4, 2048, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    freqs = torch.randn(1, 2048, 32, device="cuda")
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    assert rotary_embedding_backend(q, cos, sin) == "triton"
+    got, (gq,) = _grads(lambda x: rotary_embedding(x, cos, sin), q)
+    want, (wq,) = _grads(lambda x: reference_rotary_embedding(x.double(), cos.double(), sin.double()), q)
+    assert got.dtype == torch.float32 and rel_err(got, want) <= 1e-5 and rel_err(gq, wq) <= 1e-2

@@ -25,10 +25,10 @@ SAFE = {"hf_rms_norm", "hf_swiglu_mlp", "hf_causal_lm_loss"}
 UNSAFE = {"hf_rms_norm", "hf_swiglu_mlp", "hf_linear_cross_entropy"}
 
 
-def tiny(family: str = "Llama", seed: int = 0, **overrides) -> nn.Module:
+def tiny(family: str = "Llama", seed: int = 0, layers: int = 2, **overrides) -> nn.Module:
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, **overrides,
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_hidden_layers=layers, num_key_value_heads=2, head_dim=8, max_position_embeddings=32, **overrides,
     )  # fmt: skip
     torch.manual_seed(seed)
     return getattr(transformers, f"{family}ForCausalLM")(config)
@@ -95,17 +95,17 @@ def test_patched_family_trains_as_the_original_and_unpatches_exactly(family, uns
 
 
 def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
-    """The Triton kernels themselves (TRITON_INTERPRET=1, set by conftest), three SGD steps."""
+    """The Triton kernels themselves (TRITON_INTERPRET=1, set by conftest), two SGD steps."""
     from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
 
-    original = tiny()
+    original = tiny(layers=1)
     model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
     reset_dispatch_counts()
     losses = []
     for m in (original, model):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         run = []
-        for _ in range(3):
+        for _ in range(2):
             loss = m(input_ids=ids(), labels=ids()).loss
             loss.backward()
             opt.step()
@@ -114,7 +114,7 @@ def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
         losses.append(run)
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     counts = dispatch_counts()
-    for op in ("rms_norm", "silu_mul", "linear_cross_entropy"):
+    for op in ("rms_norm", "silu_mul", "rotary_embedding", "linear_cross_entropy"):
         assert counts[op].get("kernel", 0) > 0, (op, counts)
 
 
@@ -148,7 +148,7 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids(), labels=ids()).loss
         loss.backward()
-    assert fixes(model) == UNSAFE | {"padded_linear"}
+    assert fixes(model) == UNSAFE | {"padded_linear", "hf_llama_rope"}
     assert not [why for _, _, why in P.patch_report(model).left if why.startswith("fell back")]
 
 
@@ -195,7 +195,8 @@ def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, re
 
 
 def test_the_installed_transformers_is_the_code_the_llama_patches_reproduce() -> None:
-    for block, key in (("RMSNorm", "LlamaRMSNorm"), ("MLP", "LlamaMLP"), ("ForCausalLM", "LlamaForCausalLM")):
+    for block in ("RMSNorm", "MLP", "ForCausalLM", "Attention"):
+        key = f"Llama{block}"
         for qualified in llama_family_classes(block):
             module_name, _, name = qualified.rpartition(".")
             cls = getattr(importlib.import_module(module_name), name)
@@ -205,14 +206,15 @@ def test_the_installed_transformers_is_the_code_the_llama_patches_reproduce() ->
 
 def test_compiled_with_fullgraph_after_one_eager_step(monkeypatch) -> None:
     """torch.compile(patched model, fullgraph=True) traces without a graph break (the kernels are custom ops:
-    COMPILE_PATH "custom_op" for RMSNorm and the MLP, always for the fused head) and gives the loss."""
+    COMPILE_PATH "custom_op" for RMSNorm, the MLP and the rotary embedding, always for the fused head) and gives the loss."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     monkeypatch.setattr(importlib.import_module("opadvisor.kernels.rms_norm"), "COMPILE_PATH", "custom_op")
     monkeypatch.setattr(
         importlib.import_module("opadvisor.kernels.activations"), "SILU_MUL_COMPILE_PATH", "custom_op"
     )
-    original = tiny()
+    monkeypatch.setattr(importlib.import_module("opadvisor.kernels.rope"), "COMPILE_PATH", "custom_op")
+    original = tiny(layers=1)
     model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
     model(input_ids=ids(), labels=ids()).loss.backward()  # the first-call checks run eagerly
     torch._dynamo.reset()
@@ -221,9 +223,8 @@ def test_compiled_with_fullgraph_after_one_eager_step(monkeypatch) -> None:
     assert_same_training(original, compiled)
     assert counter.frame_count == 1
     ops = {str(n.target) for n in counter.graphs[0].graph.nodes if "opadvisor" in str(n.target)}
-    assert ops == {
-        f"opadvisor.{op}.default" for op in ("rms_norm_fwd", "silu_mul_fwd", "linear_cross_entropy")
-    }
+    names = ("rms_norm_fwd", "silu_mul_fwd", "rope_fwd", "linear_cross_entropy")
+    assert ops == {f"opadvisor.{op}.default" for op in names}
 
 
 def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(reference_path) -> None:
@@ -272,6 +273,34 @@ def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> No
             run.append(loss.item())
         losses.append(run)
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
-    assert fixes(model) == UNSAFE
-    for op in ("rms_norm", "silu_mul", "linear_cross_entropy"):
+    assert fixes(model) == UNSAFE | {"hf_llama_rope"}
+    for op in ("rms_norm", "silu_mul", "rotary_embedding", "linear_cross_entropy"):
         assert dispatch_counts()[op].get("kernel", 0) > 0, op
+
+
+def _cache_name(cls: type) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _decode(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of a prompt, then of one token fed through the KV cache the model returned."""
+    name = _cache_name(type(model))
+    with torch.no_grad():
+        out = model(input_ids=x[:, :8], use_cache=True)
+        step = model(input_ids=x[:, 8:9], use_cache=True, **{name: out[name]})
+    return [out.logits, step.logits]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_attention_with_the_rope_kernel_is_the_original(attn, reference_path) -> None:
+    """hf_llama_rope: the loss and every gradient as the original's, under either attention implementation;
+    decoding through the KV cache gives the original's logits."""
+    original = tiny(attn_implementation=attn)
+    model = opadvisor.patch(copy.deepcopy(original), rules=["hf_llama_rope"], quiet=True)
+    patched = {path for path, _, fix in P.patch_report(model).patched if fix == "hf_llama_rope"}
+    assert patched == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    assert_same_training(original, model)
+    for got, want in zip(_decode(model.eval(), ids()), _decode(original.eval(), ids()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -324,10 +324,19 @@ def _hf_eager(module: nn.Module) -> str | None:
 
 
 @functools.cache
-def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
-    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+def _parameter_names(function: Callable[..., Any]) -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds)
+
+
+def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+    return _parameter_names(function)
+
+
+# Under torch.compile a constant of the trace (what `torch.compiler.assume_constant_result` marks, set directly as
+# kernels/_dispatch.py does): dynamo would otherwise trace through the cache and inspect.signature, and warn.
+_named_parameters._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,11 @@
   the cell's own parameters.
 - ``dropout(x, p, training=True)``: ``F.dropout`` whose backward recomputes the mask from a seed.
 - ``quick_gelu(x)``: ``x * sigmoid(1.702 * x)``, one kernel each way.
+- ``silu_mul(g, u)``: ``F.silu(g) * u`` (a SwiGLU MLP's gate), one kernel each way, g and u saved only.
+- ``rms_norm(x, weight, eps)``: transformers' RMSNorm (LlamaRMSNorm and its copies), one kernel each way.
+- ``rotary_embedding(x, cos, sin)``: transformers' rotary embedding of q or k, one kernel each way.
+- ``linear_cross_entropy(hidden, weight, target, ...)``: an LM head's matrix product and cross-entropy,
+  chunked over tokens: never the whole [tokens, vocabulary] logits, never in float32.
 - ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
 - ``compile_region``: a decorator compiling one function with torch.compile, the original kept on failure.
 - ``fixed_dropout_seed(seed=(1, 2, 3))``: a context manager in which every dropout of these kernels uses
@@ -27,14 +32,28 @@ does not import Triton.
 from ._backend import backend
 from ._dispatch import dispatch_counts, reset_dispatch_counts
 from ._rng import fixed_dropout_seed
-from .activations import quick_gelu, quick_gelu_backend, reference_quick_gelu
+from .activations import (
+    quick_gelu,
+    quick_gelu_backend,
+    reference_quick_gelu,
+    reference_silu_mul,
+    silu_mul,
+    silu_mul_backend,
+)
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
 from .linear import PaddedLinear, padded_linear
+from .linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_backend,
+    reference_linear_cross_entropy,
+)
 from .region import compile_region, region_state
 from .relpos import disentangled_bias, disentangled_bias_backend, reference_disentangled_bias
+from .rms_norm import reference_rms_norm, rms_norm, rms_norm_backend
 from .rnn import cell_sequence
+from .rope import reference_rotary_embedding, rotary_embedding, rotary_embedding_backend
 from .seeded_dropout import dropout, dropout_backend, reference_dropout
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
@@ -54,6 +73,8 @@ __all__ = [
     "dropout",
     "dropout_backend",
     "fixed_dropout_seed",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backend",
     "masked_softmax",
     "masked_softmax_backend",
     "padded_linear",
@@ -63,8 +84,18 @@ __all__ = [
     "reference_cross_entropy",
     "reference_disentangled_bias",
     "reference_dropout",
+    "reference_linear_cross_entropy",
     "reference_masked_softmax",
+    "reference_rms_norm",
+    "reference_rotary_embedding",
+    "reference_silu_mul",
     "reset_dispatch_counts",
     "reference_quick_gelu",
     "region_state",
+    "rms_norm",
+    "rms_norm_backend",
+    "rotary_embedding",
+    "rotary_embedding_backend",
+    "silu_mul",
+    "silu_mul_backend",
 ]

@@ -1,7 +1,8 @@
 """The dispatch record (which implementation each fused call ran) and the one-time fallback warnings.
 
 `dispatch_counts()` maps an op ("masked_softmax", "bias_dropout_add", "cross_entropy", "padded_linear",
-"dropout", "quick_gelu", "disentangled_bias", "cell_sequence") to its paths and their call counts:
+"dropout", "quick_gelu", "silu_mul", "rms_norm", "rotary_embedding", "linear_cross_entropy", "disentangled_bias", "cell_sequence") to
+its paths and their call counts:
 
 - "kernel": the fused implementation ran (a Triton kernel, compiled or interpreted; for `padded_linear`, the
   matrix product on padded sizes; for `cell_sequence`, the fused recurrence `nn.LSTM` runs);

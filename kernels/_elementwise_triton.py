@@ -1,9 +1,12 @@
-"""Triton kernels of `dropout` and `quick_gelu` (imported only when a kernel launches; see `seeded_dropout.py`
-and `activations.py`). Both work on a contiguous tensor seen as rows of its last dimension.
+"""Triton kernels of `dropout`, `quick_gelu` and `silu_mul` (imported only when a kernel launches; see
+`seeded_dropout.py` and `activations.py`). They work on contiguous tensors (dropout: seen as rows of its last
+dimension; the others: flat).
 
 dropout:     y = where(keep, x / (1 - p), 0)      (its backward is the same kernel on dy, same seed)
 quick_gelu:  y = x * sigmoid(1.702 x)
              dx = dy * (s + 1.702 x s (1 - s)),   s = sigmoid(1.702 x)
+silu_mul:    y = g * sigmoid(g) * u               (a SwiGLU MLP's act(gate(x)) * up(x), SiLU as act)
+             dg = dy * u * s (1 + g (1 - s)),  du = dy * g * s,   s = sigmoid(g)
 The dropout keep mask is `_rng`'s Philox stream (the one `bias_dropout_add` uses), recomputed in backward.
 """
 
@@ -65,3 +68,26 @@ def quick_gelu_bwd_kernel(X, DY, DX, n, BLOCK: tl.constexpr, RNE: tl.constexpr, 
     # d/dx x * s(1.702 x) = s + 1.702 x s (1 - s)
     dx = dy * (s + 1.702 * x * s * (1.0 - s))
     tl.store(DX + offs, rne_bf16(dx, RNE).to(DX.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr):
+    offs = widen(tl.program_id(0), I64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + offs, rne_bf16(y, RNE).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def silu_mul_bwd_kernel(G, U, DY, DG, DU, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr):
+    offs = widen(tl.program_id(0), I64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
+    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    # y = silu(g) * u: du = dy * g s; dg = dy * u * (s + g s (1 - s))
+    tl.store(DU + offs, rne_bf16(dy * g * s, RNE).to(DU.dtype.element_ty), mask=ok)
+    tl.store(DG + offs, rne_bf16(dy * u * s * (1.0 + g * (1.0 - s)), RNE).to(DG.dtype.element_ty), mask=ok)

@@ -1,4 +1,5 @@
-"""`quick_gelu`: ``x * sigmoid(1.702 * x)`` (CLIP's QuickGELU) in one kernel each way.
+"""`quick_gelu`: ``x * sigmoid(1.702 * x)`` (CLIP's QuickGELU), and `silu_mul`: ``F.silu(g) * u`` (a SwiGLU
+MLP's gate: Llama's `act_fn(gate_proj(x)) * up_proj(x)`), each in one kernel each way.
 
 Layers: `_elementwise_triton.quick_gelu_fwd_kernel` / `..._bwd_kernel` -> `QuickGeluFunction` (eager
 autograd; saves x, recomputes the sigmoid in backward) -> `quick_gelu`. Where the kernel does not run (CPU
@@ -8,6 +9,14 @@ chain itself (three kernels forward on CUDA; inductor fuses it when compiled).
 The chain written by hand runs three elementwise kernels forward (scale, sigmoid, multiply) and about five
 backward, each a full pass over the activation; the fused kernels make one pass forward (read x, write y)
 and one backward (read x and dy, write dx), computing in float32 and rounding once.
+
+`silu_mul(g, u)`: the chain runs two kernels forward (silu, multiply) and saves g, u and silu(g) for the
+backward; the fused kernel reads g and u once, writes y, and saves g and u only (a third less activation
+memory per MLP); backward one kernel reads g, u, dy and writes dg and du. Layers: `silu_mul_fwd_kernel` /
+`..._bwd_kernel` -> `SiluMulFunction` (eager) and the custom ops `opadvisor::silu_mul_fwd` / `_bwd`
+(torch.compile with SILU_MUL_COMPILE_PATH "custom_op"; "native", the default, traces the chain, which inductor
+fuses as well) -> `silu_mul`. Values: float32 math rounded once, where the chain rounds silu(g) to the
+inputs' dtype first (the difference is one rounding of that dtype).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ BLOCK = 2048
 # forward+backward) against the GPU time of a few elementwise passes.
 SMALL_NUMEL = 1 << 22
 OP = "quick_gelu"  # its name in the dispatch record and in warnings
+SILU_MUL_OP = "silu_mul"
+SILU_MUL_COMPILE_PATH = "native"  # under torch.compile: "native" traces the chain, "custom_op" the kernels
 
 
 def quick_gelu_backend(x: torch.Tensor) -> str:
@@ -39,10 +50,15 @@ def reference_quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _launchers() -> tuple[Launcher, Launcher]:
+def _launchers() -> tuple[Launcher, ...]:
     from . import _elementwise_triton as k
 
-    return Launcher(k.quick_gelu_fwd_kernel), Launcher(k.quick_gelu_bwd_kernel)
+    return (
+        Launcher(k.quick_gelu_fwd_kernel),
+        Launcher(k.quick_gelu_bwd_kernel),
+        Launcher(k.silu_mul_fwd_kernel),
+        Launcher(k.silu_mul_bwd_kernel),
+    )
 
 
 def _meta(n: int, t: torch.Tensor) -> tuple[tuple[int], dict]:
@@ -84,3 +100,103 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
         return reference_quick_gelu(x)
     _dispatch.record(OP, _dispatch.KERNEL)
     return QuickGeluFunction.apply(x)
+
+
+# ---- silu_mul ----------------------------------------------------------------------------------------------
+def silu_mul_backend(g: torch.Tensor, u: torch.Tensor) -> str:
+    """Which implementation `silu_mul(g, u)` runs: "triton", "interpreter", "eager" or "reference"."""
+    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device:
+        return _backend.REFERENCE
+    return _backend.for_tensor(g, SMALL_NUMEL)
+
+
+def reference_silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u``: the chain the kernel replaces (transformers' SiLUActivation is F.silu)."""
+    return torch.nn.functional.silu(g) * u
+
+
+def _silu_mul_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if not (g.is_contiguous() and u.is_contiguous()):
+        _dispatch.warn_fallback(SILU_MUL_OP, "non-contiguous inputs are copied first")
+    g, u = g.contiguous(), u.contiguous()
+    y = torch.empty_like(g)
+    _backend.check_launch(g)
+    grid, meta = _meta(g.numel(), y)
+    _launchers()[2](grid, (g, u, y, g.numel()), meta)
+    return y
+
+
+def _silu_mul_backward(
+    g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g, u, dy = g.contiguous(), u.contiguous(), dy.to(g.dtype).contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    grid, meta = _meta(g.numel(), dg)
+    _launchers()[3](grid, (g, u, dy, dg, du, g.numel()), meta)
+    return dg, du
+
+
+class SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return _silu_mul_forward(g, u)
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        return _silu_mul_backward(g, u, dy)
+
+
+@torch.library.custom_op("opadvisor::silu_mul_fwd", mutates_args=())
+def silu_mul_fwd_op(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return _silu_mul_forward(g, u)
+
+
+@silu_mul_fwd_op.register_fake
+def _(g, u):
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("opadvisor::silu_mul_bwd", mutates_args=())
+def silu_mul_bwd_op(g: torch.Tensor, u: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _silu_mul_backward(g, u, dy)
+
+
+@silu_mul_bwd_op.register_fake
+def _(g, u, dy):
+    return (
+        torch.empty_like(g, memory_format=torch.contiguous_format),
+        torch.empty_like(u, memory_format=torch.contiguous_format),
+    )
+
+
+def _silu_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _silu_mul_op_backward(ctx, dy):
+    g, u = ctx.saved_tensors
+    return silu_mul_bwd_op(g, u, dy)
+
+
+torch.library.register_autograd(silu_mul_fwd_op, _silu_mul_op_backward, setup_context=_silu_mul_setup)
+_silu_mul_apply = _backend.direct_apply(SiluMulFunction)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``F.silu(g) * u`` (g, u of one shape and dtype), one kernel forward and one backward on CUDA."""
+    backend = silu_mul_backend(g, u)
+    if backend == _backend.REFERENCE:
+        reason = _backend.fallback_reason(g)
+        if reason is None and _backend.backend(g) != _backend.REFERENCE and g.numel():
+            reason = "inputs of different shapes, dtypes or devices: the PyTorch reference runs"
+        _dispatch.record_reference(SILU_MUL_OP, reason)
+        return reference_silu_mul(g, u)
+    if backend == _backend.EAGER or (torch.compiler.is_compiling() and SILU_MUL_COMPILE_PATH == "native"):
+        _dispatch.record(SILU_MUL_OP, _dispatch.CHAIN)
+        return reference_silu_mul(g, u)
+    _dispatch.record(SILU_MUL_OP, _dispatch.KERNEL)
+    if torch.compiler.is_compiling():
+        return silu_mul_fwd_op(g, u)
+    return _silu_mul_apply(g, u)

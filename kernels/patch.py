@@ -23,6 +23,13 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   forward runs as written with labels=None, then the loss it would have computed from those logits is
   `opadvisor.kernels.cross_entropy` over the 16-bit logits where they lie (no float32 copy of the
   [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept);
+- the Llama family (Llama, Mistral, Qwen2/3 and the classes `opadvisor.libraries.llama_family_classes`
+  lists): RMSNorm as `opadvisor.kernels.rms_norm` (one Triton kernel each way), the SwiGLU MLP's
+  `act(gate(x)) * up(x)` as `opadvisor.kernels.silu_mul`, Llama's attention with its rotary embedding as
+  `opadvisor.kernels.rotary_embedding` (the attention as transformers runs it), the causal-LM loss as GPT-2's
+  above; with
+  unsafe=True, in training with labels, the LM head and its loss as `opadvisor.kernels.linear_cross_entropy`
+  (chunked over tokens: the logits are never whole, never float32; the output's logits are None);
 - asked for by name only (`rules=["compile_blocks"]`, never by `rules=None`: it costs compile time): the
   model's repeated library blocks (`opadvisor.libraries.repeated_blocks`: the outermost library class with
   two or more instances, such as BertLayer x12) each run one forward compiled by torch.compile, built on
@@ -85,6 +92,7 @@ from opadvisor.libraries import (
     LibraryFix,
     block_of,
     fix_by_name,
+    llama_family_classes,
     repeated_blocks,
 )
 
@@ -164,7 +172,8 @@ def _short(cls: str) -> str:
 def _known() -> str:
     return (
         "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
-        "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, "
+        "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, the Llama "
+        "family's (Llama, Mistral, Qwen2/3) RMSNorm, SwiGLU MLP and causal-LM loss, "
         "nn.MultiheadAttention, nn.TransformerEncoderLayer, and nn.Linear layers with sizes that are not "
         "multiples of 8; asked by name, compile_blocks compiles the model's repeated library blocks"
     )
@@ -227,6 +236,14 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "GPT2LMHeadModel.forward": frozenset({"a598ab66858c87fb", "6e1be7c84478d45d", "3c72e5d417e3c073"}),
     "ForCausalLMLoss": frozenset({"0637640fcbd0cbda"}),  # transformers.loss.loss_utils
     "fixed_cross_entropy": frozenset({"7c2fdd59ca33bb6a"}),
+    # the Llama family (libraries._LLAMA_FAMILY), class-name prefix renamed as for BERT's (5.24)
+    "LlamaRMSNorm.forward": frozenset({"9635bcd843f309a0"}),
+    "LlamaMLP.forward": frozenset({"7d2027d4464e3e71"}),
+    "SiLUActivation.forward": frozenset({"e730f54291b81588"}),  # transformers.activations
+    "LlamaForCausalLM.forward": frozenset({"3eb801727fee5813"}),
+    "LlamaAttention.forward": frozenset({"935ef6caf5ea6f75"}),
+    "apply_rotary_pos_emb": frozenset({"4a8f8b85ee37bd3f"}),  # modeling_llama's (unsqueeze_dim=1)
+    "rotate_half": frozenset({"7b6c9b425ca04287"}),
 }
 
 
@@ -307,10 +324,19 @@ def _hf_eager(module: nn.Module) -> str | None:
 
 
 @functools.cache
-def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
-    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+def _parameter_names(function: Callable[..., Any]) -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(n for n, p in inspect.signature(function).parameters.items() if p.kind in kinds)
+
+
+def _named_parameters(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameters of a forward that are not its **kwargs (those the caller may pass by name)."""
+    return _parameter_names(function)
+
+
+# Under torch.compile a constant of the trace (what `torch.compiler.assume_constant_result` marks, set directly as
+# kernels/_dispatch.py does): dynamo would otherwise trace through the cache and inspect.signature, and warn.
+_named_parameters._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -572,9 +598,20 @@ def _check_bert_mlm(module: nn.Module) -> str | None:
     return _fingerprint_problem(cls, "BertForMaskedLM.forward", cls.forward, None) or _no_hooks(module)
 
 
+_LLAMA_CAUSAL_LM = frozenset(llama_family_classes("ForCausalLM"))
+
+
+def _causal_lm_forward_problem(cls: type) -> str | None:
+    """Whether the class's forward is the GPT-2 or Llama-family causal-LM forward the patches reproduce."""
+    if _qualified(cls) in _LLAMA_CAUSAL_LM:
+        prefix = cls.__name__[: -len("ForCausalLM")]
+        return _fingerprint_problem(cls, "LlamaForCausalLM.forward", cls.forward, prefix)
+    return _fingerprint_problem(cls, "GPT2LMHeadModel.forward", cls.forward, None)
+
+
 def _check_causal_lm(module: nn.Module) -> str | None:
     cls = type(module)
-    problem = _fingerprint_problem(cls, "GPT2LMHeadModel.forward", cls.forward, None)
+    problem = _causal_lm_forward_problem(cls)
     if problem is None and "_loss_function" in module.__dict__:
         return "its loss_function was replaced (the patch reproduces transformers' ForCausalLMLoss)"
     if problem is None:
@@ -645,6 +682,158 @@ def _causal_lm_loss(
     target = shift_labels.reshape(-1).to(logits.device)
     loss = cross_entropy(logits.view(-1, vocab_size), target, ignore_index=ignore_index, reduction=reduction)
     loss = loss.float()  # the original computes on logits.float(): its loss is float32
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+# -- the Llama family: RMSNorm, SwiGLU MLP, the LM head and its loss -----------------------------------------------
+def _llama_prefix(cls: type, block: str) -> str:
+    return cls.__name__[: -len(block)]
+
+
+def _check_rms_norm(module: nn.Module) -> str | None:
+    cls = type(module)
+    problem = _fingerprint_problem(cls, "LlamaRMSNorm.forward", cls.forward, _llama_prefix(cls, "RMSNorm"))
+    weight = getattr(module, "weight", None)
+    if problem is None and not (isinstance(weight, nn.Parameter) and weight.dim() == 1):
+        problem = "its weight is not a 1-d parameter"
+    if problem is None and not isinstance(getattr(module, "variance_epsilon", None), float):
+        problem = "its variance_epsilon is not a float"
+    return problem or _no_hooks(module)
+
+
+def _rms_norm(module: nn.Module, state: _State, hidden_states):
+    from . import rms_norm  # looked up at call time, as bias_dropout_add
+
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def _silu_problem(act: nn.Module) -> str | None:
+    """None when the MLP's activation is SiLU: nn.SiLU, or transformers' SiLUActivation (F.silu)."""
+    if type(act) is nn.SiLU:
+        return None if not act.inplace else "its activation is an in-place nn.SiLU"
+    if type(act).__name__ != "SiLUActivation":
+        return f"its activation is {type(act).__name__}, not SiLU (the kernel is silu(gate) * up)"
+    return _fingerprint_problem(type(act), "SiLUActivation.forward", type(act).forward, None) or _no_hooks(
+        act
+    )
+
+
+def _check_swiglu_mlp(module: nn.Module) -> str | None:
+    cls = type(module)
+    problem = _fingerprint_problem(cls, "LlamaMLP.forward", cls.forward, _llama_prefix(cls, "MLP"))
+    problem = problem or _silu_problem(getattr(module, "act_fn", None))
+    linears = {"gate_proj": nn.Linear, "up_proj": nn.Linear, "down_proj": nn.Linear}
+    return problem or _types(module, linears) or _no_hooks(module)
+
+
+def _swiglu_mlp(module: nn.Module, state: _State, x):
+    from . import silu_mul
+
+    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+
+
+def _check_llama_attention(module: nn.Module) -> str | None:
+    cls = type(module)
+    namespace = sys.modules.get(cls.__module__)
+    problem = _fingerprint_problem(
+        cls, "LlamaAttention.forward", cls.forward, _llama_prefix(cls, "Attention")
+    )
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        problem = problem or _fingerprint_problem(cls, name, getattr(namespace, name, None), None)
+    linears = {"q_proj": nn.Linear, "k_proj": nn.Linear, "v_proj": nn.Linear, "o_proj": nn.Linear}
+    return problem or _types(module, linears) or _no_hooks(module)
+
+
+def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
+    """LlamaAttention.forward with the rotary embedding as one kernel per tensor (q, k)."""
+    from . import rotary_embedding
+
+    arguments = _arguments(module, (hidden_states, *args), kwargs)
+    position_embeddings = arguments.get("position_embeddings")
+    if position_embeddings is None:
+        return state.original(hidden_states, *args, **kwargs)
+    namespace = sys.modules[type(module).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
+    cache = _kv_cache(args, kwargs)
+    if cache is not None:
+        k, v = _update_cache(module, cache, k, v, arguments)
+    named = _named_parameters(type(module).forward)
+    extra = {n: a for n, a in arguments.items() if n not in named}  # the forward's **kwargs
+    attention = namespace.ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, namespace.eager_attention_forward
+    )
+    out, weights = attention(
+        module,
+        q,
+        k,
+        v,
+        arguments.get("attention_mask"),
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        **extra,
+    )
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _check_linear_cross_entropy(module: nn.Module) -> str | None:
+    problem = _check_causal_lm(module)
+    head = getattr(module, "lm_head", None)
+    if problem is None and type(head) is not nn.Linear:
+        problem = f"its lm_head is a {type(head).__name__}, not nn.Linear (wrapped or replaced)"
+    if problem is None and head.bias is not None:
+        problem = "its lm_head has a bias"
+    if problem is None and getattr(module.config, "final_logit_softcapping", None):
+        problem = "its logits are soft-capped (final_logit_softcapping)"
+    return problem or _no_hooks(head, module.model)
+
+
+def _linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs):
+    """In training with labels (logits_to_keep 0): the decoder, then the fused head + loss, logits None;
+    otherwise the original forward."""
+    arguments = _arguments(module, args, kwargs)
+    labels = arguments.pop("labels", None)
+    keep = arguments.pop("logits_to_keep", 0)
+    training = module.training and torch.is_grad_enabled()
+    if labels is None or not training or not (isinstance(keep, int) and keep == 0):
+        return state.original(*args, **kwargs)
+    return_dict = arguments.pop("return_dict", None)
+    named = _named_parameters(type(module).forward)
+    extra = {k: v for k, v in arguments.items() if k not in named}  # what the forward hands its loss_function
+    outputs = module.model(**arguments)
+    loss = _fused_causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, labels, **extra)
+    output_cls = sys.modules[type(module).__module__].CausalLMOutputWithPast
+    out = output_cls(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
+    if return_dict is None:
+        return_dict = getattr(module.config, "return_dict", True)
+    return out if return_dict else out.to_tuple()
+
+
+def _fused_causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_items_in_batch: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss over lm_head(hidden) (see `_causal_lm_loss`), the logits never whole."""
+    from . import linear_cross_entropy
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device), ignore_index, reduction)
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -776,7 +965,8 @@ def _class_named(classes: dict[str, type], qualified: str) -> type:
 # A model built with a computed attn_implementation (`from_pretrained(..., attn_implementation=args.attn)`)
 # that ran "eager": apply cannot write the literal, so the patch sets transformers' own switch on this
 # instance at its first call, after running both attentions on that call and comparing them. Installed on the
-# outermost transformers model only (a ForCausalLM, not the LlamaModel inside it, which shares its config).
+# outermost transformers model only (a ForCausalLM, not the LlamaModel inside it, which shares its config), or,
+# where a patch of that model's own class takes its forward (a causal-LM loss), on the models inside it.
 
 
 def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
@@ -794,6 +984,18 @@ def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
     return frozenset(roots)
 
 
+def _own_attention_patch(module: nn.Module) -> str | None:
+    """The name of the first attention class under `module` that opadvisor has its own patch for, or None."""
+    return next(
+        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
+    )
+
+
+def _inner_hf_roots(module: nn.Module) -> frozenset[int]:
+    """ids of the outermost transformers models strictly inside `module`."""
+    return frozenset().union(*(_hf_switch_roots(child) for child in module.children()))
+
+
 def _check_hf_switch(module: nn.Module) -> str | None:
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
     if attn != "eager":
@@ -802,9 +1004,7 @@ def _check_hf_switch(module: nn.Module) -> str | None:
         return f"{type(module).__name__} does not support attn_implementation='sdpa'"
     if not type(module)._can_set_attn_implementation():
         return "its attention does not go through transformers' attention interface (no switch at run time)"
-    own = next(
-        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
-    )
+    own = _own_attention_patch(module)
     if own is not None:
         return f"its {own} has opadvisor's own attention patch (hf_bert_self_attention / hf_gpt2_attention)"
     return _no_hooks(module)
@@ -843,7 +1043,13 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("mha_weights_off"), _check_mha, _mha_weights_off, _first),
     _Patcher(fix_by_name("padded_linear"), _check_linear, _padded_linear),
     _Patcher(fix_by_name("hf_mlm_loss"), _check_bert_mlm, _bert_mlm, _first),
+    _Patcher(
+        fix_by_name("hf_linear_cross_entropy"), _check_linear_cross_entropy, _linear_cross_entropy, _first
+    ),
     _Patcher(fix_by_name("hf_causal_lm_loss"), _check_causal_lm, _causal_lm, _first),
+    _Patcher(fix_by_name("hf_rms_norm"), _check_rms_norm, _rms_norm),
+    _Patcher(fix_by_name("hf_swiglu_mlp"), _check_swiglu_mlp, _swiglu_mlp),
+    _Patcher(fix_by_name("hf_llama_rope"), _check_llama_attention, _llama_attention, _first),
     _Patcher(fix_by_name("compile_blocks"), _check_block, _compiled_block, _first_tensor),
 )
 assert {p.fix.name for p in _PATCHERS} == {f.name for f in FIXES if f.kind == "patch"}
@@ -880,7 +1086,7 @@ def patch(
         _install_parts, patchers=patchers, check=check, report=report, asked=asked
     )
     blocks = _compile_blocks(model, blocks_patcher, check, report, install_parts) if blocks_patcher else {}
-    hf_roots = _hf_switch_roots(model)
+    hf_roots = set(_hf_switch_roots(model))
     for path, module in model.named_modules():
         block = block_of(path, blocks)
         if block is not None:
@@ -944,13 +1150,20 @@ def _patch_one(
     check: bool,
     report: PatchReport,
     asked: bool,
-    hf_roots: frozenset[int] = frozenset(),
+    hf_roots: set[int] | None = None,
 ) -> None:
     qualified = _qualified(type(module))
     candidates = [p for p in _PATCHERS if qualified in p.fix.classes]
     switch = next((p for p in patchers if p.fix.name == "hf_attn_switch"), None)
-    if switch is not None and id(module) in hf_roots:  # for the model as a whole, whatever its class
-        candidates.append(switch)
+    if switch is not None and hf_roots is not None and id(module) in hf_roots:  # the model as a whole
+        if any(p in patchers for p in candidates):
+            # a patch of the root's own class (a causal-LM loss) takes its forward: the switch goes to the
+            # transformers model inside (LlamaModel; it shares the config, so the attention is the same),
+            # unless opadvisor patches the attention itself (BERT, GPT-2)
+            if _own_attention_patch(module) is None:
+                hf_roots.update(_inner_hf_roots(module))
+        else:
+            candidates.append(switch)
     if STATE in module.__dict__:
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return

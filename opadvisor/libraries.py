@@ -36,6 +36,7 @@ __all__ = [
     "LOADERS",
     "LibraryFix",
     "bert_family_classes",
+    "llama_family_classes",
     "block_of",
     "fix_by_name",
     "fixes_for",
@@ -71,6 +72,32 @@ def bert_family_classes(block: Literal["SelfAttention", "SelfOutput", "Output"])
     return tuple(out)
 
 
+# HuggingFace families whose RMSNorm, MLP and causal-LM head are Llama's, statement for statement (checked
+# against the installed transformers by the patch at run time and by tests/kernels/test_patch_llama.py):
+# package under transformers.models, module file, class-name prefix, the classes that match.
+_LLAMA_FAMILY: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    # Llama's attention forward is its own (Mistral and Qwen2 pass a sliding window, Qwen3 normalises q and k)
+    ("llama", "modeling_llama", "Llama", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer", "Attention")),
+    ("mistral", "modeling_mistral", "Mistral", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
+    ("qwen2", "modeling_qwen2", "Qwen2", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
+    ("qwen3", "modeling_qwen3", "Qwen3", ("RMSNorm", "MLP", "ForCausalLM", "DecoderLayer")),
+    ("mixtral", "modeling_mixtral", "Mixtral", ("RMSNorm", "DecoderLayer")),
+    ("qwen2_moe", "modeling_qwen2_moe", "Qwen2Moe", ("RMSNorm", "MLP", "DecoderLayer")),
+    ("qwen3_moe", "modeling_qwen3_moe", "Qwen3Moe", ("RMSNorm", "MLP", "DecoderLayer")),
+)
+
+
+def llama_family_classes(
+    block: Literal["RMSNorm", "MLP", "ForCausalLM", "DecoderLayer", "Attention"],
+) -> tuple[str, ...]:
+    """Qualified names of the Llama-family classes of one block (see _LLAMA_FAMILY)."""
+    return tuple(
+        f"transformers.models.{package}.{module}.{prefix}{block}"
+        for package, module, prefix, blocks in _LLAMA_FAMILY
+        if block in blocks
+    )
+
+
 HF_ATTENTION_CLASSES = (
     *bert_family_classes("SelfAttention"),
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention",
@@ -102,6 +129,9 @@ class LibraryFix:
     # chosen only by its own name (`opadvisor.patch(model, rules=["compile_blocks"])`), never by a rule's
     # name or by `rules=None`: it costs compile time at the first steps, so it is asked for, not implied
     opt_in: bool = False
+    # block classes whose findings it also answers (`suggest` only; `patch` swaps `classes`): the pattern is
+    # found in their forward (LlamaDecoderLayer's memory-bound ops) and runs in the modules it patches
+    found_in: tuple[str, ...] = ()
 
 
 FIXES: tuple[LibraryFix, ...] = (
@@ -224,13 +254,54 @@ FIXES: tuple[LibraryFix, ...] = (
         "copies; -100 labels ignored as before)",
     ),
     LibraryFix(
+        "hf_linear_cross_entropy",
+        "patch",
+        llama_family_classes("ForCausalLM"),
+        ("fused_cross_entropy",),
+        "unsafe",
+        "in training with labels, the LM head's matrix product and the causal-LM loss as one "
+        "opadvisor.kernels.linear_cross_entropy, chunked over tokens: the [tokens, vocabulary] logits are never "
+        "held whole, nor in float32; unsafe: the output's logits are None then (as Liger-Kernel's patch does)",
+    ),
+    LibraryFix(
         "hf_causal_lm_loss",
         "patch",
-        ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel",),
+        ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", *llama_family_classes("ForCausalLM")),
         ("fused_cross_entropy",),
         "safe",
         "the causal-LM loss (transformers' ForCausalLMLoss: labels shifted, -100 ignored) as "
         "opadvisor.kernels.cross_entropy over the 16-bit logits, without the float32 copy of them",
+    ),
+    LibraryFix(
+        "hf_rms_norm",
+        "patch",
+        llama_family_classes("RMSNorm"),
+        ("fuse_region",),
+        "safe",
+        "transformers' RMSNorm (Llama, Mistral, Qwen2/3, ...; float32 copy, square, mean, rsqrt, multiply, cast, "
+        "weight: six kernels each way) as opadvisor.kernels.rms_norm, one Triton kernel each way",
+        found_in=llama_family_classes("DecoderLayer"),
+    ),
+    LibraryFix(
+        "hf_llama_rope",
+        "patch",
+        llama_family_classes("Attention"),
+        ("fuse_region",),
+        "safe",
+        "Llama's attention with its rotary embedding of q and k (slices, negation, concatenation, two products "
+        "and a sum each, in float32 under autocast) as opadvisor.kernels.rotary_embedding, one kernel each way; "
+        "the attention itself as transformers runs it (its attn_implementation)",
+        found_in=llama_family_classes("DecoderLayer"),
+    ),
+    LibraryFix(
+        "hf_swiglu_mlp",
+        "patch",
+        llama_family_classes("MLP"),
+        ("fuse_region",),
+        "safe",
+        "the SwiGLU MLP's act(gate(x)) * up(x) with SiLU as opadvisor.kernels.silu_mul, one kernel each way "
+        "that saves gate and up only (not silu(gate) too)",
+        found_in=llama_family_classes("DecoderLayer"),
     ),
     LibraryFix(
         "compile_blocks",
@@ -296,7 +367,7 @@ def fixes_for(module_class: str | None, rule: str) -> list[LibraryFix]:
 
 def _covers(fix: LibraryFix, module_class: str | None) -> bool:
     """Whether `fix` is for `module_class`: named, "*" (any), or "package.*" (any class of the package)."""
-    for cls in fix.classes:
+    for cls in (*fix.classes, *fix.found_in):
         if cls == "*" or cls == module_class:
             return True
         if cls.endswith(".*") and module_class is not None and module_class.startswith(cls[:-1]):

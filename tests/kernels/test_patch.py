@@ -226,15 +226,15 @@ def test_nothing_to_patch_and_unknown_architectures_are_said(capsys) -> None:
     opadvisor.patch(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
     assert "nothing to patch in Sequential" in capsys.readouterr().err
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = transformers.MistralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
-    opadvisor.patch(transformers.LlamaForCausalLM(config))
+    opadvisor.patch(transformers.MistralForCausalLM(config))
     err = capsys.readouterr().err
     assert (
-        "unknown architecture: opadvisor has no patch for transformers.models.llama.modeling_llama.LlamaAttention"
-        in err
+        "unknown architecture: opadvisor has no patch for "
+        "transformers.models.mistral.modeling_mistral.MistralAttention" in err
     )
 
 
@@ -288,10 +288,19 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 "hf_gelu_tanh": [("NewGELUActivation.forward", cls.forward, None)],
                 "hf_mlm_loss": [("BertForMaskedLM.forward", cls.forward, None)],
                 "hf_causal_lm_loss": [
-                    ("GPT2LMHeadModel.forward", cls.forward, None),
+                    ("GPT2LMHeadModel.forward", cls.forward, None)
+                    if name == "GPT2LMHeadModel"
+                    else ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")]),
                     ("ForCausalLMLoss", LOSS_MAPPING["ForCausalLM"], None),
                     ("fixed_cross_entropy", fixed_cross_entropy, None),
                 ],
+                # the Llama family's: tests/kernels/test_patch_llama.py
+                "hf_linear_cross_entropy": [
+                    ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")])
+                ],
+                "hf_rms_norm": [("LlamaRMSNorm.forward", cls.forward, name[: -len("RMSNorm")])],
+                "hf_swiglu_mlp": [("LlamaMLP.forward", cls.forward, name[: -len("MLP")])],
+                "hf_llama_rope": [("LlamaAttention.forward", cls.forward, name[: -len("Attention")])],
                 "hf_attn_implementation": [],
             }[fix.name]
             for key, function, prefix in checks:

@@ -1,0 +1,457 @@
+"""opadvisor beside its peers, side by side on one GPU (issue 31 item 4): one training step of a HuggingFace
+model under each program, each program in a process of its own, the programs in alternating order per round.
+
+    python benchmarks/peers.py --model llama --out /tmp/peers          # ~8-10 min on an H200
+    python benchmarks/peers.py --model bert|gpt2|deberta --out /tmp/peers
+    python benchmarks/peers.py --model llama --tiny --device cpu --out /tmp/peers   # smoke test, < 1 min
+
+Programs (`--programs` picks some):
+- eager:                   the model as built (transformers' default attention: SDPA);
+- compile:                 torch.compile(model), the whole model;
+- liger:                   Liger-Kernel's patch on the instance (`apply_liger_kernel_to_llama(model=model)`: RMSNorm,
+                           SwiGLU, RoPE, fused linear cross-entropy); skipped with the reason where liger_kernel is
+                           not importable or has no patch for the model (BERT, GPT-2, DeBERTa);
+- opadvisor-safe:          opadvisor.patch(model) (the safe replacements);
+- opadvisor-all:           opadvisor.patch(model, unsafe=True) (Llama: the LM head and loss fused, logits None);
+- opadvisor-all+compile:   opadvisor.patch(model, unsafe=True), one eager step (the first-call checks), then
+                           torch.compile(model);
+- opadvisor-blocks:        (by name only) opadvisor.patch(model, rules=["compile_blocks", "fused_cross_entropy"],
+                           unsafe=True): each decoder layer one torch.compile'd region (inductor fuses what the
+                           kernels fuse), the fused LM head outside them: the kernels' alternative, side by side.
+
+The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
+autocast, AdamW, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
+configurations built in code (nothing downloaded). Measured per program: step time (CUDA events around each
+step after --warmup steps; the program's time is the median over its rounds of the median step), peak memory
+(torch.cuda.max_memory_allocated over the timed steps), model FLOPs utilisation (6 x matmul parameters x
+tokens + 12 x layers x hidden x sequence x tokens for attention, PaLM's count, over the H100/H200 dense
+bf16 peak of 989 TFLOP/s), and the loss at every step of the first round (parity between programs).
+
+Sizes: Llama 16 layers, hidden 2048, intermediate 8192, 32 heads (8 KV heads), vocabulary 128256 (Llama
+3.2-1B's shape, untied head), sequence 2048, batch 4; BERT-base and DeBERTa-v3-base at sequence 512, batch 16
+and 8; GPT-2 124M at 1024, batch 8. Results: <out>/peers_<model>.json (rewritten after every run, so a run
+cut short keeps what finished) and a table on stdout. Time: every program's first round runs; a later
+round's run starts only before --budget seconds (420), so one command stays within ten minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16
+PROGRAMS = ("eager", "compile", "liger", "opadvisor-safe", "opadvisor-all", "opadvisor-all+compile")
+# asked for by name only: the regional alternative to the kernels (kernels or compiled blocks: measure and pick)
+EXTRA_PROGRAMS = ("opadvisor-blocks",)
+COMPILE_BACKEND = "inductor"  # --compile-backend (the CPU smoke test: aot_eager, no C++ compiler needed)
+LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama"}  # Liger-Kernel has none for BERT, GPT-2, DeBERTa
+
+# (config class, model class, config kwargs, sequence, batch); tiny: (config kwargs, sequence, batch)
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "classes": ("LlamaConfig", "LlamaForCausalLM"),
+        "config": dict(
+            vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        "seq": 2048, "batch": 4,
+        "tiny": dict(
+            vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        ),
+    },
+    "bert": {
+        "classes": ("BertConfig", "BertForMaskedLM"), "config": {}, "seq": 512, "batch": 16,
+        "tiny": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=128),
+    },
+    "gpt2": {
+        "classes": ("GPT2Config", "GPT2LMHeadModel"), "config": {}, "seq": 1024, "batch": 8,
+        "tiny": dict(vocab_size=1000, n_embd=64, n_layer=2, n_head=2, n_positions=128),
+    },
+    "deberta": {
+        "classes": ("DebertaV2Config", "DebertaV2ForMaskedLM"),
+        "config": dict(  # microsoft/deberta-v3-base's configuration
+            vocab_size=128100, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+            intermediate_size=3072, max_position_embeddings=512, relative_attention=True, position_buckets=256,
+            norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type=["p2c", "c2p"], max_relative_positions=-1,
+            position_biased_input=False, type_vocab_size=0,
+        ),
+        "seq": 512, "batch": 8,
+        "tiny": dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=128, relative_attention=True, position_buckets=32, norm_rel_ebd="layer_norm",
+                     share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False),
+    },
+}  # fmt: skip
+
+
+# ---- the child: one program, one process ----------------------------------------------------------------------
+def build(model_name: str, tiny: bool, device: str):
+    import torch
+    import transformers
+
+    spec = MODELS[model_name]
+    config_cls, model_cls = (getattr(transformers, name) for name in spec["classes"])
+    torch.manual_seed(0)
+    config = config_cls(**(spec["tiny"] if tiny else spec["config"]))
+    config.use_cache = False  # training: no KV cache (as fine-tuning scripts set it)
+    with torch.device(device):  # initialised where it trains: seconds, not a minute of CPU init at 1.5B
+        model = model_cls(config)
+    model.train()
+    return model, config
+
+
+def apply_program(model, program: str, model_name: str) -> tuple[Any, list[str]]:
+    """(the model to train, what was done to it in words). Raises SkipProgram where the program does not
+    apply (Liger-Kernel missing, or without a patch for this model)."""
+    import torch
+
+    notes: list[str] = []
+    if program == "compile":
+        return torch.compile(model, backend=COMPILE_BACKEND), notes
+    if program == "liger":
+        return _liger(model, model_name), [
+            f"liger_kernel.transformers.{LIGER_PATCHES[model_name]}(model=model)"
+        ]
+    if program.startswith("opadvisor"):
+        import opadvisor
+
+        rules = ["compile_blocks", "fused_cross_entropy"] if program == "opadvisor-blocks" else None
+        opadvisor.patch(model, rules=rules, unsafe=program != "opadvisor-safe", quiet=True)
+        notes += opadvisor.patch_report(model).lines()
+    return model, notes
+
+
+class SkipProgram(Exception):
+    """The program does not apply here (its reason is the message)."""
+
+
+def _liger(model, model_name: str):
+    if model_name not in LIGER_PATCHES:
+        raise SkipProgram(f"Liger-Kernel has no patch for {type(model).__name__}")
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as exc:
+        raise SkipProgram(f"liger_kernel is not importable ({exc})") from None
+    getattr(liger, LIGER_PATCHES[model_name])(model=model)
+    return model
+
+
+def matmul_params(model) -> int:
+    """Parameters that take part in a matrix product per token: the weights of nn.Linear and transformers'
+    Conv1D modules, each shared weight once (a tied LM head counts; input embedding lookups do not)."""
+    import torch.nn as nn
+
+    seen = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
+            seen[id(module.weight)] = module.weight.numel()
+    return sum(seen.values())
+
+
+def step_flops(model, config, batch: int, seq: int) -> float:
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    tokens = batch * seq
+    return 6.0 * matmul_params(model) * tokens + 12.0 * layers * hidden * seq * tokens
+
+
+def run_child(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    spec = MODELS[args.model]
+    seq = args.seq or (64 if args.tiny else spec["seq"])
+    batch = args.batch or (2 if args.tiny else spec["batch"])
+    model, config = build(args.model, args.tiny, args.device)
+    result: dict[str, Any] = {"program": args.program, "seq": seq, "batch": batch}
+    try:
+        model, notes = apply_program(model, args.program, args.model)
+    except SkipProgram as exc:
+        return {**result, "status": "skipped", "reason": str(exc)}
+    result["notes"] = notes
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = torch.Generator().manual_seed(1)
+    vocab = config.vocab_size
+    batches = [torch.randint(0, vocab, (batch, seq), generator=generator).to(args.device) for _ in range(4)]
+    cuda = args.device.startswith("cuda")
+
+    def step(i: int) -> torch.Tensor:
+        ids = batches[i % len(batches)]  # on the device already: no copy in the timed steps
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses = []
+    compile_after_warmup = args.program == "opadvisor-all+compile"
+    for i in range(args.warmup):
+        losses.append(step(i))
+        if compile_after_warmup and i == 0:
+            model = torch.compile(
+                model, backend=COMPILE_BACKEND
+            )  # after one eager step: the patches' first-call checks ran
+    if compile_after_warmup and args.warmup == 0:
+        raise SystemExit("opadvisor-all+compile needs --warmup >= 1 (its first step runs the checks eagerly)")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(args.warmup, args.warmup + args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            losses.append(step(i))
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            losses.append(step(i))
+            times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+        step_ms = [s.elapsed_time(e) for s, e in times]
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        step_ms = [t * 1e3 for t in times]
+        peak = None
+    median = statistics.median(step_ms)
+    flops = step_flops(getattr(model, "_orig_mod", model), config, batch, seq)
+    from opadvisor.kernels import dispatch_counts
+
+    return {
+        **result,
+        "status": "ok",
+        "step_ms": step_ms,
+        "median_ms": median,
+        "peak_gib": peak,
+        "tflops": flops / (median / 1e3) / 1e12,
+        "mfu": flops / (median / 1e3) / PEAK_FLOPS,
+        "losses": [float(v) for v in torch.stack(losses).float().cpu()],
+        "dispatch": dispatch_counts(),
+    }
+
+
+# ---- the parent: rounds of child processes --------------------------------------------------------------------
+def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str]:
+    command = [sys.executable, __file__, "--child", "--model", args.model, "--program", program, "--device",
+               args.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out),
+               "--compile-backend", args.compile_backend]  # fmt: skip
+    if args.tiny:
+        command.append("--tiny")
+    for flag in ("seq", "batch"):
+        if getattr(args, flag):
+            command += [f"--{flag}", str(getattr(args, flag))]
+    return command
+
+
+def run_program(args: argparse.Namespace, program: str, out_dir: Path, round_: int) -> dict[str, Any]:
+    out = out_dir / f".{args.model}_{program}_{round_}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(child_command(args, program, out), capture_output=True, text=True,
+                              timeout=args.timeout, env=env)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"program": program, "status": "failed", "reason": f"timed out after {args.timeout} s"}
+    wall = time.perf_counter() - started
+    if done.returncode != 0 or not out.exists():
+        tail = (done.stderr or done.stdout)[-1500:]
+        return {
+            "program": program,
+            "status": "failed",
+            "reason": f"exit {done.returncode}: {tail}",
+            "wall_s": wall,
+        }
+    result = json.loads(out.read_text())
+    out.unlink()
+    return {**result, "wall_s": wall}
+
+
+def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in runs if r.get("status") == "ok"]
+    if not ok:
+        return {"status": runs[-1].get("status", "failed"), "reason": runs[-1].get("reason"), "runs": runs}
+    medians = [r["median_ms"] for r in ok]
+    step_ms = statistics.median(medians)
+    peaks = [r["peak_gib"] for r in ok if r["peak_gib"] is not None]
+    return {
+        "status": "ok",
+        "step_ms": step_ms,
+        "step_ms_per_round": medians,
+        "peak_gib": max(peaks) if peaks else None,
+        "mfu": statistics.median(r["mfu"] for r in ok),
+        "tflops": statistics.median(r["tflops"] for r in ok),
+        "losses": ok[0]["losses"],
+        "notes": ok[0].get("notes", []),
+        "dispatch": ok[0].get("dispatch", {}),
+        "runs": [{k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch")} for r in runs],
+    }
+
+
+def parity(programs: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per program, the largest relative difference of its loss from eager's, step by step (first rounds)."""
+    eager = programs.get("eager", {})
+    if eager.get("status") != "ok":
+        return {}
+    out = {}
+    for name, r in programs.items():
+        if r.get("status") == "ok" and name != "eager":
+            pairs = zip(r["losses"], eager["losses"], strict=False)
+            out[name] = max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
+    return out
+
+
+def targets(programs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Issue 31's targets for Llama: opadvisor's safe fixes >= 1.1x Liger-Kernel's patch and >= torch.compile
+    of the original, with peak memory no higher than Liger's (also reported for opadvisor-all)."""
+    out: dict[str, Any] = {}
+    for ours in ("opadvisor-safe", "opadvisor-all", "opadvisor-all+compile"):
+        mine = programs.get(ours, {})
+        if mine.get("status") != "ok":
+            continue
+        entry: dict[str, Any] = {}
+        for peer in ("eager", "compile", "liger"):
+            other = programs.get(peer, {})
+            if other.get("status") == "ok":
+                entry[f"speedup_vs_{peer}"] = other["step_ms"] / mine["step_ms"]
+        liger = programs.get("liger", {})
+        if liger.get("status") == "ok" and liger.get("peak_gib") and mine.get("peak_gib"):
+            entry["peak_vs_liger"] = mine["peak_gib"] / liger["peak_gib"]
+        out[ours] = entry
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [f"{'program':24s} {'step ms':>9s} {'peak GiB':>9s} {'MFU':>6s}  loss[0..]"]
+    for name, r in report["programs"].items():
+        if r.get("status") != "ok":
+            rows.append(f"{name:24s} {r.get('status')}: {str(r.get('reason'))[:150]}")
+            continue
+        peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        losses = " ".join(f"{v:.4f}" for v in r["losses"][:4])
+        rows.append(f"{name:24s} {r['step_ms']:9.2f} {peak:>9s} {r['mfu']:6.1%}  {losses}")
+    if report.get("loss_vs_eager"):
+        diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in report["loss_vs_eager"].items())
+        rows.append(f"loss vs eager (max relative difference over the steps): {diffs}")
+    for ours, entry in report["targets"].items():
+        rows.append(f"{ours}: " + ", ".join(f"{k} {v:.3f}" for k, v in entry.items()))
+    return "\n".join(rows)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        liger = version("liger-kernel")
+    except PackageNotFoundError:
+        liger = None
+    return {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__, "liger_kernel": liger,
+            "python": platform.python_version()}  # fmt: skip
+
+
+def run_parent(args: argparse.Namespace) -> int:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    programs = args.programs or list(PROGRAMS)
+    unknown = [p for p in programs if p not in PROGRAMS + EXTRA_PROGRAMS]
+    if unknown:
+        known = ", ".join(PROGRAMS + EXTRA_PROGRAMS)
+        print(f"peers.py: unknown program(s) {', '.join(unknown)}; known: {known}", file=sys.stderr)
+        return 2
+    results: dict[str, list[dict[str, Any]]] = {p: [] for p in programs}
+    report: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION, "model": args.model, "tiny": args.tiny, "device": args.device,
+        "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "machine": machine(),
+        "precision": "float32 parameters, bf16 autocast, AdamW", "peak_flops": PEAK_FLOPS,
+        "compile_backend": args.compile_backend,
+    }  # fmt: skip
+    path = out_dir / f"peers_{args.model}{'_' + args.tag if args.tag else ''}.json"
+    started = time.perf_counter()
+    for round_ in range(args.rounds):
+        order = programs if round_ % 2 == 0 else programs[::-1]  # alternate: no program always first or last
+        for program in order:
+            if results[program] and results[program][-1].get("status") == "skipped":
+                continue
+            if results[program] and time.perf_counter() - started > args.budget:
+                print(f"round {round_} {program}: not run (past --budget {args.budget} s)", flush=True)
+                continue
+            result = run_program(args, program, out_dir, round_)
+            results[program].append(result)
+            print(f"[{time.perf_counter() - started:6.0f} s] round {round_} {program}: {result.get('status')} "
+                  f"{result.get('median_ms', result.get('reason', ''))}", flush=True)  # fmt: skip
+            report["programs"] = {p: summarise(p, runs) for p, runs in results.items() if runs}
+            report["targets"] = targets(report["programs"])
+            report["loss_vs_eager"] = parity(report["programs"])
+            path.write_text(json.dumps(report, indent=1))
+    print(table(report))
+    print(f"results: {path}")
+    return 0
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama")
+    parser.add_argument(
+        "--programs",
+        nargs="+",
+        help=f"some of: {', '.join(PROGRAMS + EXTRA_PROGRAMS)} (default: {', '.join(PROGRAMS)})",
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 8; tiny 3)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; tiny 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="runs per program (default 2; tiny 1)")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--tiny", action="store_true", help="tiny configurations: a smoke test (CPU)")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=420,
+        help="seconds after which no further round starts (first rounds always run)",
+    )
+    parser.add_argument("--tag", default="", help="a suffix of the results file (peers_<model>_<tag>.json)")
+    parser.add_argument(
+        "--compile-backend", default=None, help="torch.compile's backend (inductor; tiny: aot_eager)"
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--program", help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (3 if args.tiny else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.tiny else 2)
+    args.compile_backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    global COMPILE_BACKEND
+    args = parse(argv)
+    COMPILE_BACKEND = args.compile_backend
+    if args.child:
+        result = run_child(args)
+        Path(args.json_out).write_text(json.dumps(result))
+        return 0
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""`linear_cross_entropy`: an LM head's matrix product and its cross-entropy, chunked over tokens, so that the
+[tokens, vocabulary] logits never exist whole (and never in float32).
+
+An LM head written as transformers writes it (`logits = lm_head(h)`, then `ForCausalLMLoss`: `logits.float()`,
+`F.cross_entropy`) holds, at Llama-3's vocabulary (128256) and 8192 tokens: the logits in bf16 (2.1 GB), their
+float32 copy (4.2 GB), log_softmax's float32 output saved for the backward (4.2 GB), and in the backward the
+same again as gradients. Here the tokens are taken CHUNK at a time (the chunk's logits under MAX_CHUNK_BYTES):
+the chunk's logits in the compute dtype (autocast's, else the inputs'), their loss and at once their gradient
+(`cross_entropy`'s kernels, the gradient written over the logits in place), then the gradient of the chunk's
+hidden states (`dlogits @ W`) and of the weight (`dlogits^T @ h`, summed over chunks in float32). The
+gradients are computed in the forward, when autograd will want them (grad enabled and an input requiring
+grad), and the backward only scales them by the loss's upstream gradient. Peak memory for the head: one
+chunk's logits, plus the weight's float32 gradient.
+
+Values: the loss is F.cross_entropy's on the float32 logits (as `ForCausalLMLoss` computes it) from the
+compute-dtype logits; the gradients are the eager chain's up to the order of summation over chunks (the
+weight's is summed in float32 and rounded once to its dtype).
+
+Layers: `_chunk_step_*` (kernels: `cross_entropy`'s forward and in-place backward kernels; reference: PyTorch)
+-> `_run` -> the custom op `opadvisor::linear_cross_entropy` (one node for torch.compile: inductor cannot chunk
+this itself; a fake implementation and autograd registered) -> `linear_cross_entropy`. `reference_linear_cross_
+entropy` is the eager chain, the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _backend, _dispatch
+
+# (the package's `cross_entropy` attribute is the function: its module's kernels by name)
+from .cross_entropy import MAX_BLOCK as CE_MAX_BLOCK
+from .cross_entropy import _forward as ce_forward
+from .cross_entropy import _launch_plan as ce_launch_plan
+
+# The largest chunk of logits held at once (bytes, in the compute dtype). 512 MiB: 2092 rows of Llama-3's
+# 128256 classes in bf16, four chunks at 8192 tokens; bigger chunks cost memory, smaller ones more passes
+# over the weight's float32 gradient (one read and write of it per chunk).
+MAX_CHUNK_BYTES = 512 << 20
+OP = "linear_cross_entropy"
+REDUCTIONS = ("mean", "sum")
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the logits are computed in: autocast's for the device where it is on, else F.linear's."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk: as many as keep the chunk's logits under MAX_CHUNK_BYTES (at least one)."""
+    return max(1, min(n_rows, MAX_CHUNK_BYTES // max(1, vocab * dtype.itemsize)))
+
+
+def linear_cross_entropy_backend(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    """ "triton" / "interpreter": the chunks' loss and gradient in `cross_entropy`'s kernels; "reference":
+    in PyTorch (CPU without the interpreter, float64, no Triton). Chunked either way."""
+    dtype = compute_dtype(hidden, weight)
+    be = _backend.backend(hidden)
+    if be == _backend.REFERENCE or dtype not in _backend.KERNEL_DTYPES or hidden.numel() == 0:
+        return _backend.REFERENCE
+    return be
+
+
+def reference_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:  # fmt: skip
+    """The eager chain: `F.cross_entropy(F.linear(hidden, weight).float(), target)` (ForCausalLMLoss's)."""
+    logits = F.linear(hidden, weight).float()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
+                           reduction=reduction)  # fmt: skip
+
+
+def _chunk_step_kernel(logits, target, ignore_index, grads, count, g):
+    """Per-row loss (float32 [n]) of the chunk; with `grads`, its gradient written over `logits`."""
+    rows, lse = ce_forward(logits, target, ignore_index, False)
+    if grads:
+        mean = count is not None
+        call = (logits.dtype, target.dtype, ignore_index, g.dtype, 0)
+        launch, ints = ce_launch_plan(
+            True,
+            tuple(logits.shape),
+            logits.stride(),
+            target.stride(0),
+            call,
+            logits.device,
+            mean,
+            CE_MAX_BLOCK,
+        )
+        launch((logits, target, lse, g, count if mean else g, logits, *ints, 0, ignore_index))
+    return rows
+
+
+def _chunk_step_reference(logits, target, ignore_index, grads, count, g):
+    """`_chunk_step_kernel` in PyTorch: float32 log-softmax, its gradient (softmax - onehot) / count."""
+    lf = logits.float()
+    rows = F.cross_entropy(lf, target, ignore_index=ignore_index, reduction="none")
+    if grads:
+        valid = target != ignore_index
+        grad = torch.softmax(lf, dim=-1)
+        grad.scatter_add_(1, torch.where(valid, target, 0)[:, None], -valid[:, None].to(grad.dtype))
+        grad *= valid[:, None] * (g / count if count is not None else g)
+        logits.copy_(grad)
+    return rows
+
+
+def _run(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+    dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(loss float32 0-d, d loss / d hidden or empty, d loss / d weight or empty): see the module docstring."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    step = (
+        _chunk_step_reference
+        if linear_cross_entropy_backend(hidden, weight) == "reference"
+        else _chunk_step_kernel
+    )
+    grads = grad_hidden or grad_weight
+    count = (target != ignore_index).sum().float() if reduction == "mean" else None
+    g = torch.ones((), dtype=torch.float32, device=hidden.device)
+    w = weight.to(dtype)
+    rows_per_chunk = chunk_rows(n, vocab, dtype)
+    buffer = torch.empty((rows_per_chunk, vocab), dtype=dtype, device=hidden.device)
+    losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
+    one_chunk = rows_per_chunk >= n
+    dw = weight.new_empty(0)
+    if grad_weight and not one_chunk:
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for start in range(0, n, rows_per_chunk):
+        stop = min(n, start + rows_per_chunk)
+        h = hidden[start:stop].to(dtype)
+        logits = torch.mm(h, w.t(), out=buffer[: stop - start])
+        losses[start:stop] = step(logits, target[start:stop], ignore_index, grads, count, g)
+        if grad_hidden:
+            dh[start:stop] = torch.mm(logits, w)
+        if grad_weight and one_chunk:
+            dw = torch.mm(logits.t(), h).to(weight.dtype)
+        elif grad_weight:
+            dw += torch.mm(logits.t(), h)
+    loss = losses.sum()
+    if count is not None:
+        loss = loss / count
+    return loss, dh, dw.to(weight.dtype) if grad_weight else dw
+
+
+@torch.library.custom_op("opadvisor::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
+    dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(loss, its gradient w.r.t. hidden or empty, w.r.t. weight or empty). `dtype`, the logits' compute
+    dtype, is decided where the call is traced (autocast is off where a compiled graph runs the op)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _run(hidden, weight, target, ignore_index, reduction, dtype, grad_hidden, grad_weight)
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden, weight, target, ignore_index, reduction, dtype, grad_hidden, grad_weight):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
+    dw = torch.empty_like(weight) if grad_weight else weight.new_empty(0)
+    return loss, dh, dw
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.grads = inputs[6], inputs[7]
+
+
+def _op_backward(ctx, dloss, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    grad_hidden, grad_weight = ctx.grads
+    # In place: the gradients are this op's own buffers, read by this backward only (a second backward through
+    # the same graph fails on their version counters rather than reading scaled values); out of place the
+    # weight's gradient would be allocated twice at the start of the model's backward (1 GiB at Llama-3's head).
+    gh = dh.mul_(dloss.to(dh.dtype)) if grad_hidden else None
+    gw = dw.mul_(dloss.to(dw.dtype)) if grad_weight else None
+    return gh, gw, None, None, None, None, None, None
+
+
+torch.library.register_autograd(linear_cross_entropy_op, _op_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:  # fmt: skip
+    """`F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=..., reduction=...)` (float32
+    loss) without the whole logits: hidden [..., H], weight [V, H] (an LM head without bias), target [...]
+    class indices (int64 / int32); reduction "mean" (over the rows not ignored) or "sum"."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    if t.device != h.device:
+        t = t.to(h.device)
+    backend = linear_cross_entropy_backend(h, weight)
+    if backend == _backend.REFERENCE:
+        _dispatch.record_reference(OP, _backend.fallback_reason(h))
+    else:
+        _dispatch.record(OP, _dispatch.KERNEL)
+    grad = torch.is_grad_enabled()
+    grad_hidden, grad_weight = grad and hidden.requires_grad, grad and weight.requires_grad
+    dtype = compute_dtype(hidden, weight)
+    loss, _, _ = linear_cross_entropy_op(
+        h, weight, t, ignore_index, reduction, dtype, grad_hidden, grad_weight
+    )
+    return loss

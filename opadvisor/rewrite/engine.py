@@ -989,7 +989,7 @@ def apply_findings(
         if getattr(f, "fix_blocked", None):
             messages.append(f"{_where(f, root)}: {f.rule}: not applied: {f.verdict()}")
             continue
-        if f.fix == "none":
+        if f.fix == "none" and not (f.rule == explicit_rule and f.details.get("on_request")):
             advice = f" ({f.advice})" if getattr(f, "advice", "") else ""
             messages.append(f"{_where(f, root)}: {f.rule}: note: no automatic fix for this one{advice}")
             continue

@@ -13,22 +13,28 @@ Why it is slow
     backward, which is what sharding was meant to avoid. With one unit per block, FSDP2 prefetches the next
     block's all-gather while the current block computes, and reduce-scatters each block's gradients while
     the backward goes on. The cost shown is the measured communication per step (cross_rank's numbers:
-    NCCL kernels on a GPU, gloo's ranges on a CPU); the saving, an estimate: its exposed part, less one
-    block's share.
+    NCCL kernels on a GPU, gloo's ranges on a CPU). No saving is claimed, and `apply` does not make this
+    change by itself: measured on 2 H200s (NVLink) with a GPT-2-medium-sized model (24 blocks, 406M
+    parameters, 4 micro-steps of 8x1024 tokens), one unit per block made the step 2.5x *slower*
+    (250 -> 617 ms; with reshard_after_forward=False on the blocks 284 -> 442 ms): at that size two
+    ranks gain less from overlap than 24 units cost in collectives and hooks. What a unit per block
+    buys for certain is memory (the unsharded model is never whole); where memory is what limits the
+    batch or the model, make the change and measure it (`opadvisor verify` times both programs).
 
 Example
     model = GPT(n_layer=24)
     fully_shard(model)
 
-Fix and its safety
-    `opadvisor apply --rule fsdp_root_only` inserts a loop before the call that shards each block with the
-    call's own keyword arguments:
+Fix
+    Advice, not applied (see above): a loop before the call that shards each block with the call's own
+    keyword arguments, which `opadvisor apply --rule fsdp_root_only` writes when asked by name (never
+    `--rule all`):
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
 
-    Safe: the same parameters, the same sums (FSDP's reductions grouped per block).
+    It would be safe: the same parameters, the same sums (FSDP's reductions grouped per block).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from opadvisor.rules.parallel_facts import FsdpFacts
 
 ID = "fsdp_root_only"
 TITLE = "one FSDP unit for a model of repeated blocks"
-FIX = "safe"
+FIX = "none"  # measured slower on 2 GPUs: advice (module docstring)
 
 MIN_BLOCK_SHARE = 0.5  # the blocks hold at least this share of the model's parameter tensors
 MIN_OWN_SHARE = 0.5  # the root unit owns at least this share of the model's parameters
@@ -69,7 +75,6 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
     per_unit, unit_words = unit_notes(profile)
     count = int(blocks["count"])
     time_ms = comm.total_ms if comm is not None and comm.total_ms > 0 else None
-    saving = comm.exposed_ms * (1.0 - 1.0 / count) if time_ms is not None and comm is not None else None
     where = ", ".join([*blocks.get("containers", []), *blocks.get("singles", [])][:3])
     measured = (
         f"all-gather {fmt_ms(comm.of('all_gather'))}/step, communication {comm.words()}"
@@ -97,19 +102,23 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
         message=f"one fully_shard unit holds the whole model ({a.get('own_params'):,} parameters, {count} "
         f"{facts.block} blocks in {where}): every step gathers all of it before the forward and nothing "
         f"overlaps; {measured}",
-        fix="safe",
+        fix="none",
         time_ms=time_ms,
-        saving_ms=saving,
+        saving_ms=None,
         comm=comm,
         notes=[
-            f"estimate: with one unit per {facts.block}, FSDP2 prefetches the next block's all-gather during "
-            f"the current block; the exposed communication less one block's share ({fmt_ms(saving)}/step)",
-            "one unit also holds the whole unsharded model in memory in forward and backward",
+            "one unit holds the whole unsharded model in memory in forward and backward: one unit per block "
+            "does not, which is what it surely buys",
+            f"not applied by apply: one unit per {facts.block} prefetches the next block's all-gather during the "
+            "current one, but measured on 2 H200s (GPT-2-medium size) it made the step 2.5x slower; change it "
+            "where memory limits you, and time it with opadvisor verify",
             *unit_words,
         ],
-        advice=f"call fully_shard on each {facts.block} before the root: `for block in model.{where.split(', ')[0]}: "
-        "fully_shard(block)`",
-        details=facts.to_details(),
+        advice=f"where memory limits the batch or the model: call fully_shard on each {facts.block} before the root "
+        f"(`for block in model.{where.split(', ')[0]}: fully_shard(block)`; `opadvisor apply --rule fsdp_root_only` "
+        "writes it), then time both with opadvisor verify",
+        # its codemod runs when the rule is named (`apply --rule fsdp_root_only`), never in `--rule all`
+        details={**facts.to_details(), "on_request": True},
     )
 
 

@@ -133,9 +133,12 @@ def test_fsdp_rules_find_the_naive_example(fsdp_project: Path) -> None:
     line = line_of(FSDP_EXAMPLE, "fully_shard(model)")
     for f in ours.values():
         assert f["line"] == line and f["ranks"] == [0, 1] and f["path"].endswith("fsdp_train.py")
-        assert f["time_ms_per_step"] > 0 and f["time_basis"] == "cpu"
-        assert f["est_saving_ms_per_step"] < f["time_ms_per_step"] and not f.get("fix_blocked")
-    assert ours["fsdp_fp32_gather"]["fix"] == "unsafe" and ours["fsdp_root_only"]["fix"] == "safe"
+        assert f["time_ms_per_step"] > 0 and f["time_basis"] == "cpu" and not f.get("fix_blocked")
+        if f["rule"] != "fsdp_root_only":
+            assert f["est_saving_ms_per_step"] < f["time_ms_per_step"]
+    # one unit per block measured 2.5x slower on 2 H200s: advice, applied only when asked by name
+    assert ours["fsdp_fp32_gather"]["fix"] == "unsafe" and ours["fsdp_root_only"]["fix"] == "none"
+    assert ours["fsdp_root_only"]["est_saving_ms_per_step"] is None
     assert "4 Block blocks" in ours["fsdp_root_only"]["message"]
     assert ours["grad_accum_sync"]["details"]["wrapper"] == "fsdp"
     assert "bfloat16 autocast" in ours["fsdp_fp32_gather"]["message"]
@@ -174,9 +177,14 @@ def test_apply_on_the_ddp_example(ddp_project: Path, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_applied(fsdp_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of the FSDP project after `apply --rule all --unsafe` (the profiled run keeps the backups)."""
+    """A copy of the FSDP project after `apply --rule all --unsafe`, then `apply --rule fsdp_root_only` (advice
+    in --rule all: applied only when named; the profiled run keeps the backups)."""
     project = copy_project(fsdp_project, tmp_path_factory.mktemp("fsdp-applied") / "project")
     done = opadvisor_here(project, "apply", "--rule", "all", "--unsafe")
+    assert done.returncode == 0, done.stderr
+    assert "for block_ in model.blocks:" not in (project / FSDP_EXAMPLE.name).read_text()
+    assert "fsdp_root_only: note: no automatic fix for this one" in done.stdout + done.stderr
+    done = opadvisor_here(project, "apply", "--rule", "fsdp_root_only")
     assert done.returncode == 0, done.stderr
     return project
 

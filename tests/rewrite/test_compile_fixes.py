@@ -292,7 +292,6 @@ def build(backend):
     assert counts[1] == 1 < counts[0], counts
 
 
-
 def test_scalar_recompile_compiles_once(tmp_path: Path) -> None:
     """A float argument that changes every call (a temperature): dynamic=True traces it as a symbol."""
     before = """import torch
@@ -317,6 +316,7 @@ def build(backend):
             torch.testing.assert_close(compiled(x, temperature), plain(x, temperature))
         counts.append(counter.frame_count)
     assert counts[1] == 1 < counts[0], counts
+
 
 # ---- a second apply changes nothing: the targets moved onto the output as `opadvisor apply` moves them --------
 FIXTURES = [*cases("graph_break"), *cases("recompile"), *cases("regional_compile")]

@@ -240,8 +240,10 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "LlamaRMSNorm.forward": frozenset({"9635bcd843f309a0"}),
     "LlamaMLP.forward": frozenset({"7d2027d4464e3e71"}),
     "SiLUActivation.forward": frozenset({"e730f54291b81588"}),  # transformers.activations
-    "LlamaForCausalLM.forward": frozenset({"3eb801727fee5813"}),
-    "LlamaAttention.forward": frozenset({"935ef6caf5ea6f75"}),
+    # 5.17 (the GPU machine's): past_key_values for cache (the replacements read either), 5.17's slicing for
+    # logits_to_keep; checked against 5.17's source by the same normalisation
+    "LlamaForCausalLM.forward": frozenset({"3eb801727fee5813", "9581bf6d6970304e"}),
+    "LlamaAttention.forward": frozenset({"935ef6caf5ea6f75", "b9c6a0ecf29f0cc8"}),
     "apply_rotary_pos_emb": frozenset({"4a8f8b85ee37bd3f"}),  # modeling_llama's (unsqueeze_dim=1)
     "rotate_half": frozenset({"7b6c9b425ca04287"}),
 }

@@ -3,9 +3,14 @@ wrapper's call on a statement."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import libcst as cst
 
 from opadvisor.rewrite._match import nodes_of, resolves_to
+
+if TYPE_CHECKING:
+    from opadvisor.rewrite.base import RuleCodemod, Target
 
 DDP_NAMES = frozenset(
     {
@@ -30,4 +35,15 @@ def calls_to(visitor: cst.MetadataDependent, root: cst.CSTNode, names: frozenset
     return [c for c in nodes_of(root, cst.Call) if resolves_to(visitor, c.func, names)]
 
 
-__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to"]
+def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
+    """The profile's target a `DistributedDataParallel(...)` call (an original node) answers, marked answered;
+    None for any other call, one no target names, or a codemod without targets."""
+    if codemod.targets is None or not resolves_to(codemod, node.func, DDP_NAMES):
+        return None
+    target = codemod.targeted(node)
+    if target is not None:
+        codemod.answered.add(target)
+    return target
+
+
+__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "targeted_ddp_call"]

@@ -21,8 +21,8 @@ import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite._args import has_star_args, keyword, remove_keyword
-from opadvisor.rewrite._match import code, resolves_to
-from opadvisor.rewrite._parallel import DDP_NAMES
+from opadvisor.rewrite._match import code
+from opadvisor.rewrite._parallel import targeted_ddp_call
 from opadvisor.rewrite.base import RuleCodemod
 
 KEYWORD = "find_unused_parameters"
@@ -39,12 +39,8 @@ class DdpFindUnusedCodemod(RuleCodemod):
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        if self.targets is None or not resolves_to(self, original_node.func, DDP_NAMES):
+        if targeted_ddp_call(self, original_node) is None:
             return updated_node
-        target = self.targeted(original_node)
-        if target is None:
-            return updated_node
-        self.answered.add(target)
         arg = keyword(original_node, KEYWORD)
         if arg is None:
             if has_star_args(original_node):

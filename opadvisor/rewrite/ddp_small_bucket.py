@@ -19,8 +19,8 @@ import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite._args import keyword, replace_keyword_value
-from opadvisor.rewrite._match import code, number_value, resolves_to
-from opadvisor.rewrite._parallel import DDP_NAMES
+from opadvisor.rewrite._match import code, number_value
+from opadvisor.rewrite._parallel import targeted_ddp_call
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.parallel_facts import DdpFacts
 
@@ -39,12 +39,9 @@ class DdpSmallBucketCodemod(RuleCodemod):
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
-        if self.targets is None or not resolves_to(self, original_node.func, DDP_NAMES):
-            return updated_node
-        target = self.targeted(original_node)
+        target = targeted_ddp_call(self, original_node)
         if target is None:
             return updated_node
-        self.answered.add(target)
         arg = keyword(original_node, KEYWORD)
         if arg is None:
             self.skip(original_node, f"no {KEYWORD}= in the call: set it where the DDP arguments come from")

@@ -33,6 +33,11 @@ class OverBudget(Exception):
         super().__init__(over_budget_message(where))
         self.where = where
 
+    def __reduce__(self) -> tuple:
+        # rebuilt from `where`, not from its message (which __init__ would wrap a second time): the engine
+        # keeps a copy of it (engine.rewrite_source)
+        return (OverBudget, (self.where,))
+
 
 def over_budget_message(where: str) -> str:
     """The one line suggest and apply both say."""

@@ -323,7 +323,7 @@ def rewrite_source(
         _remember(key, exc)
         raise
     _remember(key, done)
-    return _recalled(key) if key is not None else done
+    return done  # what is kept is a copy of it
 
 
 # ---- one rewrite per input in a process ------------------------------------------------------------------------
@@ -363,7 +363,9 @@ def _remember(key: tuple | None, done: tuple[bytes, RuleResult] | Exception) -> 
         return
     if len(_REWRITES) >= _REWRITES_KEPT:
         _REWRITES.pop(next(iter(_REWRITES)))
-    _REWRITES[key] = done if isinstance(done, Exception) else copy.deepcopy(done)
+    # a copy either way: an exception's copy carries no traceback (which would keep the pass's frames and
+    # their libcst trees alive while it is remembered)
+    _REWRITES[key] = copy.copy(done) if isinstance(done, Exception) else copy.deepcopy(done)
 
 
 def _recalled(key: tuple) -> tuple[bytes, RuleResult]:

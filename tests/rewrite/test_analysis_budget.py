@@ -121,6 +121,9 @@ def test_over_budget_blocks_the_dry_run(tmp_path, monkeypatch):
     path.write_bytes(b"def forward(x):\n    return x * torch.sigmoid(x)\n")
     (reason,) = dry_run(path, "fuse_region", [Target(2, 2, {"chain": "silu"})])
     assert reason == "not checked: source analysis over budget (in `forward`)"
+    # the engine remembers the verdict (engine.rewrite_source): recalled, it says the same
+    (again,) = dry_run(path, "fuse_region", [Target(2, 2, {"chain": "silu"})])
+    assert again == reason
 
 
 def test_over_budget_apply_skips_the_rule_and_writes_nothing(tmp_path, monkeypatch):

@@ -16,7 +16,6 @@ DDP_NAMES = frozenset(
     {
         "torch.nn.parallel.DistributedDataParallel",
         "torch.nn.parallel.distributed.DistributedDataParallel",
-        "torch.nn.parallel.DDP",
     }
 )
 FULLY_SHARD_NAMES = frozenset(

@@ -52,19 +52,15 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite._match import nodes_of, qualified
 from opadvisor.rewrite._names import reference
+from opadvisor.rewrite._parallel import DDP_NAMES
 from opadvisor.rewrite.base import RuleCodemod
 from opadvisor.rules.sparse_launch import SCALAR_TENSOR, CaptureBlocker, GraphFacts
 
 KERNEL = "opadvisor.kernels.cuda_graphed"
 KERNEL_NAMES = frozenset({KERNEL, "opadvisor.kernels.graphs.cuda_graphed"})
-DDP_NAMES = frozenset(
-    {
-        "torch.nn.parallel.DistributedDataParallel",
-        "torch.nn.parallel.distributed.DistributedDataParallel",
-        "torch.nn.DataParallel",
-        "torch.nn.parallel.DataParallel",
-    }
-)
+# the wrappers whose gradient hooks a capture would freeze: DDP (as the data-parallel codemods name it) and
+# DataParallel
+WRAPPER_NAMES = DDP_NAMES | {"torch.nn.DataParallel", "torch.nn.parallel.DataParallel"}
 _PARAMETERS_OF_NAME = m.Call(func=m.Attribute(value=m.Name(), attr=m.Name("parameters")), args=[])
 # what `torch.tensor(c)` may hold for the rewrite: a Python number built from names, numbers and arithmetic
 _SCALAR_PARTS = (
@@ -102,7 +98,7 @@ class CudaGraphsCodemod(RuleCodemod):
             names = qualified(self, call.func)  # type: ignore[attr-defined]
             if names & KERNEL_NAMES and not self._already:
                 self._already, self._already_line = True, self.lines_of(call)[0]
-            self._ddp = self._ddp or bool(names & DDP_NAMES)
+            self._ddp = self._ddp or bool(names & WRAPPER_NAMES)
         self._rewrites: dict[cst.Call, tuple[cst.BaseExpression, CaptureBlocker]] = {}
         self._blocked = self._plan_blockers(node)
         return True

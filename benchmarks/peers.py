@@ -3,10 +3,12 @@ model under each program, each program in a process of its own, the programs in 
 
     python benchmarks/peers.py --model llama --out /tmp/peers          # ~8-10 min on an H200
     python benchmarks/peers.py --model bert|gpt2|deberta --out /tmp/peers
+    python benchmarks/peers.py --model bert --attn eager --out /tmp/peers   # issue 31's BERT row
     python benchmarks/peers.py --model llama --tiny --device cpu --out /tmp/peers   # smoke test, < 1 min
 
 Programs (`--programs` picks some):
-- eager:                   the model as built (transformers' default attention: SDPA);
+- eager:                   the model as built (transformers' default attention: SDPA; `--attn eager` builds it with
+                           the hand-written attention, as a script passing `attn_implementation=args.attn` does);
 - compile:                 torch.compile(model), the whole model;
 - liger:                   Liger-Kernel's patch on the instance (`apply_liger_kernel_to_llama(model=model)`: RMSNorm,
                            SwiGLU, RoPE, fused linear cross-entropy); skipped with the reason where liger_kernel is
@@ -96,14 +98,17 @@ MODELS: dict[str, dict[str, Any]] = {
 
 
 # ---- the child: one program, one process ----------------------------------------------------------------------
-def build(model_name: str, tiny: bool, device: str):
+def build(model_name: str, tiny: bool, device: str, attn: str | None = None):
     import torch
     import transformers
 
     spec = MODELS[model_name]
     config_cls, model_cls = (getattr(transformers, name) for name in spec["classes"])
     torch.manual_seed(0)
-    config = config_cls(**(spec["tiny"] if tiny else spec["config"]))
+    extra = (
+        {"attn_implementation": attn} if attn else {}
+    )  # as a script passes --attn eager to from_pretrained
+    config = config_cls(**(spec["tiny"] if tiny else spec["config"]), **extra)
     config.use_cache = False  # training: no KV cache (as fine-tuning scripts set it)
     with torch.device(device):  # initialised where it trains: seconds, not a minute of CPU init at 1.5B
         model = model_cls(config)
@@ -172,7 +177,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     spec = MODELS[args.model]
     seq = args.seq or (64 if args.tiny else spec["seq"])
     batch = args.batch or (2 if args.tiny else spec["batch"])
-    model, config = build(args.model, args.tiny, args.device)
+    model, config = build(args.model, args.tiny, args.device, args.attn)
     result: dict[str, Any] = {"program": args.program, "seq": seq, "batch": batch}
     try:
         model, notes = apply_program(model, args.program, args.model)
@@ -250,7 +255,7 @@ def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str
                "--compile-backend", args.compile_backend]  # fmt: skip
     if args.tiny:
         command.append("--tiny")
-    for flag in ("seq", "batch"):
+    for flag in ("seq", "batch", "attn"):
         if getattr(args, flag):
             command += [f"--{flag}", str(getattr(args, flag))]
     return command
@@ -379,7 +384,7 @@ def run_parent(args: argparse.Namespace) -> int:
         "schema_version": SCHEMA_VERSION, "model": args.model, "tiny": args.tiny, "device": args.device,
         "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "machine": machine(),
         "precision": "float32 parameters, bf16 autocast, AdamW", "peak_flops": PEAK_FLOPS,
-        "compile_backend": args.compile_backend,
+        "compile_backend": args.compile_backend, "attn": args.attn,
     }  # fmt: skip
     path = out_dir / f"peers_{args.model}{'_' + args.tag if args.tag else ''}.json"
     started = time.perf_counter()
@@ -418,6 +423,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="runs per program (default 2; tiny 1)")
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument(
+        "--attn",
+        default=None,
+        help="the attention implementation the model is built with (eager, sdpa; default: transformers' own)",
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny configurations: a smoke test (CPU)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")
     parser.add_argument(

@@ -53,7 +53,7 @@ SCHEMA_VERSION = 1
 PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16
 PROGRAMS = ("eager", "compile", "liger", "opadvisor-safe", "opadvisor-all", "opadvisor-all+compile")
 # asked for by name only: the regional alternative to the kernels (kernels or compiled blocks: measure and pick)
-EXTRA_PROGRAMS = ("opadvisor-blocks",)
+EXTRA_PROGRAMS = ("opadvisor-blocks", "opadvisor-graphs", "opadvisor-graphs+compile")
 COMPILE_BACKEND = "inductor"  # --compile-backend (the CPU smoke test: aot_eager, no C++ compiler needed)
 LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama"}  # Liger-Kernel has none for BERT, GPT-2, DeBERTa
 
@@ -134,7 +134,23 @@ def apply_program(model, program: str, model_name: str) -> tuple[Any, list[str]]
         rules = ["compile_blocks", "fused_cross_entropy"] if program == "opadvisor-blocks" else None
         opadvisor.patch(model, rules=rules, unsafe=program != "opadvisor-safe", quiet=True)
         notes += opadvisor.patch_report(model).lines()
+        if program == "opadvisor-graphs":
+            from opadvisor.kernels import cuda_graphed
+
+            model = cuda_graphed(model)
+            notes.append("cuda_graphed(model)")
     return model, notes
+
+
+def compile_after_first_step(model, program: str):
+    """The programs that compile after one eager step (the patches' first-call checks ran eagerly)."""
+    import torch
+
+    if program == "opadvisor-all+compile":
+        return torch.compile(model, backend=COMPILE_BACKEND)
+    from opadvisor.kernels import cuda_graphed
+
+    return cuda_graphed(torch.compile(model, backend=COMPILE_BACKEND))
 
 
 class SkipProgram(Exception):
@@ -197,18 +213,16 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
     losses = []
-    compile_after_warmup = args.program == "opadvisor-all+compile"
+    compile_after_warmup = args.program in ("opadvisor-all+compile", "opadvisor-graphs+compile")
+    if compile_after_warmup and args.warmup == 0:
+        raise SystemExit(f"{args.program} needs --warmup >= 1 (its first step runs the checks eagerly)")
     for i in range(args.warmup):
         losses.append(step(i))
         if compile_after_warmup and i == 0:
-            model = torch.compile(
-                model, backend=COMPILE_BACKEND
-            )  # after one eager step: the patches' first-call checks ran
-    if compile_after_warmup and args.warmup == 0:
-        raise SystemExit("opadvisor-all+compile needs --warmup >= 1 (its first step runs the checks eagerly)")
+            model = compile_after_first_step(model, args.program)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -295,7 +295,14 @@ def run_program(args: argparse.Namespace, program: str, out_dir: Path, round_: i
         }
     result = json.loads(out.read_text())
     out.unlink()
-    return {**result, "wall_s": wall}
+    return {**result, "wall_s": wall, "warnings": warning_lines(done.stderr)}
+
+
+def warning_lines(stderr: str, keep: int = 12) -> list[str]:
+    """The child's warnings and opadvisor's own lines (a capture that fell back, a patch refused), so that a
+    slow row can be explained from its JSON."""
+    found = [ln.strip() for ln in stderr.splitlines() if "Warning" in ln or "opadvisor" in ln]
+    return list(dict.fromkeys(found))[:keep]
 
 
 def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -315,7 +322,10 @@ def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "losses": ok[0]["losses"],
         "notes": ok[0].get("notes", []),
         "dispatch": ok[0].get("dispatch", {}),
-        "runs": [{k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch")} for r in runs],
+        "warnings": ok[0].get("warnings", []),
+        "runs": [
+            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings")} for r in runs
+        ],
     }
 
 

@@ -16,7 +16,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from opadvisor.profile.model import Annotation, Op, Profile
+from opadvisor.profile.model import Annotation, Kernel, Op, Profile
 from opadvisor.rules.cross_rank import interval_union
 
 _RANGE = re.compile(r"^FSDP::(?P<phase>all_gather|post_backward_reduce)(?: \((?P<unit>.*)\))?$")
@@ -46,13 +46,26 @@ def unit_comm(profile: Profile) -> list[UnitComm]:
         if o.step is not None and not k.name.lower().startswith("nccl")
     )
     found: dict[tuple[str, str], list[Op]] = defaultdict(list)
+    nccl: dict[tuple[str, str], list[Kernel]] = defaultdict(list)
     for op in profile.ops:
-        if op.step is None or not op.name.startswith("c10d::"):
+        if op.step is None:
+            continue
+        calls = op.name.startswith("c10d::")
+        kernels = [k for k in op.kernels if k.name.lower().startswith("nccl")]
+        if not (calls or kernels):
             continue
         hit = _enclosing(ranges.get(op.thread, []), op.start_us)
-        if hit is not None:
+        if hit is None:
+            continue
+        if calls:
             found[hit].append(op)
-    out = [_summary(unit, coll, ops, steps, compute, profile.has_gpu) for (unit, coll), ops in found.items()]
+        # the NCCL kernel belongs to the innermost op that launched it: the c10d op, or an op inside it
+        # (ProcessGroupNCCL's `record_param_comms`, `nccl:_all_gather_base`), in the same unit range
+        nccl[hit].extend(kernels)
+    out = [
+        _summary(unit, coll, ops, steps, compute, nccl[(unit, coll)] if profile.has_gpu else None)
+        for (unit, coll), ops in found.items()
+    ]
     if profile.has_gpu:
         return sorted(out, key=lambda u: -(u.exposed_ms_per_step or 0.0))
     return sorted(out, key=lambda u: -(u.mib_per_call or 0.0) * u.calls_per_step)
@@ -77,13 +90,18 @@ def _enclosing(ranges: list[tuple[Annotation, str, str]], at_us: float) -> tuple
 
 
 def _summary(
-    unit: str, coll: str, ops: list[Op], steps: int, compute: list[tuple[float, float]], gpu: bool
+    unit: str,
+    coll: str,
+    ops: list[Op],
+    steps: int,
+    compute: list[tuple[float, float]],
+    kernels: list[Kernel] | None,
 ) -> UnitComm:
+    """One unit's collective: `ops` its c10d calls, `kernels` its NCCL kernels (None on a CPU profile)."""
     sizes = [_largest(op) for op in ops]
     known = [s for s in sizes if s is not None]
     ms = exposed = None
-    if gpu:
-        kernels = [k for op in ops for k in op.kernels if k.name.lower().startswith("nccl")]
+    if kernels is not None:
         ms = sum(k.duration_us for k in kernels) / 1000.0 / steps
         exposed = (
             sum(_outside(k.start_us, k.start_us + k.duration_us, compute) for k in kernels) / 1000.0 / steps

@@ -60,3 +60,18 @@ def test_no_fsdp_ranges_no_units() -> None:
     prof.steps.append(Step(0, 0.0, 1000.0, 1.0))
     _op(prof, "c10d::allreduce_", 10.0, [], [[4096]])  # DDP's bucket: no FSDP unit
     assert unit_comm(prof) == []
+
+
+def test_nccl_kernels_launched_by_an_op_inside_the_collective_count_for_its_unit() -> None:
+    """On a GPU the NCCL kernel sits on the innermost op that launched it (ProcessGroupNCCL's
+    `record_param_comms` inside `c10d::_allgather_base_`): its time is the unit's all the same; a kernel
+    outside every unit range is no unit's."""
+    prof = Profile(environment=Environment(device="cuda", gpu_name="Test GPU"))
+    prof.steps.append(Step(0, 0.0, 10_000.0, 10.0, gpu_span_ms=10.0))
+    prof.annotations.append(Annotation("FSDP::all_gather", 100.0, 200.0, step=0, thread=1))
+    _op(prof, "c10d::_allgather_base_", 150.0, [], [[1024, 256], [512, 256]])
+    _op(prof, "record_param_comms", 160.0, [("ncclDevKernel_AllGather_RING_LL", 1000.0, 3000.0)])
+    _op(prof, "record_param_comms", 5000.0, [("ncclDevKernel_AllGather_RING_LL", 6000.0, 7000.0)])
+    (unit,) = unit_comm(prof)
+    assert (unit.unit, unit.collective, unit.calls_per_step) == ("", "all_gather", 1.0)
+    assert unit.ms_per_step == 2.0 and unit.exposed_ms_per_step == 2.0

@@ -69,6 +69,7 @@ How it stays honest:
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy as copy_module
 import functools
 import hashlib
@@ -1003,15 +1004,18 @@ def _deberta_attention(
     if module.relative_attention:
         bias = _deberta_relative_bias(module, q, k, relative_pos, rel_embeddings, scale)
     keep = attention_mask.bool()
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=_deberta_masked_bias(bias, keep, q),
-        dropout_p=module.dropout.p if module.training else 0.0,
-        scale=1.0 / scale,
-    )
-    out = _deberta_masked_rows(out, keep, v)
+    # Rows whose keys are all masked (a padded query): the original fills all their scores with the same
+    # finfo.min, so softmax weighs every key alike and the row is the mean of the values, with no gradient to
+    # the scores. SDPA sees such rows unmasked (an all-finfo.min row has a logsumexp near -3.4e38, which some
+    # backends' backward overflows on) and its row is replaced by that mean. (In training the original also
+    # drops out those uniform weights; here the row is their expectation.)
+    dead = ~keep.any(dim=-1, keepdim=True)  # [..., Sq, 1]
+    mask = _deberta_masked_bias(bias, keep | dead, q)
+    with _deberta_backends(mask):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=module.dropout.p if module.training else 0.0, scale=1.0 / scale
+        )
+    out = torch.where(dead, v.mean(dim=-2, keepdim=True), out)
     return out.transpose(1, 2).flatten(2), None  # [B, Sq, heads*d], contiguous as the original's
 
 
@@ -1027,13 +1031,19 @@ def _deberta_masked_bias(bias: torch.Tensor | None, keep: torch.Tensor, q: torch
     return _sdpa_mask(bias, q) + fill
 
 
-def _deberta_masked_rows(out: torch.Tensor, keep: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The rows whose keys are all masked (a padded query): the original fills all their scores with the same
-    finfo.min, so softmax weighs every key alike and the row is the mean of the values, with no gradient to
-    the scores; SDPA's row there is rounding noise around that. (In training the original also drops out
-    those uniform weights; here the row is their expectation.)"""
-    masked = ~keep.any(dim=-1, keepdim=True)  # [..., Sq, 1]
-    return torch.where(masked, v.mean(dim=-2, keepdim=True), out)
+# cuDNN's SDPA backward returns no gradient for a float mask (aten::_scaled_dot_product_cudnn_attention_backward
+# gives dq, dk, dv only) and SDPA prefers cuDNN on an H100/H200 with a recent cuDNN: where the bias needs its
+# gradient, the call lets SDPA choose among the others (the memory-efficient backend computes it).
+_BIAS_GRAD_BACKENDS = ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH")
+
+
+def _deberta_backends(mask: torch.Tensor) -> Any:
+    """A context for the SDPA call: without cuDNN where the mask is on CUDA and needs its gradient."""
+    if not (mask.is_cuda and mask.requires_grad):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in _BIAS_GRAD_BACKENDS])
 
 
 # -- repeated library blocks, compiled (compile_blocks) ----------------------------------------------------------

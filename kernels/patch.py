@@ -78,6 +78,7 @@ import sys
 import textwrap
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,7 @@ __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
 REPORT = "_opadvisor_patch_report"
 _MISSING = object()
+_NOTHING_TO_GAIN = "aligned"  # what a check returns for a module it leaves without reporting it
 
 # Relative tolerance of the first-call check (max |replacement - original| / max |original|, per output
 # and per gradient), by the dtype the module computes in: the rounding of that dtype, with room for a
@@ -258,6 +260,10 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "deberta_v2.scaled_size_sqrt": frozenset({"c49cfc8a827e57a9"}),
     "deberta_v2.build_rpos": frozenset({"52c32cbadb10d6b0"}),
     "DebertaV2ForMaskedLM.forward": frozenset({"6287eefe7a10c131"}),
+    "DebertaV2Encoder.forward": frozenset({"1d68963a0fcae18e"}),
+    "DebertaV2Encoder.get_rel_pos": frozenset({"c883843f1be1f573"}),
+    "deberta_v2.build_relative_position": frozenset({"eaea63754e0df637"}),
+    "deberta_v2.make_log_bucket_position": frozenset({"2e29ec6ff25a1132"}),
 }
 
 
@@ -275,6 +281,7 @@ class _State:
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
     shared: Any = None  # what the instances of one fix share (compile_blocks: the compiled forward)
     undo: Callable[[], None] | None = None  # puts back what the patch changed beside the forward
+    kept: dict[Any, Any] = field(default_factory=dict)  # what a replacement keeps between its calls
 
 
 @dataclass(frozen=True)
@@ -591,7 +598,7 @@ def _check_linear(module: nn.Module) -> str | None:
     if type(module) is not nn.Linear:
         return "a subclass of nn.Linear (wrapped or replaced)"
     if module.in_features % 8 == 0 and module.out_features % 8 == 0:
-        return "aligned"  # nothing to gain: not reported
+        return _NOTHING_TO_GAIN
     return _no_hooks(module)
 
 
@@ -1003,14 +1010,8 @@ def _deberta_attention(
     bias = None
     if module.relative_attention:
         bias = _deberta_relative_bias(module, q, k, relative_pos, rel_embeddings, scale)
-    keep = attention_mask.bool()
-    # Rows whose keys are all masked (a padded query): the original fills all their scores with the same
-    # finfo.min, so softmax weighs every key alike and the row is the mean of the values, with no gradient to
-    # the scores. SDPA sees such rows unmasked (an all-finfo.min row has a logsumexp near -3.4e38, which some
-    # backends' backward overflows on) and its row is replaced by that mean. (In training the original also
-    # drops out those uniform weights; here the row is their expectation.)
-    dead = ~keep.any(dim=-1, keepdim=True)  # [..., Sq, 1]
-    mask = _deberta_masked_bias(bias, keep | dead, q)
+    fill, dead = _deberta_mask_terms(attention_mask, q)
+    mask = fill if bias is None else _sdpa_mask(bias, q) + fill
     with _deberta_backends(mask):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=module.dropout.p if module.training else 0.0, scale=1.0 / scale
@@ -1019,16 +1020,41 @@ def _deberta_attention(
     return out.transpose(1, 2).flatten(2), None  # [B, Sq, heads*d], contiguous as the original's
 
 
-def _deberta_masked_bias(bias: torch.Tensor | None, keep: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """The SDPA float mask: the relative-position scores with finfo.min added where the original fills the
-    scores with it (masked keys then get probability 0, as after its masked_fill). Added, not filled: an
-    add's backward passes the gradient through, a masked_fill's is one more pass over the scores."""
-    fill = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(
-        ~keep, torch.finfo(q.dtype).min
-    )
-    if bias is None:
-        return fill
-    return _sdpa_mask(bias, q) + fill
+def _deberta_mask_terms(attention_mask: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fill, dead) for a padding mask: the encoder hands every layer the same mask tensor, so they are
+    computed once per mask (the last one seen, while it lives and is not changed in place), not per layer."""
+    if torch.compiler.is_compiling() or attention_mask.is_inference():  # no version counter to check
+        return _deberta_build_mask_terms(attention_mask, q)
+    key = (attention_mask._version, q.dtype, q.device)
+    last = _DEBERTA_LAST_MASK[0]
+    if last is not None and last[0]() is attention_mask and last[1] == key:
+        return last[2]
+    terms = _deberta_build_mask_terms(attention_mask, q)
+    _DEBERTA_LAST_MASK[0] = (weakref.ref(attention_mask), key, terms)
+    return terms
+
+
+# (a weak reference to the last mask, its (version, dtype, device), its terms): one entry for the process
+_DEBERTA_LAST_MASK: list[Any] = [None]
+
+
+def _deberta_build_mask_terms(
+    attention_mask: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fill: the SDPA float mask's padding term in q's dtype, finfo.min where the original fills the scores
+    with it (those keys then get probability 0, as after its masked_fill; added to the relative-position
+    scores, not filled into them: an add's backward passes the gradient through, a masked_fill's is one more
+    pass over the scores). dead: the query rows whose keys are all masked (a padded query), [..., Sq, 1].
+
+    The original fills all of a dead row's scores with the same finfo.min, so softmax weighs every key alike and
+    the row is the mean of the values, with no gradient to the scores. SDPA sees those rows unmasked (an
+    all-finfo.min row has a logsumexp near -3.4e38, which some backends' backward overflows on) and the caller
+    replaces them with that mean. (In training the original also drops out those uniform weights; here the row
+    is their expectation.)"""
+    keep = attention_mask.bool()
+    dead = ~keep.any(dim=-1, keepdim=True)
+    fill = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    return fill.masked_fill_(~(keep | dead), torch.finfo(q.dtype).min), dead
 
 
 # cuDNN's SDPA backward returns no gradient for a float mask (aten::_scaled_dot_product_cudnn_attention_backward
@@ -1044,6 +1070,57 @@ def _deberta_backends(mask: torch.Tensor) -> Any:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([getattr(SDPBackend, name) for name in _BIAS_GRAD_BACKENDS])
+
+
+# -- DeBERTa-v2/v3 relative positions, built once per length (hf_deberta_positions) --------------------------------
+# DebertaV2Encoder builds the [1, Sq, Sk] relative-position buckets at every forward: about twenty small ops and,
+# with position_buckets (DeBERTa-v3), a Python number copied to the GPU (make_log_bucket_position's
+# `torch.tensor(mid - 1).type_as(...)`: a host synchronisation, and what stops a CUDA-graph capture of the
+# model). They depend on the lengths, the configuration and the device only: the patch builds them with the
+# encoder's own get_rel_pos once per (lengths, device) and hands them to the encoder's forward as relative_pos.
+_DEBERTA_POSITION_HELPERS = ("build_relative_position", "make_log_bucket_position")
+_POSITIONS_KEPT = 8  # (lengths, device) entries an encoder keeps; past it the oldest goes
+
+
+def _check_deberta_encoder(module: nn.Module) -> str | None:
+    cls = type(module)
+    namespace = sys.modules.get(cls.__module__)
+    problem = None
+    for name in ("forward", "get_rel_pos"):
+        key = f"DebertaV2Encoder.{name}"
+        problem = problem or _fingerprint_problem(cls, key, getattr(cls, name, None), None)
+    for name in _DEBERTA_POSITION_HELPERS:
+        problem = problem or _fingerprint_problem(
+            cls, f"deberta_v2.{name}", getattr(namespace, name, None), None
+        )
+    if problem is None and not module.relative_attention:
+        return _NOTHING_TO_GAIN  # no positions to build
+    return problem or _no_hooks(module)
+
+
+def _deberta_encoder(module: nn.Module, state: _State, *args, **kwargs):
+    arguments = _arguments(module, args, kwargs)
+    hidden_states = arguments.get("hidden_states")
+    # Positions given by the caller, hidden states as a sequence of layers (the z_steps path), or a trace
+    # (torch.compile traces the original's ops; no cache in the graph): the original forward as called.
+    if arguments.get("relative_pos") is not None or not torch.is_tensor(hidden_states):
+        return state.original(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return state.original(*args, **kwargs)
+    positions = _deberta_positions(module, state, hidden_states, arguments.get("query_states"))
+    return state.original(**{**arguments, "relative_pos": positions})
+
+
+def _deberta_positions(module: nn.Module, state: _State, hidden_states: torch.Tensor, query_states) -> Any:
+    """The encoder's relative positions for these lengths and this device, built once by its get_rel_pos."""
+    queries = hidden_states if query_states is None else query_states
+    key = (queries.shape[-2], hidden_states.shape[-2], hidden_states.device)
+    positions = state.kept.get(key)
+    if positions is None:
+        if len(state.kept) >= _POSITIONS_KEPT:
+            state.kept.pop(next(iter(state.kept)))
+        positions = state.kept[key] = module.get_rel_pos(hidden_states, query_states, None)
+    return positions
 
 
 # -- repeated library blocks, compiled (compile_blocks) ----------------------------------------------------------
@@ -1251,6 +1328,7 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("hf_bert_output"), _check_bert_output, _bert_output),
     _Patcher(fix_by_name("hf_gpt2_attention"), _check_gpt2_attention, _gpt2_attention, _first),
     _Patcher(fix_by_name("hf_deberta_attention"), _check_deberta_attention, _deberta_attention, _first),
+    _Patcher(fix_by_name("hf_deberta_positions"), _check_deberta_encoder, _deberta_encoder, _first_tensor),
     _Patcher(fix_by_name("hf_attn_switch"), _check_hf_switch, _hf_switch, _first_tensor, _hf_switch_undo),
     _Patcher(fix_by_name("hf_gelu_tanh"), _check_gelu, _gelu_tanh),
     _Patcher(fix_by_name("transformer_encoder_layer"), _check_encoder_layer, _encoder_layer),
@@ -1388,7 +1466,7 @@ def _patch_one(
             _install(module, path, patcher, check, report)
             report.patched.append((path, qualified, patcher.fix.name))
             return
-        if reason != "aligned":
+        if reason != _NOTHING_TO_GAIN:
             report.left.append((path, qualified, reason))
             return
     if candidates and not usable and asked:

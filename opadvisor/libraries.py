@@ -218,6 +218,16 @@ FIXES: tuple[LibraryFix, ...] = (
         "materialised by hand)",
     ),
     LibraryFix(
+        "hf_deberta_positions",
+        "patch",
+        (deberta_v2_class("DebertaV2Encoder"),),
+        ("sparse_launch", "host_sync"),
+        "safe",
+        "DeBERTa-v2/v3's relative-position buckets built once per sequence length and device, not at every "
+        "forward (about twenty small ops, and with position_buckets a Python number copied to the GPU: a host "
+        "synchronisation that also stops a CUDA-graph capture of the model)",
+    ),
+    LibraryFix(
         "hf_gpt2_attention",
         "patch",
         ("transformers.models.gpt2.modeling_gpt2.GPT2Attention",),

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 deberta = importlib.import_module("transformers.models.deberta_v2.modeling_deberta_v2")
 
 VOCAB = 101
-FIXES = {"hf_deberta_attention", "hf_bert_output", "hf_mlm_loss", "padded_linear"}
+FIXES = {"hf_deberta_attention", "hf_deberta_positions", "hf_bert_output", "hf_mlm_loss", "padded_linear"}
 # DeBERTa-v3's attention (shared keys, log buckets, both terms), v2's (own position projections, no buckets),
 # one term only, and no relative attention at all
 CONFIGS = {
@@ -105,7 +105,9 @@ def test_patched_deberta_trains_as_the_original_and_unpatches_exactly(kind, refe
     state = {k: v.clone() for k, v in model.state_dict().items()}
     before = forwards(model)
     opadvisor.patch(model, unsafe=True, quiet=True)
-    assert fixes(model) == FIXES and not P.patch_report(model).left
+    # without relative attention the encoder builds no positions: nothing to patch there, nothing said
+    assert fixes(model) == FIXES - ({"hf_deberta_positions"} if kind == "absolute" else set())
+    assert not P.patch_report(model).left
     assert_same_training(original, model)
     opadvisor.unpatch(model)
     assert forwards(model) == before and not any(P.STATE in m.__dict__ for m in model.modules())
@@ -121,6 +123,7 @@ def test_the_report_names_every_deberta_block(capsys, reference_path) -> None:
     )
     assert "DebertaV2SelfOutput x2 (hf_bert_output" in err and "DebertaV2Output x2 (hf_bert_output" in err
     assert "DebertaV2ForMaskedLM x1 (hf_mlm_loss: <model>)" in err
+    assert "DebertaV2Encoder x1 (hf_deberta_positions: deberta.encoder)" in err
     assert "unknown architecture" not in err and "left" not in err  # no container, no SDPA switch reported
 
 
@@ -129,7 +132,7 @@ def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
     from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
 
     original = tiny(layers=1)
-    model = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    model = opadvisor.patch(copy.deepcopy(original), rules=["hf_deberta_attention"], quiet=True)
     reset_dispatch_counts()
     losses = []
     for m in (original, model):
@@ -273,3 +276,39 @@ def test_compiled_with_fullgraph_after_one_eager_step(reference_path) -> None:
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     assert_same_training(original, compiled)
     assert counter.frame_count == 1
+
+
+def test_positions_and_mask_terms_are_built_once(monkeypatch, reference_path) -> None:
+    """After the first call (its checks): the encoder's relative positions once per length, the mask's
+    additive form once per forward (not once per layer), rebuilt for a mask changed in place."""
+    original = tiny(layers=3)
+    model = opadvisor.patch(copy.deepcopy(original), quiet=True)
+    run(model)
+    calls = {"positions": 0, "mask": 0}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        deberta, "build_relative_position", counted("positions", deberta.build_relative_position)
+    )
+    monkeypatch.setattr(P, "_deberta_build_mask_terms", counted("mask", P._deberta_build_mask_terms))
+    assert_same_training(original, model)
+    # positions: the original's (the patched encoder's were built at the first call); mask terms: one for three layers
+    assert calls == {"positions": 1, "mask": 1}
+    short = {k: v[:, :9].contiguous() for k, v in batch().items()}
+    assert_same_training(original, model, **short)
+    assert calls == {"positions": 3, "mask": 2}  # a new length: built once more by the patched encoder too
+    config = original.config
+    reference = deberta.DisentangledSelfAttention(config)
+    attention = opadvisor.patch(copy.deepcopy(reference), quiet=True)
+    x, rel = torch.randn(1, 6, 32), torch.randn(16, 32)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    attention(x, mask, rel_embeddings=rel)
+    mask[..., 3:] = False  # the same tensor, changed in place
+    got = attention(x, mask, rel_embeddings=rel)[0]
+    torch.testing.assert_close(got, reference(x, mask, rel_embeddings=rel)[0], rtol=1e-5, atol=1e-5)

@@ -249,14 +249,15 @@ def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, re
 def test_the_installed_transformers_is_the_code_the_deberta_patches_reproduce() -> None:
     """The fingerprints hold for the installed transformers; a @torch.jit.script helper (5.17 scripts
     scaled_size_sqrt and build_rpos) is read through its Python function, so it hashes as the plain one."""
-    for qualified in (
-        deberta_v2_class("DisentangledSelfAttention"),
-        deberta_v2_class("DebertaV2ForMaskedLM"),
-    ):
-        module = importlib.import_module(qualified.rpartition(".")[0])
-        cls = getattr(module, qualified.rpartition(".")[2])
-        check = P._check_deberta_attention if cls.__name__.startswith("Disentangled") else P._check_bert_mlm
-        assert check(cls(tiny(layers=1).config)) is None, qualified
+    checks = {
+        "DisentangledSelfAttention": P._check_deberta_attention,
+        "DebertaV2Encoder": P._check_deberta_encoder,
+        "DebertaV2ForMaskedLM": P._check_bert_mlm,
+        "DebertaV2Output": P._check_bert_output,
+    }
+    for name, check in checks.items():
+        cls = getattr(importlib.import_module(deberta_v2_class(name).rpartition(".")[0]), name)
+        assert check(cls(tiny(layers=1).config)) is None, name
     plain = deberta.scaled_size_sqrt
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated, 5.17 uses it

@@ -30,6 +30,11 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   above; with
   unsafe=True, in training with labels, the LM head and its loss as `opadvisor.kernels.linear_cross_entropy`
   (chunked over tokens: the logits are never whole, never float32; the output's logits are None);
+- DeBERTa-v2/v3 (transformers' DebertaV2*): the disentangled self-attention's relative-position scores as
+  one `opadvisor.kernels.disentangled_bias` and the attention as one `F.scaled_dot_product_attention` with
+  them and the padding mask as its float mask (hf_deberta_attention); the encoder's relative positions built
+  once per sequence length (hf_deberta_positions); the output blocks as BERT's; DebertaV2ForMaskedLM's loss
+  as BertForMaskedLM's;
 - asked for by name only (`rules=["compile_blocks"]`, never by `rules=None`: it costs compile time): the
   model's repeated library blocks (`opadvisor.libraries.repeated_blocks`: the outermost library class with
   two or more instances, such as BertLayer x12) each run one forward compiled by torch.compile, built on
@@ -177,7 +182,8 @@ def _known() -> str:
     return (
         "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
         "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, the Llama "
-        "family's (Llama, Mistral, Qwen2/3) RMSNorm, SwiGLU MLP and causal-LM loss, "
+        "family's (Llama, Mistral, Qwen2/3) RMSNorm, SwiGLU MLP and causal-LM loss, DeBERTa-v2/v3's "
+        "disentangled attention, relative positions, output blocks and masked-LM loss, "
         "nn.MultiheadAttention, nn.TransformerEncoderLayer, and nn.Linear layers with sizes that are not "
         "multiples of 8; asked by name, compile_blocks compiles the model's repeated library blocks"
     )

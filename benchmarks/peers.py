@@ -17,7 +17,18 @@ Programs (`--programs` picks some):
                            torch.compile(model);
 - opadvisor-blocks:        (by name only) opadvisor.patch(model, rules=["compile_blocks", "fused_cross_entropy"],
                            unsafe=True): each decoder layer one torch.compile'd region (inductor fuses what the
-                           kernels fuse), the fused LM head outside them: the kernels' alternative, side by side.
+                           kernels fuse), the fused LM head outside them: the kernels' alternative, side by side;
+- opadvisor-all+graphs:    (by name only) opadvisor.patch(model, unsafe=True), one eager step (the first-call
+                           checks), then `opadvisor.kernels.cuda_graphed(model)` (sparse_launch's unsafe fix):
+                           forward and backward replayed from CUDA graphs, captured at the next step (needs
+                           --warmup >= 2); the optimizer and the loss's .detach().clone() stay outside them.
+
+DeBERTa (`--model deberta`, transformers' DebertaV2ForMaskedLM, which has no SDPA switch): opadvisor.patch
+replaces the disentangled self-attention (hf_deberta_attention: disentangled_bias + one SDPA), builds the
+encoder's relative positions once (hf_deberta_positions: without it every forward copies a Python number to the
+GPU, which also stops a CUDA-graph capture), and patches the output blocks (hf_bert_output), the masked-LM loss
+(hf_mlm_loss) and the 128100-wide decoder (padded_linear); each run's `notes` hold patch_report's lines, and
+`dispatch` says which path each fused op took.
 
 The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
 autocast, AdamW, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
@@ -51,7 +62,7 @@ SCHEMA_VERSION = 1
 PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16
 PROGRAMS = ("eager", "compile", "liger", "opadvisor-safe", "opadvisor-all", "opadvisor-all+compile")
 # asked for by name only: the regional alternative to the kernels (kernels or compiled blocks: measure and pick)
-EXTRA_PROGRAMS = ("opadvisor-blocks",)
+EXTRA_PROGRAMS = ("opadvisor-blocks", "opadvisor-all+graphs")
 COMPILE_BACKEND = "inductor"  # --compile-backend (the CPU smoke test: aot_eager, no C++ compiler needed)
 LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama"}  # Liger-Kernel has none for BERT, GPT-2, DeBERTa
 
@@ -185,6 +196,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     batches = [torch.randint(0, vocab, (batch, seq), generator=generator).to(args.device) for _ in range(4)]
     cuda = args.device.startswith("cuda")
 
+    graphs_after_warmup = args.program == "opadvisor-all+graphs"
+
     def step(i: int) -> torch.Tensor:
         ids = batches[i % len(batches)]  # on the device already: no copy in the timed steps
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
@@ -192,7 +205,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        # a graph's output lives in its memory, overwritten by the next replay: kept as a copy
+        return loss.detach().clone() if graphs_after_warmup else loss.detach()
 
     losses = []
     compile_after_warmup = args.program == "opadvisor-all+compile"
@@ -202,8 +216,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
             model = torch.compile(
                 model, backend=COMPILE_BACKEND
             )  # after one eager step: the patches' first-call checks ran
-    if compile_after_warmup and args.warmup == 0:
-        raise SystemExit("opadvisor-all+compile needs --warmup >= 1 (its first step runs the checks eagerly)")
+        if graphs_after_warmup and i == 0:
+            from opadvisor.kernels import cuda_graphed
+
+            model = cuda_graphed(model)  # after one eager step, as above; captured at the next call
+    if (compile_after_warmup or graphs_after_warmup) and args.warmup == 0:
+        raise SystemExit(f"{args.program} needs --warmup >= 1 (its first step runs the checks eagerly)")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -317,7 +335,7 @@ def targets(programs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Issue 31's targets for Llama: opadvisor's safe fixes >= 1.1x Liger-Kernel's patch and >= torch.compile
     of the original, with peak memory no higher than Liger's (also reported for opadvisor-all)."""
     out: dict[str, Any] = {}
-    for ours in ("opadvisor-safe", "opadvisor-all", "opadvisor-all+compile"):
+    for ours in ("opadvisor-safe", "opadvisor-all", "opadvisor-all+compile", "opadvisor-all+graphs"):
         mine = programs.get(ours, {})
         if mine.get("status") != "ok":
             continue

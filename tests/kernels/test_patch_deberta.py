@@ -313,3 +313,74 @@ def test_positions_and_mask_terms_are_built_once(monkeypatch, reference_path) ->
     mask[..., 3:] = False  # the same tensor, changed in place
     got = attention(x, mask, rel_embeddings=rel)[0]
     torch.testing.assert_close(got, reference(x, mask, rel_embeddings=rel)[0], rtol=1e-5, atol=1e-5)
+
+
+# ---- on the GPU (the lead's: `pytest -m gpu tests/kernels/test_patch_deberta.py`) ------------------------------
+def _v3_small(device: str) -> nn.Module:
+    """DeBERTa-v3's attention at head size 64, 2 layers; dropout off (the losses are compared step by step)."""
+    config = transformers.DebertaV2Config(
+        vocab_size=1000, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512,
+        max_position_embeddings=512, relative_attention=True, position_buckets=256, norm_rel_ebd="layer_norm",
+        share_att_key=True, pos_att_type=["p2c", "c2p"], position_biased_input=False, type_vocab_size=0,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.DebertaV2ForMaskedLM(config).to(device)
+
+
+def _gpu_batch(device: str, seq: int = 512) -> dict[str, torch.Tensor]:
+    """Eight sequences (the score tables [32, seq, 512]: the kernel's size), one padded after 400."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1000, (8, seq), generator=generator).to(device)
+    mask = torch.ones(8, seq, dtype=torch.long, device=device)
+    mask[1, 400:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def _adamw_losses(model: nn.Module, data: dict[str, torch.Tensor], steps: int = 3) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    losses = []
+    for _ in range(steps):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no first-call check may fail, no capture either
+            with torch.autocast(data["input_ids"].device.type, dtype=torch.bfloat16):
+                loss = model(**data).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> None:
+    """Every first-call check passes under bf16 autocast (SDPA gives the relative-position bias its gradient:
+    cuDNN, which gives none, is left out), disentangled_bias runs its Triton kernel, and three AdamW steps give
+    the original's losses (bf16 rounding apart)."""
+    from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
+
+    original = _v3_small("cuda")
+    model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    reset_dispatch_counts()
+    want = _adamw_losses(original, _gpu_batch("cuda"))
+    got = _adamw_losses(model, _gpu_batch("cuda"))
+    assert got == pytest.approx(want, rel=5e-3)
+    assert fixes(model) >= FIXES - {"padded_linear"} and not P.patch_report(model).left
+    assert dispatch_counts()["disentangled_bias"].get("kernel", 0) > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_patched_model_is_captured_by_cuda_graphed() -> None:
+    """With the positions built once (hf_deberta_positions) nothing in the patched model copies from the host:
+    `cuda_graphed` captures forward and backward, and its steps give the eager patched model's losses."""
+    from opadvisor.kernels import cuda_graphed
+
+    eager = opadvisor.patch(_v3_small("cuda"), unsafe=True, quiet=True)
+    graphed = opadvisor.patch(_v3_small("cuda"), unsafe=True, quiet=True)  # the same weights (one seed)
+    _adamw_losses(eager, _gpu_batch("cuda"), steps=1)  # the first-call checks, eagerly
+    _adamw_losses(graphed, _gpu_batch("cuda"), steps=1)
+    graphed = cuda_graphed(graphed)
+    want = _adamw_losses(eager, _gpu_batch("cuda"))
+    got = _adamw_losses(graphed, _gpu_batch("cuda"))  # a failed capture warns: an error here
+    assert graphed.forward.graphs and not graphed.forward.failed
+    assert got == pytest.approx(want, rel=5e-3)

@@ -19,7 +19,23 @@ Programs (`--programs` picks some):
                            torch.compile(model);
 - opadvisor-blocks:        (by name only) opadvisor.patch(model, rules=["compile_blocks", "fused_cross_entropy"],
                            unsafe=True): each decoder layer one torch.compile'd region (inductor fuses what the
-                           kernels fuse), the fused LM head outside them: the kernels' alternative, side by side.
+                           kernels fuse), the fused LM head outside them: the kernels' alternative, side by side;
+- opadvisor-all+graphs:    (by name only) opadvisor.patch(model, unsafe=True), one eager step (the first-call
+                           checks), then `opadvisor.kernels.cuda_graphed(model)` (sparse_launch's unsafe fix):
+                           forward and backward replayed from CUDA graphs, captured at the next step (needs
+                           --warmup >= 2); the optimizer and the loss's .detach().clone() stay outside them;
+- opadvisor-graphs:        (by name only) opadvisor.patch(model, unsafe=True), then `cuda_graphed(model)` at once:
+                           what `opadvisor apply --rule all --unsafe` writes (captured at the first call, the
+                           patches' first-call checks inside it);
+- opadvisor-graphs+compile: (by name only) opadvisor.patch(model, unsafe=True), one eager step, then
+                           `cuda_graphed(torch.compile(model))` (the order opadvisor.kernels.graphs documents).
+
+DeBERTa (`--model deberta`, transformers' DebertaV2ForMaskedLM, which has no SDPA switch): opadvisor.patch
+replaces the disentangled self-attention (hf_deberta_attention: disentangled_bias + one SDPA), builds the
+encoder's relative positions once (hf_deberta_positions: without it every forward copies a Python number to the
+GPU, which also stops a CUDA-graph capture), and patches the output blocks (hf_bert_output), the masked-LM loss
+(hf_mlm_loss) and the 128100-wide decoder (padded_linear); each run's `notes` hold patch_report's lines, and
+`dispatch` says which path each fused op took.
 
 The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
 autocast, AdamW, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
@@ -53,7 +69,9 @@ SCHEMA_VERSION = 1
 PEAK_FLOPS = 989e12  # H100 / H200 SXM dense bf16
 PROGRAMS = ("eager", "compile", "liger", "opadvisor-safe", "opadvisor-all", "opadvisor-all+compile")
 # asked for by name only: the regional alternative to the kernels (kernels or compiled blocks: measure and pick)
-EXTRA_PROGRAMS = ("opadvisor-blocks", "opadvisor-graphs", "opadvisor-graphs+compile")
+EXTRA_PROGRAMS = ("opadvisor-blocks", "opadvisor-graphs", "opadvisor-all+graphs", "opadvisor-graphs+compile")
+# the programs whose first step runs eagerly (the patches' first-call checks), compiled or graphed after it
+AFTER_FIRST_STEP = ("opadvisor-all+compile", "opadvisor-all+graphs", "opadvisor-graphs+compile")
 COMPILE_BACKEND = "inductor"  # --compile-backend (the CPU smoke test: aot_eager, no C++ compiler needed)
 LIGER_PATCHES = {"llama": "apply_liger_kernel_to_llama"}  # Liger-Kernel has none for BERT, GPT-2, DeBERTa
 
@@ -143,12 +161,15 @@ def apply_program(model, program: str, model_name: str) -> tuple[Any, list[str]]
 
 
 def compile_after_first_step(model, program: str):
-    """The programs that compile after one eager step (the patches' first-call checks ran eagerly)."""
+    """The model of an AFTER_FIRST_STEP program, after its first step ran eagerly (the patches' first-call
+    checks): compiled, graphed, or both."""
     import torch
+    from opadvisor.kernels import cuda_graphed
 
     if program == "opadvisor-all+compile":
         return torch.compile(model, backend=COMPILE_BACKEND)
-    from opadvisor.kernels import cuda_graphed
+    if program == "opadvisor-all+graphs":
+        return cuda_graphed(model)  # captured at the next call
 
     return cuda_graphed(torch.compile(model, backend=COMPILE_BACKEND))
 
@@ -216,7 +237,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         return loss.detach().clone()  # a CUDA graph's output is overwritten by its next replay
 
     losses = []
-    compile_after_warmup = args.program in ("opadvisor-all+compile", "opadvisor-graphs+compile")
+    compile_after_warmup = args.program in AFTER_FIRST_STEP
     if compile_after_warmup and args.warmup == 0:
         raise SystemExit(f"{args.program} needs --warmup >= 1 (its first step runs the checks eagerly)")
     for i in range(args.warmup):
@@ -346,7 +367,7 @@ def targets(programs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Issue 31's targets for Llama: opadvisor's safe fixes >= 1.1x Liger-Kernel's patch and >= torch.compile
     of the original, with peak memory no higher than Liger's (also reported for opadvisor-all)."""
     out: dict[str, Any] = {}
-    for ours in ("opadvisor-safe", "opadvisor-all", "opadvisor-all+compile"):
+    for ours in ("opadvisor-safe", "opadvisor-all", "opadvisor-all+compile", "opadvisor-all+graphs"):
         mine = programs.get(ours, {})
         if mine.get("status") != "ok":
             continue

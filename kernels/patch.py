@@ -30,6 +30,11 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   above; with
   unsafe=True, in training with labels, the LM head and its loss as `opadvisor.kernels.linear_cross_entropy`
   (chunked over tokens: the logits are never whole, never float32; the output's logits are None);
+- DeBERTa-v2/v3 (transformers' DebertaV2*): the disentangled self-attention's relative-position scores as
+  one `opadvisor.kernels.disentangled_bias` and the attention as one `F.scaled_dot_product_attention` with
+  them and the padding mask as its float mask (hf_deberta_attention); the encoder's relative positions built
+  once per sequence length (hf_deberta_positions); the output blocks as BERT's; DebertaV2ForMaskedLM's loss
+  as BertForMaskedLM's;
 - asked for by name only (`rules=["compile_blocks"]`, never by `rules=None`: it costs compile time): the
   model's repeated library blocks (`opadvisor.libraries.repeated_blocks`: the outermost library class with
   two or more instances, such as BertLayer x12) each run one forward compiled by torch.compile, built on
@@ -69,6 +74,7 @@ How it stays honest:
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy as copy_module
 import functools
 import hashlib
@@ -77,6 +83,7 @@ import sys
 import textwrap
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +98,7 @@ from opadvisor.libraries import (
     TORCH_BLOCKS,
     LibraryFix,
     block_of,
+    deberta_v2_class,
     fix_by_name,
     llama_family_classes,
     repeated_blocks,
@@ -106,6 +114,7 @@ __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
 REPORT = "_opadvisor_patch_report"
 _MISSING = object()
+_NOTHING_TO_GAIN = "aligned"  # what a check returns for a module it leaves without reporting it
 
 # Relative tolerance of the first-call check (max |replacement - original| / max |original|, per output
 # and per gradient), by the dtype the module computes in: the rounding of that dtype, with room for a
@@ -173,7 +182,8 @@ def _known() -> str:
     return (
         "it patches transformers' BERT-family attention and output blocks (BERT, RoBERTa, XLM-R, ELECTRA, "
         "...), GPT-2's attention and tanh GELU, BertForMaskedLM's and GPT2LMHeadModel's loss, the Llama "
-        "family's (Llama, Mistral, Qwen2/3) RMSNorm, SwiGLU MLP and causal-LM loss, "
+        "family's (Llama, Mistral, Qwen2/3) RMSNorm, SwiGLU MLP and causal-LM loss, DeBERTa-v2/v3's "
+        "disentangled attention, relative positions, output blocks and masked-LM loss, "
         "nn.MultiheadAttention, nn.TransformerEncoderLayer, and nn.Linear layers with sizes that are not "
         "multiples of 8; asked by name, compile_blocks compiles the model's repeated library blocks"
     )
@@ -211,6 +221,8 @@ def source_fingerprint(function: Callable[..., Any], prefix: str | None = None) 
     """sha256 (16 hex digits) of a function's code as `ast` reads it, without annotations, docstrings,
     comments and decorators, with class names starting with `prefix` renamed to Bert...; None when its
     source cannot be read."""
+    # a @torch.jit.script function (transformers 5.17's DeBERTa helpers) keeps its Python function here
+    function = getattr(function, "_torchdynamo_inline", function)
     try:
         source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
@@ -246,6 +258,18 @@ _FINGERPRINTS: dict[str, frozenset[str]] = {
     "LlamaAttention.forward": frozenset({"935ef6caf5ea6f75", "b9c6a0ecf29f0cc8"}),
     "apply_rotary_pos_emb": frozenset({"4a8f8b85ee37bd3f"}),  # modeling_llama's (unsqueeze_dim=1)
     "rotate_half": frozenset({"7b6c9b425ca04287"}),
+    # DeBERTa-v2/v3 (modeling_deberta_v2; 5.17 and 5.24 differ in docstrings and 5.17's @torch.jit.script on the
+    # helpers, which the normalisation drops: the same hashes)
+    "DisentangledSelfAttention.forward": frozenset({"4edf7fe927f84b6f"}),
+    "DisentangledSelfAttention.disentangled_attention_bias": frozenset({"abd13563f00f5297"}),
+    "DisentangledSelfAttention.transpose_for_scores": frozenset({"9e2e88a086a82748"}),
+    "deberta_v2.scaled_size_sqrt": frozenset({"c49cfc8a827e57a9"}),
+    "deberta_v2.build_rpos": frozenset({"52c32cbadb10d6b0"}),
+    "DebertaV2ForMaskedLM.forward": frozenset({"6287eefe7a10c131"}),
+    "DebertaV2Encoder.forward": frozenset({"1d68963a0fcae18e"}),
+    "DebertaV2Encoder.get_rel_pos": frozenset({"c883843f1be1f573"}),
+    "deberta_v2.build_relative_position": frozenset({"eaea63754e0df637"}),
+    "deberta_v2.make_log_bucket_position": frozenset({"2e29ec6ff25a1132"}),
 }
 
 
@@ -263,6 +287,7 @@ class _State:
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
     shared: Any = None  # what the instances of one fix share (compile_blocks: the compiled forward)
     undo: Callable[[], None] | None = None  # puts back what the patch changed beside the forward
+    kept: dict[Any, Any] = field(default_factory=dict)  # what a replacement keeps between its calls
 
 
 @dataclass(frozen=True)
@@ -579,7 +604,7 @@ def _check_linear(module: nn.Module) -> str | None:
     if type(module) is not nn.Linear:
         return "a subclass of nn.Linear (wrapped or replaced)"
     if module.in_features % 8 == 0 and module.out_features % 8 == 0:
-        return "aligned"  # nothing to gain: not reported
+        return _NOTHING_TO_GAIN
     return _no_hooks(module)
 
 
@@ -597,7 +622,9 @@ def _padded_linear(module: nn.Module, state: _State, input):
 # the 16-bit logits in place (a column slice of a padded LM head included) instead of eager's float32 copies.
 def _check_bert_mlm(module: nn.Module) -> str | None:
     cls = type(module)
-    return _fingerprint_problem(cls, "BertForMaskedLM.forward", cls.forward, None) or _no_hooks(module)
+    deberta = _qualified(cls) == deberta_v2_class("DebertaV2ForMaskedLM")  # BERT's loss on DeBERTa's logits
+    key = "DebertaV2ForMaskedLM.forward" if deberta else "BertForMaskedLM.forward"
+    return _fingerprint_problem(cls, key, cls.forward, None) or _no_hooks(module)
 
 
 _LLAMA_CAUSAL_LM = frozenset(llama_family_classes("ForCausalLM"))
@@ -843,6 +870,265 @@ def _fused_causal_lm_loss(
     return loss
 
 
+# -- DeBERTa-v2/v3 disentangled self-attention (hf_deberta_attention) ---------------------------------------------
+# The original forms the [batch*heads, Sq, Sk] scores by hand: the content scores, two gathers of the
+# relative-position tables each divided by the scale and added, the padding mask filled in, softmax, dropout,
+# then the product with the values: a dozen passes over the scores each way, each a kernel launch. The
+# replacement computes the relative-position term in one kernel (opadvisor.kernels.disentangled_bias) and
+# hands it, with the mask added as finfo.min, to one scaled_dot_product_attention (whose memory-efficient
+# backend gives the bias its gradient).
+_DEBERTA_METHODS = ("forward", "disentangled_attention_bias", "transpose_for_scores")
+_DEBERTA_HELPERS = ("scaled_size_sqrt", "build_rpos")  # module-level functions the forward calls
+
+
+def _check_deberta_attention(module: nn.Module) -> str | None:
+    cls = type(module)
+    namespace = sys.modules.get(cls.__module__)
+    problem = None
+    for name in _DEBERTA_METHODS:
+        key = f"DisentangledSelfAttention.{name}"
+        problem = problem or _fingerprint_problem(cls, key, getattr(cls, name, None), None)
+    for name in _DEBERTA_HELPERS:
+        key = f"deberta_v2.{name}"
+        problem = problem or _fingerprint_problem(cls, key, getattr(namespace, name, None), None)
+    if problem is None and module.relative_attention and not isinstance(module.pos_ebd_size, int):
+        problem = f"its pos_ebd_size is {module.pos_ebd_size!r}, not an int"
+    return problem or _types(module, _deberta_parts(module)) or _no_hooks(module)
+
+
+def _deberta_parts(module: nn.Module) -> dict[str, type]:
+    """The submodules the forward calls, by what they must be (an nn.Dropout the first-call check turns off)."""
+    parts = {"query_proj": nn.Linear, "key_proj": nn.Linear, "value_proj": nn.Linear, "dropout": nn.Dropout}
+    if module.relative_attention:
+        parts["pos_dropout"] = nn.Dropout
+        if not module.share_att_key and "c2p" in module.pos_att_type:
+            parts["pos_key_proj"] = nn.Linear
+        if not module.share_att_key and "p2c" in module.pos_att_type:
+            parts["pos_query_proj"] = nn.Linear
+    return parts
+
+
+def _deberta_call_problem(
+    module: nn.Module, hidden_states, attention_mask, query_states, relative_pos, rel_embeddings
+) -> str | None:
+    """Why this call runs the original forward, or None: the calls the original refuses or computes
+    otherwise than the replacement reproduces."""
+    if attention_mask is None:
+        return "no attention mask (the original requires one)"
+    queries = hidden_states if query_states is None else query_states
+    sq, sk = queries.shape[-2], hidden_states.shape[-2]
+    if "p2c" in module.pos_att_type and module.relative_attention and sq != sk:
+        return "queries and keys of different lengths with p2c (the original builds other positions then)"
+    if relative_pos is not None and (
+        relative_pos.dim() not in (2, 3, 4)
+        or tuple(relative_pos.shape[-2:]) != (sq, sk)
+        or any(d != 1 for d in relative_pos.shape[:-2])
+    ):
+        return f"relative_pos of shape {tuple(relative_pos.shape)} (the kernel takes one [Sq, Sk] map)"
+    uses_table = "c2p" in module.pos_att_type or "p2c" in module.pos_att_type
+    if module.relative_attention and uses_table:
+        if rel_embeddings is None or rel_embeddings.shape[0] < 2 * module.pos_ebd_size:
+            return "rel_embeddings missing or shorter than 2 x pos_ebd_size"
+    return None
+
+
+def _deberta_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, S, heads*d] -> [B, heads, S, d] (a view)."""
+    return x.view(*x.shape[:-1], heads, -1).transpose(1, 2)
+
+
+def _deberta_scale_of(size: int, dtype: torch.dtype) -> float:
+    """sqrt(size) as the original divides by it: computed in float32, then rounded to the scores' dtype
+    (bf16 under autocast: sqrt(64 x 3) = 13.856 becomes 13.875)."""
+    return _deberta_scale_cached(size, dtype)
+
+
+@functools.cache
+def _deberta_scale_cached(size: int, dtype: torch.dtype) -> float:
+    return torch.tensor(float(size), dtype=torch.float32).sqrt().to(dtype).item()
+
+
+# a constant of the trace under torch.compile (as _named_parameters above)
+_deberta_scale_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _deberta_relative_bias(
+    module: nn.Module, q: torch.Tensor, k: torch.Tensor, relative_pos, rel_embeddings, scale: float
+) -> torch.Tensor | None:
+    """The c2p + p2c relative-position scores [B, H, Sq, Sk] (None when pos_att_type has neither): the
+    position tables' products with q and k, gathered, scaled and summed by opadvisor.kernels.disentangled_bias."""
+    from . import disentangled_bias  # looked up at call time, as bias_dropout_add
+
+    c2p, p2c = "c2p" in module.pos_att_type, "p2c" in module.pos_att_type
+    if not (c2p or p2c):
+        return None
+    batch, heads, sq, _ = q.shape
+    sk = k.shape[-2]
+    if relative_pos is None:
+        relative_pos = sys.modules[type(module).__module__].build_relative_position(
+            q, k, bucket_size=module.position_buckets, max_position=module.max_relative_positions
+        )
+    positions = relative_pos.to(device=q.device, dtype=torch.long).reshape(sq, sk)
+    span = module.pos_ebd_size
+    rel = module.pos_dropout(rel_embeddings)[: 2 * span]
+    c2p_table = c2p_index = p2c_table = p2c_index = None
+    if c2p:
+        pos_key = _deberta_heads(
+            (module.key_proj if module.share_att_key else module.pos_key_proj)(rel[None]), heads
+        )
+        c2p_table = torch.matmul(q, pos_key.transpose(-1, -2)).reshape(batch * heads, sq, 2 * span)
+        c2p_index = torch.clamp(positions + span, 0, 2 * span - 1)
+    if p2c:
+        pos_query = _deberta_heads(
+            (module.query_proj if module.share_att_key else module.pos_query_proj)(rel[None]), heads
+        )
+        p2c_table = torch.matmul(k, pos_query.transpose(-1, -2)).reshape(batch * heads, sk, 2 * span)
+        p2c_index = torch.clamp(span - positions, 0, 2 * span - 1)
+    bias = disentangled_bias(c2p_table, p2c_table, c2p_index, p2c_index, scale)
+    return bias.view(batch, heads, sq, sk)
+
+
+def _deberta_attention(
+    module: nn.Module,
+    state: _State,
+    hidden_states,
+    attention_mask,
+    output_attentions=False,
+    query_states=None,
+    relative_pos=None,
+    rel_embeddings=None,
+):
+    # Asked for the probabilities (output_attentions), which SDPA never forms, or a call the original refuses
+    # or computes otherwise (_deberta_call_problem): this call runs the original forward.
+    problem = _deberta_call_problem(
+        module, hidden_states, attention_mask, query_states, relative_pos, rel_embeddings
+    )
+    if output_attentions or problem is not None:
+        return state.original(
+            hidden_states, attention_mask, output_attentions, query_states, relative_pos, rel_embeddings
+        )
+    heads = module.num_attention_heads
+    q = _deberta_heads(module.query_proj(hidden_states if query_states is None else query_states), heads)
+    k = _deberta_heads(module.key_proj(hidden_states), heads)
+    v = _deberta_heads(module.value_proj(hidden_states), heads)
+    factor = 1 + ("c2p" in module.pos_att_type) + ("p2c" in module.pos_att_type)
+    scale = _deberta_scale_of(q.shape[-1] * factor, q.dtype)
+    bias = None
+    if module.relative_attention:
+        bias = _deberta_relative_bias(module, q, k, relative_pos, rel_embeddings, scale)
+    fill, dead = _deberta_mask_terms(attention_mask, q)
+    mask = fill if bias is None else _sdpa_mask(bias, q) + fill
+    with _deberta_backends(mask):
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=module.dropout.p if module.training else 0.0, scale=1.0 / scale
+        )
+    out = torch.where(dead, v.mean(dim=-2, keepdim=True), out)
+    return out.transpose(1, 2).flatten(2), None  # [B, Sq, heads*d], contiguous as the original's
+
+
+def _deberta_mask_terms(attention_mask: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fill, dead) for a padding mask: the encoder hands every layer the same mask tensor, so they are
+    computed once per mask (the last one seen, while it lives and is not changed in place), not per layer."""
+    if torch.compiler.is_compiling() or attention_mask.is_inference():  # no version counter to check
+        return _deberta_build_mask_terms(attention_mask, q)
+    key = (attention_mask._version, q.dtype, q.device)
+    last = _DEBERTA_LAST_MASK[0]
+    if last is not None and last[0]() is attention_mask and last[1] == key:
+        return last[2]
+    terms = _deberta_build_mask_terms(attention_mask, q)
+    _DEBERTA_LAST_MASK[0] = (weakref.ref(attention_mask), key, terms)
+    return terms
+
+
+# (a weak reference to the last mask, its (version, dtype, device), its terms): one entry for the process
+_DEBERTA_LAST_MASK: list[Any] = [None]
+
+
+def _deberta_build_mask_terms(
+    attention_mask: torch.Tensor, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fill: the SDPA float mask's padding term in q's dtype, finfo.min where the original fills the scores
+    with it (those keys then get probability 0, as after its masked_fill; added to the relative-position
+    scores, not filled into them: an add's backward passes the gradient through, a masked_fill's is one more
+    pass over the scores). dead: the query rows whose keys are all masked (a padded query), [..., Sq, 1].
+
+    The original fills all of a dead row's scores with the same finfo.min, so softmax weighs every key alike and
+    the row is the mean of the values, with no gradient to the scores. SDPA sees those rows unmasked (an
+    all-finfo.min row has a logsumexp near -3.4e38, which some backends' backward overflows on) and the caller
+    replaces them with that mean. (In training the original also drops out those uniform weights; here the row
+    is their expectation.)"""
+    keep = attention_mask.bool()
+    dead = ~keep.any(dim=-1, keepdim=True)
+    fill = torch.zeros(keep.shape, dtype=q.dtype, device=q.device)
+    return fill.masked_fill_(~(keep | dead), torch.finfo(q.dtype).min), dead
+
+
+# cuDNN's SDPA backward returns no gradient for a float mask (aten::_scaled_dot_product_cudnn_attention_backward
+# gives dq, dk, dv only) and SDPA prefers cuDNN on an H100/H200 with a recent cuDNN: where the bias needs its
+# gradient, the call lets SDPA choose among the others (the memory-efficient backend computes it).
+_BIAS_GRAD_BACKENDS = ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "MATH")
+
+
+def _deberta_backends(mask: torch.Tensor) -> Any:
+    """A context for the SDPA call: without cuDNN where the mask is on CUDA and needs its gradient."""
+    if not (mask.is_cuda and mask.requires_grad):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in _BIAS_GRAD_BACKENDS])
+
+
+# -- DeBERTa-v2/v3 relative positions, built once per length (hf_deberta_positions) --------------------------------
+# DebertaV2Encoder builds the [1, Sq, Sk] relative-position buckets at every forward: about twenty small ops and,
+# with position_buckets (DeBERTa-v3), a Python number copied to the GPU (make_log_bucket_position's
+# `torch.tensor(mid - 1).type_as(...)`: a host synchronisation, and what stops a CUDA-graph capture of the
+# model). They depend on the lengths, the configuration and the device only: the patch builds them with the
+# encoder's own get_rel_pos once per (lengths, device) and hands them to the encoder's forward as relative_pos.
+_DEBERTA_POSITION_HELPERS = ("build_relative_position", "make_log_bucket_position")
+_POSITIONS_KEPT = 8  # (lengths, device) entries an encoder keeps; past it the oldest goes
+
+
+def _check_deberta_encoder(module: nn.Module) -> str | None:
+    cls = type(module)
+    namespace = sys.modules.get(cls.__module__)
+    problem = None
+    for name in ("forward", "get_rel_pos"):
+        key = f"DebertaV2Encoder.{name}"
+        problem = problem or _fingerprint_problem(cls, key, getattr(cls, name, None), None)
+    for name in _DEBERTA_POSITION_HELPERS:
+        problem = problem or _fingerprint_problem(
+            cls, f"deberta_v2.{name}", getattr(namespace, name, None), None
+        )
+    if problem is None and not module.relative_attention:
+        return _NOTHING_TO_GAIN  # no positions to build
+    return problem or _no_hooks(module)
+
+
+def _deberta_encoder(module: nn.Module, state: _State, *args, **kwargs):
+    arguments = _arguments(module, args, kwargs)
+    hidden_states = arguments.get("hidden_states")
+    # Positions given by the caller, hidden states as a sequence of layers (the z_steps path), or a trace
+    # (torch.compile traces the original's ops; no cache in the graph): the original forward as called.
+    if arguments.get("relative_pos") is not None or not torch.is_tensor(hidden_states):
+        return state.original(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return state.original(*args, **kwargs)
+    positions = _deberta_positions(module, state, hidden_states, arguments.get("query_states"))
+    return state.original(**{**arguments, "relative_pos": positions})
+
+
+def _deberta_positions(module: nn.Module, state: _State, hidden_states: torch.Tensor, query_states) -> Any:
+    """The encoder's relative positions for these lengths and this device, built once by its get_rel_pos."""
+    queries = hidden_states if query_states is None else query_states
+    key = (queries.shape[-2], hidden_states.shape[-2], hidden_states.device)
+    positions = state.kept.get(key)
+    if positions is None:
+        if len(state.kept) >= _POSITIONS_KEPT:
+            state.kept.pop(next(iter(state.kept)))
+        positions = state.kept[key] = module.get_rel_pos(hidden_states, query_states, None)
+    return positions
+
+
 # -- repeated library blocks, compiled (compile_blocks) ----------------------------------------------------------
 # torch.compile's options for the blocks' forward (the tests pass a backend that counts the graphs it gets)
 BLOCK_COMPILE_OPTIONS: dict[str, Any] = {}
@@ -986,10 +1272,15 @@ def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
     return frozenset(roots)
 
 
+# The attention classes opadvisor patches itself (DeBERTa's is not in HF_ATTENTION_CLASSES: transformers' SDPA
+# switch, which that list also offers, does not exist for it)
+_OWN_ATTENTION_CLASSES = frozenset({*HF_ATTENTION_CLASSES, deberta_v2_class("DisentangledSelfAttention")})
+
+
 def _own_attention_patch(module: nn.Module) -> str | None:
     """The name of the first attention class under `module` that opadvisor has its own patch for, or None."""
     return next(
-        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in HF_ATTENTION_CLASSES), None
+        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in _OWN_ATTENTION_CLASSES), None
     )
 
 
@@ -1008,7 +1299,10 @@ def _check_hf_switch(module: nn.Module) -> str | None:
         return "its attention does not go through transformers' attention interface (no switch at run time)"
     own = _own_attention_patch(module)
     if own is not None:
-        return f"its {own} has opadvisor's own attention patch (hf_bert_self_attention / hf_gpt2_attention)"
+        return (
+            f"its {own} has opadvisor's own attention patch (hf_bert_self_attention / hf_gpt2_attention / "
+            "hf_deberta_attention)"
+        )
     return _no_hooks(module)
 
 
@@ -1039,6 +1333,8 @@ _PATCHERS: tuple[_Patcher, ...] = (
     _Patcher(fix_by_name("hf_bert_self_attention"), _check_bert_attention, _bert_attention, _first),
     _Patcher(fix_by_name("hf_bert_output"), _check_bert_output, _bert_output),
     _Patcher(fix_by_name("hf_gpt2_attention"), _check_gpt2_attention, _gpt2_attention, _first),
+    _Patcher(fix_by_name("hf_deberta_attention"), _check_deberta_attention, _deberta_attention, _first),
+    _Patcher(fix_by_name("hf_deberta_positions"), _check_deberta_encoder, _deberta_encoder, _first_tensor),
     _Patcher(fix_by_name("hf_attn_switch"), _check_hf_switch, _hf_switch, _first_tensor, _hf_switch_undo),
     _Patcher(fix_by_name("hf_gelu_tanh"), _check_gelu, _gelu_tanh),
     _Patcher(fix_by_name("transformer_encoder_layer"), _check_encoder_layer, _encoder_layer),
@@ -1176,7 +1472,7 @@ def _patch_one(
             _install(module, path, patcher, check, report)
             report.patched.append((path, qualified, patcher.fix.name))
             return
-        if reason != "aligned":
+        if reason != _NOTHING_TO_GAIN:
             report.left.append((path, qualified, reason))
             return
     if candidates and not usable and asked:

@@ -36,6 +36,7 @@ __all__ = [
     "LOADERS",
     "LibraryFix",
     "bert_family_classes",
+    "deberta_v2_class",
     "llama_family_classes",
     "block_of",
     "fix_by_name",
@@ -96,6 +97,17 @@ def llama_family_classes(
         for package, module, prefix, blocks in _LLAMA_FAMILY
         if block in blocks
     )
+
+
+# DeBERTa-v2/v3 (transformers.models.deberta_v2): its disentangled self-attention has its own patch; its
+# output blocks (DebertaV2SelfOutput, DebertaV2Output) are BERT's, statement for statement, and its masked-LM
+# forward computes BERT's loss (checked by the patch at run time and by tests/kernels/test_patch_deberta.py).
+_DEBERTA_V2 = "transformers.models.deberta_v2.modeling_deberta_v2"
+
+
+def deberta_v2_class(name: str) -> str:
+    """The qualified name of one DeBERTa-v2 class ("DisentangledSelfAttention", "DebertaV2Output", ...)."""
+    return f"{_DEBERTA_V2}.{name}"
 
 
 HF_ATTENTION_CLASSES = (
@@ -184,10 +196,36 @@ FIXES: tuple[LibraryFix, ...] = (
     LibraryFix(
         "hf_bert_output",
         "patch",
-        (*bert_family_classes("SelfOutput"), *bert_family_classes("Output")),
+        (
+            *bert_family_classes("SelfOutput"),
+            *bert_family_classes("Output"),
+            deberta_v2_class("DebertaV2SelfOutput"),
+            deberta_v2_class("DebertaV2Output"),
+        ),
         ("fused_dropout_add",),
         "safe",
         "dense bias + dropout + residual add as one opadvisor.kernels.bias_dropout_add, then F.layer_norm",
+    ),
+    LibraryFix(
+        "hf_deberta_attention",
+        "patch",
+        (deberta_v2_class("DisentangledSelfAttention"),),
+        ATTENTION_RULES,
+        "safe",
+        "DeBERTa-v2/v3's disentangled attention: the relative-position scores (c2p and p2c gathers, scale, sum) "
+        "as one opadvisor.kernels.disentangled_bias, then one scaled_dot_product_attention with them and the "
+        "padding mask as its float mask (the [batch*heads, seq, seq] scores, mask, softmax and dropout never "
+        "materialised by hand)",
+    ),
+    LibraryFix(
+        "hf_deberta_positions",
+        "patch",
+        (deberta_v2_class("DebertaV2Encoder"),),
+        ("sparse_launch", "host_sync"),
+        "safe",
+        "DeBERTa-v2/v3's relative-position buckets built once per sequence length and device, not at every "
+        "forward (about twenty small ops, and with position_buckets a Python number copied to the GPU: a host "
+        "synchronisation that also stops a CUDA-graph capture of the model)",
     ),
     LibraryFix(
         "hf_gpt2_attention",
@@ -246,7 +284,7 @@ FIXES: tuple[LibraryFix, ...] = (
     LibraryFix(
         "hf_mlm_loss",
         "patch",
-        ("transformers.models.bert.modeling_bert.BertForMaskedLM",),
+        ("transformers.models.bert.modeling_bert.BertForMaskedLM", deberta_v2_class("DebertaV2ForMaskedLM")),
         ("fused_cross_entropy",),
         "safe",
         "the masked-LM loss over the vocabulary as opadvisor.kernels.cross_entropy (the model's forward "

@@ -286,7 +286,9 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 ],
                 "hf_gpt2_attention": [("GPT2Attention.forward", cls.forward, None)],
                 "hf_gelu_tanh": [("NewGELUActivation.forward", cls.forward, None)],
-                "hf_mlm_loss": [("BertForMaskedLM.forward", cls.forward, None)],
+                "hf_mlm_loss": [
+                    (f"{name}.forward", cls.forward, None)
+                ],  # BertForMaskedLM, DebertaV2ForMaskedLM
                 "hf_causal_lm_loss": [
                     ("GPT2LMHeadModel.forward", cls.forward, None)
                     if name == "GPT2LMHeadModel"
@@ -302,6 +304,9 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 "hf_swiglu_mlp": [("LlamaMLP.forward", cls.forward, name[: -len("MLP")])],
                 "hf_llama_rope": [("LlamaAttention.forward", cls.forward, name[: -len("Attention")])],
                 "hf_attn_implementation": [],
+                # the DeBERTa family's (several functions each): tests/kernels/test_patch_deberta.py
+                "hf_deberta_attention": [],
+                "hf_deberta_positions": [],
             }[fix.name]
             for key, function, prefix in checks:
                 assert P._fingerprint_problem(cls, key, function, prefix) is None, qualified

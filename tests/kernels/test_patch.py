@@ -410,3 +410,43 @@ def test_a_bias_gradient_is_judged_at_its_weights_scale() -> None:
     )
     wrong = ref + 0.5  # 0.25 of its weight's scale
     assert P._compare("gradient of key.bias", ref, wrong, 0.04, floor=P._bias_floor("key.bias", scale_of))
+
+
+def test_16_bit_differences_are_judged_against_a_float32_run(monkeypatch) -> None:
+    """Two bf16 programs rounded from the same exact values may differ by more than the tolerance (deep
+    layers of a bf16 attention on a GPU: the hand-written softmax rounds its scores, SDPA does not). With a
+    tolerance too tight for bf16 rounding, the exact replacement still passes (it is no further from a
+    float32 run of the original than the original is); a wrong one still falls back, saying both distances."""
+    monkeypatch.setattr(P, "_TOLERANCE", {d: 1e-6 for d in P._TOLERANCE})
+    x = (torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3).bfloat16().requires_grad_()
+    model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
+    act = model.transformer.h[0].mlp.act
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        act(x)
+    assert P.STATE in act.__dict__ and act.__dict__[P.STATE].status == "ok"
+
+    wrong = [
+        P._Patcher(p.fix, p.check, lambda m, s, x: torch.nn.functional.gelu(x) * 1.01, p.main_output)
+        if p.fix.name == "hf_gelu_tanh"
+        else p
+        for p in P._PATCHERS
+    ]
+    monkeypatch.setattr(P, "_PATCHERS", tuple(wrong))
+    model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
+    act = model.transformer.h[0].mlp.act
+    with pytest.warns(RuntimeWarning, match=r"against a float32 run of the original, its output is 0\.0"):
+        act(x)
+    assert "forward" not in act.__dict__
+
+
+def test_the_float32_judgement_weighs_each_tensor_by_the_originals_own_error() -> None:
+    exact = torch.linspace(-1, 1, 101)
+    original = exact + 0.05 * torch.cos(torch.arange(101.0))  # 5% off: a 16-bit program's rounding, say
+    close = exact + 0.08 * torch.sin(torch.arange(101.0))  # 8%: within twice the original's distance
+    far = exact * 1.2  # 20%
+    grads = {"weight": exact * 10}
+    ref, good, bad = (original, {"weight": original * 10}), (close, grads), (far, grads)
+    assert P._judged_against_float32(ref, good, (exact, grads), 0.04, "differs") is None
+    said = P._judged_against_float32(ref, bad, (exact, grads), 0.04, "differs")
+    assert said is not None and said.startswith("differs; against a float32 run") and "output is 0.2" in said

@@ -263,6 +263,18 @@ def register(app: typer.Typer) -> None:
         timeout: Annotated[
             float | None, typer.Option(help="Seconds each child process may run (default: no limit).")
         ] = None,
+        compile: Annotated[
+            bool,
+            typer.Option(
+                "--compile",
+                help="Time both programs compiled: torch.compile of the first module with trainable "
+                "parameters each one calls (its model), in place, from its second call on; the parity "
+                "phase stays eager. Give --warmup room for the compilation.",
+            ),
+        ] = False,
+        compile_backend: Annotated[
+            str, typer.Option(help="torch.compile's backend with --compile (aot_eager: no C++ compiler).")
+        ] = "inductor",
         format: Annotated[Format, typer.Option("--format", help="table, or json for CI.")] = Format.table,
     ) -> None:
         """Run the original and the rewritten script with the same seeds: same losses? how much faster?
@@ -292,6 +304,7 @@ def register(app: typer.Typer) -> None:
             per_rule=per_rule,
             fail_slower=fail_slower,
             timeout=timeout,
+            compile_backend=compile_backend if compile else None,
         )
         if format is Format.json:
             report = run_verify(run_dir, profiles[0], opts)

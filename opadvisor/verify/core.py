@@ -79,6 +79,8 @@ class VerifyOptions:
     per_rule: bool = True  # time the program one applied rule at a time
     fail_slower: bool = False  # a rewrite measurably slower than the original fails verify
     timeout: float | None = None  # per child process, seconds
+    # issue 31: the timing phase runs both programs compiled (torch.compile with this backend); None: eager
+    compile_backend: str | None = None
     # issue 30: the timing phase stops once it has run this many times the parity phase's wall time (each
     # program ran once there), after a round whose interval is tight, or one too noisy to ever be read
     timing_budget: float = 2.0
@@ -120,6 +122,8 @@ class Timing:
     rules: list[RuleStepTime] | None = None  # per applied rule, in the order added
     rules_note: str | None = None  # why there are no per-rule times
     stopped: str | None = None  # issue 30: why timing stopped before --repeats rounds (None: it did not)
+    # with --compile: what each program's harness compiled ({"original": {...}, "rewrite": {...}})
+    compiled: dict[str, Any] | None = None
 
     @property
     def slower(self) -> bool:
@@ -270,6 +274,7 @@ def _timing_dict(t: Timing) -> dict[str, Any]:
     )
     data["rules_note"] = t.rules_note
     data["stopped"] = t.stopped
+    data["compiled"] = t.compiled
     return data
 
 
@@ -328,6 +333,7 @@ def verify(
             import_root=profile.import_root,
             grads_dir=str(grads_dir) if grads_dir is not None else None,
             nproc=nproc,
+            compile_backend=opts.compile_backend if mode == "timing" else None,
         )
 
     notes = [DROPOUT_NOTE]
@@ -453,10 +459,33 @@ def _rewrite_failed(report: VerifyReport, error: str) -> None:
     parity.message = f"the rewritten script failed at step {parity.first_bad_step}: {_last_line(error)}"
 
 
+def _compiled(original: Program, rewrite: Program) -> dict[str, Any]:
+    """What the harness compiled in each program's first timing run (--compile)."""
+    return {p.label: (p.results[0].get("compiled") if p.results else None) for p in (original, rewrite)}
+
+
+def _compile_notes(timing: Timing, opts: VerifyOptions) -> list[str]:
+    """--compile: which module each program ran compiled (or why it did not), and the warm-up's room."""
+    notes = []
+    for label, what in (timing.compiled or {}).items():
+        if not what:
+            notes.append(f"--compile: the {label} called no module with trainable parameters: it ran eagerly")
+        elif what.get("skipped"):
+            notes.append(f"--compile: the {label} was not compiled again: {what['skipped']}")
+        else:
+            notes.append(
+                f"--compile: the {label} ran {what['module']} compiled (torch.compile, backend "
+                f"{what['backend']}) from its second call; the parity phase ran eagerly"
+            )
+    if opts.warmup < 2:
+        notes.append("--compile with --warmup below 2: the compilation falls into the timed steps")
+    return notes
+
+
 def _timing_notes(timing: Timing | None, profile: Profile, opts: VerifyOptions) -> list[str]:
     if timing is None:
         return ["timing skipped: fewer than one step after the warm-up; lower --warmup"]
-    notes = []
+    notes = _compile_notes(timing, opts) if opts.compile_backend else []
     if opts.repeats == 1:
         notes.append(
             "one timing run per program: the 95% intervals cover step-to-step variation only; "
@@ -545,6 +574,7 @@ def _timing(
         memory_before=peak_memory(original.results, opts.warmup),
         memory_after=peak_memory(rewrite.results, opts.warmup),
         stopped=stopped,
+        compiled=_compiled(original, rewrite) if opts.compile_backend else None,
     )
     if rules_note is None:
         timing.rules = _rule_steps(programs, noise)

@@ -52,7 +52,8 @@ The result JSON: {"schema": 1, "mode", "steps": [{"index": 1-based, "losses": [f
 "served": [realpath of each file of `sources` that was run from its replacement],
 "work": {"reduction": int, "depth": int} (parity mode), "gradients": grads_dir or null,
 "dispatch": {"imported": bool, "record": bool, "counts": {op: {path: calls}}}: which implementation each
-fused call of `opadvisor.kernels` ran (`dispatch_counts()`; "record" is False for kernels without it)}.
+fused call of `opadvisor.kernels` ran (`dispatch_counts()`; "record" is False for kernels without it),
+"compiled" (timing with verify --compile only): {"module": class name, "backend": str} or {"skipped": why}}.
 The process exits 0 unless the script raised (3) or the harness itself failed (4).
 """
 
@@ -430,6 +431,26 @@ def install_hooks(rec: Recorder) -> None:
         torch.nn.modules.module.register_module_forward_pre_hook(precision_hook)
 
 
+def install_compile(backend: str, result: dict[str, Any]) -> None:
+    """verify --compile: the first module with trainable parameters the script calls (its model, or the
+    DDP/FSDP wrapper around it) is compiled in place (`nn.Module.compile`) at that first call, which itself
+    runs eagerly (the first-call checks of `opadvisor.patch` run there); `result["compiled"]` says what. A
+    model the script compiles itself is left as it is."""
+    import torch
+
+    def compile_the_model(module: Any, args: Any) -> None:
+        if not any(p.requires_grad for p in module.parameters()):
+            return
+        handle.remove()  # the hooks of this call were copied out already: removing it here is safe
+        if torch.compiler.is_compiling() or isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+            result["compiled"] = {"skipped": "the script compiles its model itself"}
+            return
+        module.compile(backend=backend)
+        result["compiled"] = {"module": type(module).__name__, "backend": backend}
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(compile_the_model)
+
+
 def dispatch_record() -> dict[str, Any]:
     """Which implementation each fused call ran, from `opadvisor.kernels.dispatch_counts()`."""
     kernels = sys.modules.get("opadvisor.kernels")
@@ -520,6 +541,8 @@ def main() -> int:
         make_deterministic()
         result["dropout_patched"] = neutralise_dropout()
     install_hooks(rec)
+    if cfg.get("compile_backend"):
+        install_compile(cfg["compile_backend"], result)
     try:
         run_script(script, cfg["argv"], script_source, cfg.get("module"), cfg.get("import_root"))
         result["exit"] = "finished"

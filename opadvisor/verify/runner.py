@@ -38,6 +38,7 @@ class ChildSpec:
     grads_dir: str | None = None  # parity mode: where the harness writes the step-1 gradients
     # ranks to run through torchrun (standalone, this machine); 1: a plain process (issue 34)
     nproc: int = 1
+    compile_backend: str | None = None  # timing with --compile: the model compiled in place by the harness
 
 
 @dataclass
@@ -81,6 +82,7 @@ def run_child(spec: ChildSpec, *, timeout: float | None = None) -> ChildResult:
             "module": spec.module,
             "import_root": spec.import_root,
             "grads_dir": spec.grads_dir,
+            "compile_backend": spec.compile_backend,
             "result": str(tmpdir / "result.json"),
         }
         (tmpdir / "config.json").write_text(json.dumps(config), encoding="utf-8")

@@ -297,3 +297,27 @@ def test_bad_options_are_exit_2(tmp_path: Path) -> None:
     fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(x)")
     assert verify(project, "--steps", "0")[0] == 2
     assert verify(project, "no-such-run")[0] == 2
+
+
+def test_compile_times_both_programs_compiled_and_says_what_it_compiled(tmp_path: Path) -> None:
+    """--compile (issue 31): each program's model compiled in place from its second call in the timing
+    phase (aot_eager here: no C++ compile), parity eager; a script that compiles its model itself is left
+    as it is, and said so."""
+    project, run_dir = small(tmp_path)
+    fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(x)")
+    args = ("--timing", "--warmup", "2", "--repeats", "1", "--no-per-rule", "--format", "json")
+    code, out = verify(project, *args, "--compile", "--compile-backend", "aot_eager")
+    data = json.loads(out)
+    assert code == 0 and data["parity"]["ok"], out
+    compiled = data["timing"]["compiled"]
+    assert compiled == {p: {"module": "Net", "backend": "aot_eager"} for p in ("original", "rewrite")}
+    assert "--compile: the rewrite ran Net compiled (torch.compile, backend aot_eager)" in " ".join(
+        data["notes"]
+    )
+
+    (project / "train.py").write_text(
+        TRAIN.replace("net = Net()", "net = torch.compile(Net(), backend='eager')")
+    )
+    code, out = verify(project, *args, "--compile", "--compile-backend", "aot_eager")
+    data = json.loads(out)
+    assert data["timing"]["compiled"]["rewrite"] == {"skipped": "the script compiles its model itself"}

@@ -301,8 +301,7 @@ def test_bad_options_are_exit_2(tmp_path: Path) -> None:
 
 def test_compile_times_both_programs_compiled_and_says_what_it_compiled(tmp_path: Path) -> None:
     """--compile (issue 31): each program's model compiled in place from its second call in the timing
-    phase (aot_eager here: no C++ compile), parity eager; a script that compiles its model itself is left
-    as it is, and said so."""
+    phase (aot_eager here: no C++ compile), parity eager."""
     project, run_dir = small(tmp_path)
     fake_apply(run_dir, project / "model.py", "self.lin(self.drop(x))", "self.lin(x)")
     args = ("--timing", "--warmup", "2", "--repeats", "1", "--no-per-rule", "--format", "json")
@@ -315,9 +314,25 @@ def test_compile_times_both_programs_compiled_and_says_what_it_compiled(tmp_path
         data["notes"]
     )
 
-    (project / "train.py").write_text(
-        TRAIN.replace("net = Net()", "net = torch.compile(Net(), backend='eager')")
-    )
-    code, out = verify(project, *args, "--compile", "--compile-backend", "aot_eager")
-    data = json.loads(out)
-    assert data["timing"]["compiled"]["rewrite"] == {"skipped": "the script compiles its model itself"}
+
+def test_the_harness_compiles_the_first_trained_module_once_and_leaves_a_compiled_one() -> None:
+    import torch
+    from torch import nn
+
+    from opadvisor.verify.harness import install_compile
+
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    result: dict = {}
+    install_compile("eager", result)
+    net, aug = nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.ReLU()
+    aug(torch.randn(2, 4))  # no trainable parameters: not the model
+    net(torch.randn(2, 4))
+    assert result == {"compiled": {"module": "Sequential", "backend": "eager"}}
+    assert net._compiled_call_impl is not None and len(hooks) == before  # the hook removed itself
+
+    result = {}
+    install_compile("eager", result)
+    torch.compile(nn.Linear(4, 4), backend="eager")(torch.randn(2, 4))
+    assert result == {"compiled": {"skipped": "the script compiles its model itself"}}
+    assert len(hooks) == before

@@ -35,6 +35,16 @@ _module = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = _module
 _spec.loader.exec_module(_module)
 
+# transformers' optional-dependency check imports a top-level `kernels` package it finds without metadata
+# (its last resort, in import_utils._is_package_available): from the checkout's root, where `python -m
+# pytest` puts the working folder on sys.path, that is this repository's kernels/ folder, a second copy of
+# opadvisor.kernels whose torch.library ops take over the first's (a test that patches the first copy's
+# seeds then compiles against the second: order-dependent failures). Users never have the folder on their
+# path (it ships as opadvisor.kernels): here the name is the package itself.
+import opadvisor.kernels  # noqa: E402 - after OMP_NUM_THREADS, which must precede torch's import
+
+sys.modules.setdefault("kernels", opadvisor.kernels)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch

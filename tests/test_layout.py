@@ -109,3 +109,85 @@ def test_the_check_allows_a_package_its_own_private_modules() -> None:
         "from opadvisor.rules._index import index_of\nfrom ._findings import fmt_ms\nimport torch._dynamo"
     )
     assert not _violations(source, "opadvisor.rules.engine", path)
+
+
+# ---- no import cycles -------------------------------------------------------------------------------------------------
+# A module that imports another which imports it back (directly or round a longer circle) is one concern in
+# two files, or a shared piece kept by the wrong owner: move the piece to the module that owns it. Imports
+# inside functions count (deferring an import hides a circle, it does not break it).
+
+
+def _loaded(node: ast.AST, package: str) -> list[str]:
+    """The modules an import statement loads, its packages' __init__ aside (Python loads those for any
+    import below them): `import a.b` loads a.b; `from a import b` loads a.b when that is a module, else a."""
+    names = _imported(node, package)
+    if not isinstance(node, ast.ImportFrom):
+        return names
+    submodules = [name for name in names[1:] if name in SOURCES]
+    return submodules if len(submodules) == len(names) - 1 else [names[0], *submodules]
+
+
+def _imports_of(module: str, path: Path) -> set[str]:
+    """The modules of ours that `module` imports, anywhere in it (inside functions too)."""
+    package = _package_of(module, path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        found.update(name for name in _loaded(node, package) if name in SOURCES and name != module)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = {module: _imports_of(module, path) for module, path in SOURCES.items()}
+    cycles = _cycles(graph)
+    words = [
+        " <-> ".join(c) + ": " + "; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles
+    ]
+    assert not cycles, "import cycles (move the shared piece to its owner):\n" + "\n".join(words)
+
+
+def test_the_cycle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

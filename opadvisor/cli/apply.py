@@ -109,7 +109,9 @@ def apply(
     if files:
         result = engine.apply_files(rule, files, allow_unsafe=unsafe, write=write)
     else:
-        result = engine.apply_run(rule, run, allow_unsafe=unsafe, force=force, write=write)
+        from opadvisor.rewrite.apply import apply_run
+
+        result = apply_run(rule, run, allow_unsafe=unsafe, force=force, write=write)
     _report(result, engine, show_diff=not check)
     if check and result.changed:
         raise typer.Exit(EXIT_FINDINGS)

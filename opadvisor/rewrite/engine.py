@@ -2,7 +2,7 @@
 
 Two modes:
 
-- profile mode (`apply_run`): the findings of a rule in a run (default: the latest) name files and line
+- profile mode (`apply_findings`, behind `apply.apply_run`): the findings of a rule in a run (default: the latest) name files and line
   ranges; each file's codemod runs restricted to those ranges (`Target`s). A file is refused when its
   sha256 differs from the one the profile recorded (its lines may have moved; `--force` overrides), when
   it lies outside the project (the current directory) or inside site-packages. A file that an earlier
@@ -459,6 +459,49 @@ def _line_map(old: bytes, new: bytes) -> LineMap:
     return LineMap(old, new)
 
 
+def dry_run(
+    path: Path, rule: str, targets: Sequence[Target], source: bytes | None = None
+) -> list[str | None]:
+    """Per target: None when the codemod rewrites lines inside it, else why not (one line)."""
+    try:
+        source = path.read_bytes() if source is None else source
+        after, result = rewrite_source(source, rule, list(targets), path, allow_unsafe=True)
+    except (OSError, UserError) as exc:
+        return [f"the {rule} rewrite fails here ({exc})"] * len(targets)
+    except _budget.OverBudget as exc:  # not offered: "not checked: source analysis over budget (in ...)"
+        return [str(exc)] * len(targets)
+    except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
+        return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
+    line_map = LineMap(source, after)
+    if result.already is not None:
+        return [f"already applied: {result.already}"] * len(targets)
+    if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
+        if result.changes:
+            return [None] * len(targets)
+        reason = _sentence(result.skipped[0].message) if result.skipped else None
+        return [reason or f"the {rule} rewrite found no code it can rewrite in this file"] * len(targets)
+    out: list[str | None] = []
+    for target in targets:
+        # changed lines inside it, or a change the codemod says it made for it (an autograd.Function's
+        # dropout is rewritten at its call site and noted at the finding's lines, where the profile saw it)
+        if line_map.map(target.line, target.end_line)[2] or any(
+            target.line <= n.line <= target.end_line for n in result.changes
+        ):
+            out.append(None)
+            continue
+        reasons = [n.message for n in result.skipped if target.line <= n.line <= target.end_line]
+        out.append(
+            _sentence(reasons[0]) if reasons else f"the {rule} rewrite found no code it can rewrite here"
+        )
+    return out
+
+
+def _sentence(reason: str) -> str:
+    for prefix in ("not rewritten: ", "not fused: ", "not applied: "):
+        reason = reason.removeprefix(prefix)
+    return reason
+
+
 def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
     """The target on the current text, and the rule that already rewrote its lines (if one did).
 
@@ -850,11 +893,11 @@ def _name_findings(
 
 
 # ---- profile mode ------------------------------------------------------------------------------------------------------
-def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[list[str], list[str]]:
+def selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[list[str], list[str]]:
     """(the rules `--rule` names, with their codemods; the unsafe ones `all` holds back without --unsafe).
 
     Refusals are UserErrors. The held-back rules still run, so that only those that found something are
-    named (`_say_withheld`)."""
+    named (`say_withheld`)."""
     if rule == "all":
         chosen, withheld = [], []
         for rid in registry.fixable_rules():
@@ -879,7 +922,7 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple
     return [rule], []
 
 
-def _say_withheld(withheld: Sequence[str], found: set[str], messages: list[str]) -> None:
+def say_withheld(withheld: Sequence[str], found: set[str], messages: list[str]) -> None:
     """One line per held-back unsafe rule that would have had something to do (silence for the rest)."""
     for rid in withheld:
         if rid in found:
@@ -905,60 +948,6 @@ def load_applied(state: Path) -> dict[str, Any]:
 
 def _entries_for(applied: dict[str, Any], path: Path) -> list[dict[str, Any]]:
     return [e for e in applied["applied"] if isinstance(e, dict) and e.get("path") == str(path)]
-
-
-def apply_run(
-    rule: str,
-    run: str | None = None,
-    *,
-    allow_unsafe: bool = False,
-    force: bool = False,
-    write: bool = True,
-) -> ApplyResult:
-    """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
-    from opadvisor.profile.runs import load_run
-    from opadvisor.rewrite.check import analyse_checked
-
-    messages: list[str] = []
-    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
-    run_dir, profiles = load_run(run)
-    # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
-    asked = [] if rule == "all" else rules
-    selected = rules + withheld
-    # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
-    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
-    findings = report.findings if report is not None else []
-    _say_withheld(withheld, {f.rule for f in findings}, messages)
-    findings = [f for f in findings if f.rule not in withheld]
-    for note in report.notes if report is not None else []:
-        if note.rule in withheld:
-            continue
-        if note.failed and rule != "all":
-            raise UserError(
-                f"the {note.rule} rule crashed on this profile, so nothing was applied: "
-                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
-            )
-        if note.failed:
-            messages.append(
-                f"{note.rule}: error: the rule crashed on this profile, its fixes were not applied: "
-                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
-            )
-        else:
-            messages.append(f"{note.rule}: not checked on this profile: {note.message}")
-    sources: dict[str, str] = {}
-    for profile in profiles:
-        sources.update(profile.sources)
-    return apply_findings(
-        findings,
-        rules,
-        run_dir,
-        sources,
-        allow_unsafe=allow_unsafe,
-        force=force,
-        write=write,
-        messages=messages,
-        explicit_rule=None if rule == "all" else rule,
-    )
 
 
 def apply_findings(
@@ -1116,8 +1105,6 @@ def _resolve_alternatives(
 ) -> list[Any]:
     """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
     the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
-    from opadvisor.rewrite.check import dry_run
-
     dropped: set[int] = set()
     for f in findings:
         alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
@@ -1194,7 +1181,7 @@ def apply_files(
 ) -> ApplyResult:
     """Static mode: rewrite every match of `rule` (or "all") in the named files, without a profile."""
     messages: list[str] = []
-    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
+    rules, withheld = selected_rules(rule, allow_unsafe, messages)
     root = project_root()
     jobs = []
     seen: set[Path] = set()
@@ -1220,7 +1207,7 @@ def apply_files(
             FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True, dry=True)
             for j in jobs
         ]
-        _say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
+        say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
     state = static_state_dir()
     result = ApplyResult(_run_jobs(jobs, messages), messages, state)
     if write and result.changed:

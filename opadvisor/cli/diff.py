@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from opadvisor.cli.common import EXIT_FINDINGS, user_errors
-from opadvisor.cli.suggest import display_path
+from opadvisor.report.findings import display_path
 
 
 def register(app: typer.Typer) -> None:

@@ -145,7 +145,7 @@ def _render_notes(console, profiles, report) -> None:  # noqa: ANN001 - a rich C
 
     first = profiles[0]
     if len(profiles) > 1:
-        from opadvisor.rules import cross_rank
+        from opadvisor.ranks import cross_rank
 
         console.print(cross_rank.render(cross_rank.analyse(profiles)))
     for line in note_lines(report.notes):

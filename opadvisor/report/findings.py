@@ -126,7 +126,7 @@ def suggest_document(run_dir: Path, profiles, report) -> dict[str, Any]:
     env = first.environment
     extra: dict[str, Any] = {}
     if len(profiles) > 1:
-        from opadvisor.rules import cross_rank
+        from opadvisor.ranks import cross_rank
 
         extra["cross_rank"] = cross_rank.to_json(cross_rank.analyse(profiles))
     return {

@@ -26,10 +26,10 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from opadvisor.profile.intervals import interval_union
 from opadvisor.profile.model import Profile
 from opadvisor.rules._chains import GEMM_OPS
 from opadvisor.rules._index import index_of
-from opadvisor.rules.cross_rank import interval_union
 
 LAUNCH_GAP_US = 100.0
 _BUSY_PARTS = ("matrix products", "memory-bound elementwise")

@@ -1,6 +1,6 @@
 """Cross-rank analysis of a multi-process run: step time per rank, stragglers, and communication.
 
-    from opadvisor.rules import cross_rank
+    from opadvisor.ranks import cross_rank
 
     report = cross_rank.analyse(profiles)     # the per-rank profiles of one run, any order
     console.print(cross_rank.render(report))  # a rich renderable
@@ -57,8 +57,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from opadvisor.profile.intervals import Interval, interval_union, length, subtract
 from opadvisor.profile.model import Profile
-from opadvisor.rules._findings import fmt_ms, fmt_share
+from opadvisor.rules.overview import fmt_ms, fmt_share
 
 __all__ = [
     "Advice",
@@ -79,7 +80,6 @@ COMM_HEAVY_SHARE = 0.25  # communication this large suggests communicating less 
 _OVERLAP_LOW = 0.5
 
 Basis = Literal["gpu", "cpu", "none"]
-Interval = tuple[float, float]
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -138,45 +138,6 @@ class CrossRankReport:
     straggler: Straggler | None
     advice: list[Advice] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-# ---- intervals ------------------------------------------------------------------------------------
-
-
-def interval_union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering the same instants (empty ones left out)."""
-    out: list[Interval] = []
-    for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(intervals: Iterable[Interval]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _subtract(base: list[Interval], cut: list[Interval]) -> list[Interval]:
-    """Parts of the (unioned) `base` outside the (unioned) `cut`."""
-    out: list[Interval] = []
-    j = 0
-    for a, b in base:
-        while j < len(cut) and cut[j][1] <= a:
-            j += 1
-        k, cursor = j, a
-        while k < len(cut) and cut[k][0] < b:
-            if cut[k][0] > cursor:
-                out.append((cursor, cut[k][0]))
-            cursor = max(cursor, cut[k][1])
-            k += 1
-        if cursor < b:
-            out.append((cursor, b))
-    return out
 
 
 # ---- per rank -------------------------------------------------------------------------------------
@@ -277,23 +238,23 @@ def _per_step(profile: Profile, basis: Basis) -> list[_StepComm]:
         s = profile.steps[i]
         comm_u = interval_union(comm.get(i, ()))
         compute_u = (
-            _subtract(interval_union(compute.get(i, ())), comm_u)
+            subtract(interval_union(compute.get(i, ())), comm_u)
             if basis == "cpu"
             else interval_union(compute.get(i, ()))
         )
-        exposed = _length(_subtract(comm_u, compute_u))
+        exposed = length(subtract(comm_u, compute_u))
         step_ms = s.gpu_span_ms if basis == "gpu" and s.gpu_span_ms else s.wall_ms
         if basis == "gpu":
-            untracked = max(step_ms * 1000.0 - _length(interval_union([*comm_u, *compute_u])), 0.0)
+            untracked = max(step_ms * 1000.0 - length(interval_union([*comm_u, *compute_u])), 0.0)
         else:
             covered = interval_union([*comm_u, *compute.get(i, ()), *ranges.get(i, ())])
-            untracked = _length(_subtract([(s.start_us, s.end_us)], covered))
+            untracked = length(subtract([(s.start_us, s.end_us)], covered))
         out.append(
             _StepComm(
                 step_ms=step_ms,
-                comm_us=_length(comm_u),
+                comm_us=length(comm_u),
                 exposed_us=exposed,
-                collectives={n: _length(interval_union(v)) for n, v in by_name.get(i, {}).items()},
+                collectives={n: length(interval_union(v)) for n, v in by_name.get(i, {}).items()},
                 calls=dict(calls.get(i, {})),
                 untracked_us=untracked,
             )

@@ -92,9 +92,15 @@ def apply(
       opadvisor apply --rule gemm_align model.py
       opadvisor apply --undo
     """
+    _apply(list(targets or []), rule, diff=diff, check=check, unsafe=unsafe, force=force, undo=undo)
+
+
+def _apply(
+    targets: list[str], rule: str | None, *, diff: bool, check: bool, unsafe: bool, force: bool, undo: bool
+) -> None:
     from opadvisor.rewrite import engine
 
-    run, files = _split(list(targets or []))
+    run, files = _split(targets)
     if undo:
         if rule is not None or diff or check:
             raise UserError("--undo takes no --rule, --diff or --check")

@@ -204,11 +204,7 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_LEFT = {
     "opadvisor/ranks/cross_rank.py::_per_step",  # 72 lines
     "opadvisor/ranks/cross_rank.py::_advice",  # 75 lines
-    "opadvisor/rewrite/_chain.py::chain_at",  # 91 lines
-    "opadvisor/rewrite/_chain.py::temps_problem",  # 68 lines
     "opadvisor/rewrite/dataloader_stall.py::_rewrite_loader",  # 77 lines
-    "opadvisor/rewrite/engine.py::_run_jobs",  # 71 lines
-    "opadvisor/rewrite/engine.py::apply_findings",  # 124 lines
     "opadvisor/rewrite/fp32_gemm.py::leave_IndentedBlock",  # 65 lines
     "opadvisor/rewrite/fused_dropout_add.py::_edit_for",  # 89 lines
     "opadvisor/rewrite/fused_softmax.py::_build",  # 89 lines

@@ -204,11 +204,6 @@ MAX_FUNCTION_LINES = 60
 LONG_FUNCTIONS_LEFT = {
     "opadvisor/ranks/cross_rank.py::_per_step",  # 72 lines
     "opadvisor/ranks/cross_rank.py::_advice",  # 75 lines
-    "opadvisor/rewrite/dataloader_stall.py::_rewrite_loader",  # 77 lines
-    "opadvisor/rewrite/fp32_gemm.py::leave_IndentedBlock",  # 65 lines
-    "opadvisor/rewrite/fused_dropout_add.py::_edit_for",  # 89 lines
-    "opadvisor/rewrite/fused_softmax.py::_build",  # 89 lines
-    "opadvisor/rewrite/sdpa_attention.py::_arguments",  # 113 lines
     "opadvisor/rules/_breakdown.py::breakdown",  # 71 lines
     "opadvisor/rules/_findings.py::build_finding",  # 69 lines
     "opadvisor/rules/_index.py::__init__",  # 76 lines

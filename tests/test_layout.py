@@ -4,6 +4,9 @@ Every import in opadvisor/, kernels/ (installed as opadvisor.kernels), benchmark
 ast and resolved to the module it names (relative imports and `from pkg import _mod` included); one that
 names a private module of another package fails here. A package's subpackages are its own. The tests are
 not held to this: they may test a package's private modules directly.
+
+Two more rules of the house (issue 32): no import cycles among these modules (imports inside functions
+count), and no function of opadvisor/ outside the kernels longer than MAX_FUNCTION_LINES.
 """
 
 from __future__ import annotations
@@ -199,15 +202,6 @@ def test_the_cycle_check_sees_a_circle() -> None:
 # what each part does.
 MAX_FUNCTION_LINES = 60
 
-# Functions still over the limit when the check came (issue 32): split them and strike them off. The list only
-# shrinks: a function that is no longer over the limit must leave it (the test says so), a new one may not join it.
-LONG_FUNCTIONS_LEFT = {
-    "opadvisor/verify/compare.py::compare_parity",  # 87 lines
-    "opadvisor/verify/core.py::verify",  # 85 lines
-    "opadvisor/verify/core.py::_timing",  # 63 lines
-    "opadvisor/verify/harness.py::main",  # 63 lines
-}
-
 
 def _long_functions() -> dict[str, int]:
     """`path::name` -> lines, for every function of opadvisor/ (outside kernels) over MAX_FUNCTION_LINES."""
@@ -226,10 +220,4 @@ def _long_functions() -> dict[str, int]:
 
 def test_no_function_is_longer_than_a_screen() -> None:
     found = _long_functions()
-    new = {name: lines for name, lines in found.items() if name not in LONG_FUNCTIONS_LEFT}
-    assert not new, f"functions over {MAX_FUNCTION_LINES} lines (split them): {new}"
-
-
-def test_the_list_of_long_functions_only_shrinks() -> None:
-    done = sorted(set(LONG_FUNCTIONS_LEFT) - set(_long_functions()))
-    assert not done, f"no longer over {MAX_FUNCTION_LINES} lines: strike them off LONG_FUNCTIONS_LEFT: {done}"
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them): {found}"

@@ -370,7 +370,7 @@ def _highlight(code: str, first: int, line: int, end_line: int) -> str:
 
 
 def _timeline_section(p: Profile, display: Callable[[str], str]) -> str:
-    from opadvisor.rules.timeline import step_timeline
+    from opadvisor.report.timeline import step_timeline
 
     tl = step_timeline(p)
     if tl is None:

@@ -115,7 +115,7 @@ def _apply(
     if files:
         result = engine.apply_files(rule, files, allow_unsafe=unsafe, write=write)
     else:
-        from opadvisor.rewrite.apply import apply_run
+        from opadvisor.rewrite.check import apply_run
 
         result = apply_run(rule, run, allow_unsafe=unsafe, force=force, write=write)
     _report(result, engine, show_diff=not check)

@@ -13,6 +13,11 @@ profile are left as they are (apply refuses the file anyway and `suggest` warns 
 
 Two findings that are alternatives (sdpa_attention and fused_softmax on the same lines) are ranked so
 that the one that can be applied comes first: a blocked one sorts right after its applicable alternative.
+
+Profile mode of `opadvisor apply` is built on these verdicts: `apply_run(rule, run)` analyses the run the
+same way (`analyse_checked`), selects the findings of `rule` and hands them to the engine
+(`engine.apply_findings`). It lives here rather than in engine.py, which the dry runs are made of, or in
+a module of its own, which rewrite/registry.py would take for a codemod (codemods are found by module name).
 """
 
 from __future__ import annotations
@@ -21,11 +26,20 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from opadvisor.errors import UserError
 from opadvisor.rewrite import registry
 from opadvisor.rewrite.base import Target
-from opadvisor.rewrite.engine import dry_run, load_applied, sha256
+from opadvisor.rewrite.engine import (
+    ApplyResult,
+    apply_findings,
+    dry_run,
+    load_applied,
+    say_withheld,
+    selected_rules,
+    sha256,
+)
 
-__all__ = ["analyse_checked", "check_fixes", "rank_applicable"]
+__all__ = ["analyse_checked", "apply_run", "check_fixes", "rank_applicable"]
 
 
 def analyse_checked(
@@ -43,6 +57,59 @@ def analyse_checked(
         check_fixes(report.findings, as_profiled(run_dir, sources) if run_dir is not None else None)
         report.findings = rank_applicable(report.findings)
     return report
+
+
+def apply_run(
+    rule: str,
+    run: str | None = None,
+    *,
+    allow_unsafe: bool = False,
+    force: bool = False,
+    write: bool = True,
+) -> ApplyResult:
+    """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
+    from opadvisor.profile.runs import load_run
+
+    messages: list[str] = []
+    rules, withheld = selected_rules(rule, allow_unsafe, messages)
+    run_dir, profiles = load_run(run)
+    # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
+    asked = [] if rule == "all" else rules
+    selected = rules + withheld
+    # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
+    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
+    findings = report.findings if report is not None else []
+    say_withheld(withheld, {f.rule for f in findings}, messages)
+    findings = [f for f in findings if f.rule not in withheld]
+    for note in report.notes if report is not None else []:
+        if note.rule in withheld:
+            continue
+        if note.failed and rule != "all":
+            raise UserError(
+                f"the {note.rule} rule crashed on this profile, so nothing was applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        if note.failed:
+            messages.append(
+                f"{note.rule}: error: the rule crashed on this profile, its fixes were not applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        else:
+            messages.append(f"{note.rule}: not checked on this profile: {note.message}")
+    sources: dict[str, str] = {}
+    for profile in profiles:
+        sources.update(profile.sources)
+    return apply_findings(
+        findings,
+        rules,
+        run_dir,
+        sources,
+        allow_unsafe=allow_unsafe,
+        force=force,
+        write=write,
+        messages=messages,
+        explicit_rule=None if rule == "all" else rule,
+    )
 
 
 def as_profiled(run_dir: Path, sources: dict[str, str]) -> Callable[[str], bytes | None]:

@@ -2,7 +2,7 @@
 
 Two modes:
 
-- profile mode (`apply_findings`, behind `apply.apply_run`): the findings of a rule in a run (default: the latest) name files and line
+- profile mode (`apply_findings`, behind `check.apply_run`): the findings of a rule in a run (default: the latest) name files and line
   ranges; each file's codemod runs restricted to those ranges (`Target`s). A file is refused when its
   sha256 differs from the one the profile recorded (its lines may have moved; `--force` overrides), when
   it lies outside the project (the current directory) or inside site-packages. A file that an earlier

@@ -4,6 +4,9 @@ Every import in opadvisor/, kernels/ (installed as opadvisor.kernels), benchmark
 ast and resolved to the module it names (relative imports and `from pkg import _mod` included); one that
 names a private module of another package fails here. A package's subpackages are its own. The tests are
 not held to this: they may test a package's private modules directly.
+
+Two more rules of the house (issue 32): no import cycles among these modules (imports inside functions
+count), and no function of opadvisor/ outside the kernels longer than MAX_FUNCTION_LINES.
 """
 
 from __future__ import annotations
@@ -109,3 +112,112 @@ def test_the_check_allows_a_package_its_own_private_modules() -> None:
         "from opadvisor.rules._index import index_of\nfrom ._findings import fmt_ms\nimport torch._dynamo"
     )
     assert not _violations(source, "opadvisor.rules.engine", path)
+
+
+# ---- no import cycles -------------------------------------------------------------------------------------------------
+# A module that imports another which imports it back (directly or round a longer circle) is one concern in
+# two files, or a shared piece kept by the wrong owner: move the piece to the module that owns it. Imports
+# inside functions count (deferring an import hides a circle, it does not break it).
+
+
+def _loaded(node: ast.AST, package: str) -> list[str]:
+    """The modules an import statement loads, its packages' __init__ aside (Python loads those for any
+    import below them): `import a.b` loads a.b; `from a import b` loads a.b when that is a module, else a."""
+    names = _imported(node, package)
+    if not isinstance(node, ast.ImportFrom):
+        return names
+    submodules = [name for name in names[1:] if name in SOURCES]
+    return submodules if len(submodules) == len(names) - 1 else [names[0], *submodules]
+
+
+def _imports_of(module: str, path: Path) -> set[str]:
+    """The modules of ours that `module` imports, anywhere in it (inside functions too)."""
+    package = _package_of(module, path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        found.update(name for name in _loaded(node, package) if name in SOURCES and name != module)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            child = next(edges, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = {module: _imports_of(module, path) for module, path in SOURCES.items()}
+    cycles = _cycles(graph)
+    words = [
+        " <-> ".join(c) + ": " + "; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in cycles
+    ]
+    assert not cycles, "import cycles (move the shared piece to its owner):\n" + "\n".join(words)
+
+
+def test_the_cycle_check_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- short functions ---------------------------------------------------------------------------------------------------
+# A function of opadvisor (outside the kernels, whose Triton bodies are one launch each) fits on a screen: at most
+# MAX_FUNCTION_LINES lines, decorators aside, docstring included. Split a longer one into functions whose names say
+# what each part does.
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions() -> dict[str, int]:
+    """`path::name` -> lines, for every function of opadvisor/ (outside kernels) over MAX_FUNCTION_LINES."""
+    found = {}
+    for path in sorted((ROOT / "opadvisor").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if "kernels" in rel.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[f"{rel.as_posix()}::{node.name}"] = lines
+    return found
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    found = _long_functions()
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them): {found}"

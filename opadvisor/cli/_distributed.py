@@ -80,7 +80,7 @@ def _print_summary(outcome: DistOutcome) -> None:
     from rich.text import Text
 
     from opadvisor.profile.summary import summarize
-    from opadvisor.rules import cross_rank
+    from opadvisor.ranks import cross_rank
 
     report = cross_rank.analyse(outcome.profiles)
     first = outcome.profiles[0]

@@ -92,9 +92,15 @@ def apply(
       opadvisor apply --rule gemm_align model.py
       opadvisor apply --undo
     """
+    _apply(list(targets or []), rule, diff=diff, check=check, unsafe=unsafe, force=force, undo=undo)
+
+
+def _apply(
+    targets: list[str], rule: str | None, *, diff: bool, check: bool, unsafe: bool, force: bool, undo: bool
+) -> None:
     from opadvisor.rewrite import engine
 
-    run, files = _split(list(targets or []))
+    run, files = _split(targets)
     if undo:
         if rule is not None or diff or check:
             raise UserError("--undo takes no --rule, --diff or --check")
@@ -109,7 +115,9 @@ def apply(
     if files:
         result = engine.apply_files(rule, files, allow_unsafe=unsafe, write=write)
     else:
-        result = engine.apply_run(rule, run, allow_unsafe=unsafe, force=force, write=write)
+        from opadvisor.rewrite.check import apply_run
+
+        result = apply_run(rule, run, allow_unsafe=unsafe, force=force, write=write)
     _report(result, engine, show_diff=not check)
     if check and result.changed:
         raise typer.Exit(EXIT_FINDINGS)

@@ -1,6 +1,6 @@
 """`opadvisor diff RUN_A RUN_B`: what changed between two runs, largest change first; a CI gate.
 
-Rendering only: the comparison is `opadvisor.rules.diff.compare`, its JSON `opadvisor.rules.diff.to_json`.
+Rendering only: the comparison is `opadvisor.report.diff.compare`, its JSON `opadvisor.report.diff.to_json`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from opadvisor.cli.common import EXIT_FINDINGS, user_errors
-from opadvisor.cli.suggest import display_path
+from opadvisor.report.findings import display_path
 
 
 def register(app: typer.Typer) -> None:
@@ -42,7 +42,7 @@ def diff(
     """
     from opadvisor.errors import UserError
     from opadvisor.profile.runs import load_run
-    from opadvisor.rules.diff import Side, compare, to_json
+    from opadvisor.report.diff import Side, compare, to_json
     from opadvisor.rules.engine import analyse
 
     if format not in ("table", "json"):

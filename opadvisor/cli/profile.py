@@ -22,86 +22,105 @@ def register(app: typer.Typer) -> None:
     )(profile)
 
 
+ScriptArgument = Annotated[
+    str | None,
+    typer.Argument(
+        metavar="SCRIPT",
+        help="The training script to run (its own arguments go after --).",
+        show_default=False,
+    ),
+]
+ModuleOption = Annotated[
+    str | None,
+    typer.Option(
+        "-m",
+        "--module",
+        help="Run a module as `python -m` does (package.train: from this folder, with its package), "
+        "instead of SCRIPT; its arguments go after --.",
+    ),
+]
+StepsOption = Annotated[int, typer.Option(help="Training steps to record.", min=1)]
+WarmupOption = Annotated[
+    int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)
+]
+CalibrateOption = Annotated[
+    int,
+    typer.Option(
+        help="Warm-up steps to time without the profiler (the last ones, never the first), so that "
+        "suggest can tell the profiler's own cost from the step's; 0 skips it.",
+        min=0,
+    ),
+]
+OutOption = Annotated[
+    Path | None,
+    typer.Option(help="Write the run to this folder (new or empty) instead of .opadvisor/runs/<id>."),
+]
+RunToEndOption = Annotated[
+    bool,
+    typer.Option("--run-to-end", help="Let the script finish instead of stopping it after the window."),
+]
+WindowAfterOption = Annotated[
+    float,
+    typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0),
+]
+WindowOption = Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)]
+MemoryOption = Annotated[
+    bool,
+    typer.Option(
+        "--memory",
+        help="Ask for memory advice: suggest reports the modules holding the most activation memory, "
+        "with the checkpointing fix, whatever the step's peak.",
+    ),
+]
+ActivationsOption = Annotated[
+    bool,
+    typer.Option(
+        "--activations/--no-activations",
+        help="Measure the activation memory each module saves for backward (saved-tensor hooks).",
+    ),
+]
+EagerOption = Annotated[
+    bool,
+    typer.Option(
+        "--eager",
+        help="Switch torch.compile off for the run, so the code it compiles runs op by op and its "
+        "patterns can be found and fixed (step times are then eager times).",
+    ),
+]
+# issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, opadvisor/cli/_distributed.py)
+NprocPerNodeOption = Annotated[
+    int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
+]
+NnodesOption = Annotated[
+    int, typer.Option(help="Nodes of a multi-node run (start opadvisor on each).", min=1)
+]
+NodeRankOption = Annotated[int, typer.Option(help="This node's index, 0 to --nnodes - 1.", min=0)]
+MasterAddrOption = Annotated[str | None, typer.Option(help="Multi-node: address of node 0.")]
+MasterPortOption = Annotated[
+    int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")
+]
+
+
 @user_errors
 def profile(
     ctx: typer.Context,
-    script: Annotated[
-        str | None,
-        typer.Argument(
-            metavar="SCRIPT",
-            help="The training script to run (its own arguments go after --).",
-            show_default=False,
-        ),
-    ] = None,
-    module: Annotated[
-        str | None,
-        typer.Option(
-            "-m",
-            "--module",
-            help="Run a module as `python -m` does (package.train: from this folder, with its package), "
-            "instead of SCRIPT; its arguments go after --.",
-        ),
-    ] = None,
-    steps: Annotated[int, typer.Option(help="Training steps to record.", min=1)] = 5,
-    warmup: Annotated[
-        int, typer.Option(help="Steps to run before recording (compilation, autotuning, caches).", min=0)
-    ] = 3,
-    calibrate: Annotated[
-        int,
-        typer.Option(
-            help="Warm-up steps to time without the profiler (the last ones, never the first), so that "
-            "suggest can tell the profiler's own cost from the step's; 0 skips it.",
-            min=0,
-        ),
-    ] = 3,
-    out: Annotated[
-        Path | None,
-        typer.Option(help="Write the run to this folder (new or empty) instead of .opadvisor/runs/<id>."),
-    ] = None,
-    run_to_end: Annotated[
-        bool,
-        typer.Option("--run-to-end", help="Let the script finish instead of stopping it after the window."),
-    ] = False,
-    window_after: Annotated[
-        float,
-        typer.Option(help="Scripts that never step: start a time window after this many seconds.", min=0),
-    ] = 5.0,
-    window: Annotated[float, typer.Option(help="Scripts that never step: seconds to record.", min=0.1)] = 2.0,
-    memory: Annotated[
-        bool,
-        typer.Option(
-            "--memory",
-            help="Ask for memory advice: suggest reports the modules holding the most activation memory, "
-            "with the checkpointing fix, whatever the step's peak.",
-        ),
-    ] = False,
-    activations: Annotated[
-        bool,
-        typer.Option(
-            "--activations/--no-activations",
-            help="Measure the activation memory each module saves for backward (saved-tensor hooks).",
-        ),
-    ] = True,
-    eager: Annotated[
-        bool,
-        typer.Option(
-            "--eager",
-            help="Switch torch.compile off for the run, so the code it compiles runs op by op and its "
-            "patterns can be found and fixed (step times are then eager times).",
-        ),
-    ] = False,
-    # issue 9: multi-process runs through torchrun (opadvisor/profile/distributed.py, opadvisor/cli/_distributed.py)
-    nproc_per_node: Annotated[
-        int | None, typer.Option(help="Launch N processes (ranks) through torchrun and profile each.", min=1)
-    ] = None,
-    nnodes: Annotated[
-        int, typer.Option(help="Nodes of a multi-node run (start opadvisor on each).", min=1)
-    ] = 1,
-    node_rank: Annotated[int, typer.Option(help="This node's index, 0 to --nnodes - 1.", min=0)] = 0,
-    master_addr: Annotated[str | None, typer.Option(help="Multi-node: address of node 0.")] = None,
-    master_port: Annotated[
-        int | None, typer.Option(help="Multi-node: port on node 0 (torchrun's default 29500).")
-    ] = None,
+    script: ScriptArgument = None,
+    module: ModuleOption = None,
+    steps: StepsOption = 5,
+    warmup: WarmupOption = 3,
+    calibrate: CalibrateOption = 3,
+    out: OutOption = None,
+    run_to_end: RunToEndOption = False,
+    window_after: WindowAfterOption = 5.0,
+    window: WindowOption = 2.0,
+    memory: MemoryOption = False,
+    activations: ActivationsOption = True,
+    eager: EagerOption = False,
+    nproc_per_node: NprocPerNodeOption = None,
+    nnodes: NnodesOption = 1,
+    node_rank: NodeRankOption = 0,
+    master_addr: MasterAddrOption = None,
+    master_port: MasterPortOption = None,
 ) -> None:
     """Run SCRIPT (or -m MODULE) under torch.profiler for a few steps, write the run, and stop the script.
 
@@ -124,43 +143,57 @@ def profile(
       opadvisor profile -m mypackage.train -- --batch-size 32
     """
     target, args = _target(script, module, list(ctx.args))
+    settings = {
+        "warmup": warmup,
+        "steps": steps,
+        "run_to_end": run_to_end,
+        "calibrate": calibrate,
+        "activations": activations,
+    }
     if nproc_per_node is not None or nnodes > 1:  # issue 9: every rank of a torchrun launch
-        if eager:
-            raise UserError(
-                "--eager is not supported with --nproc-per-node/--nnodes yet; profile one process"
-            )
-        from opadvisor.cli._distributed import profile_ranks
-        from opadvisor.profile.distributed import LaunchSpec
-
-        spec = LaunchSpec(nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
-        profile_ranks(
-            target,
-            args,
-            spec,
-            warmup=warmup,
-            steps=steps,
-            run_to_end=run_to_end,
-            out=out,
-            memory=memory,
-            activations=activations,
-            calibrate=calibrate,
-        )
+        launch = (nproc_per_node or 1, nnodes, node_rank, master_addr, master_port)
+        _profile_ranks(target, args, launch, eager=eager, out=out, memory=memory, **settings)
         return
+    _profile_one(
+        target, args, out, window_after=window_after, window=window, memory=memory, eager=eager, **settings
+    )
+
+
+def _profile_ranks(
+    target: Target, args: list[str], launch: tuple, *, eager: bool, out: Path | None, memory: bool, **settings
+) -> None:
+    """Every rank of a torchrun launch (`opadvisor.cli._distributed`); `launch` is LaunchSpec's fields."""
+    if eager:
+        raise UserError("--eager is not supported with --nproc-per-node/--nnodes yet; profile one process")
+    from opadvisor.cli._distributed import profile_ranks
+    from opadvisor.profile.distributed import LaunchSpec
+
+    profile_ranks(target, args, LaunchSpec(*launch), out=out, memory=memory, **settings)
+
+
+def _profile_one(
+    target: Target,
+    args: list[str],
+    out: Path | None,
+    *,
+    window_after: float,
+    window: float,
+    memory: bool,
+    eager: bool,
+    **settings,
+) -> None:
+    """One process: run the script under the profiler with a progress bar, then report the outcome."""
     from opadvisor.profile.runner import run_script
     from opadvisor.profile.session import SessionConfig
 
     config = SessionConfig(
-        warmup=warmup,
-        steps=steps,
-        run_to_end=run_to_end,
-        calibrate=calibrate,
         window_after_seconds=window_after,
         window_seconds=window,
-        activations=activations,
         memory_requested=memory,
         eager=eager,
+        **settings,
     )
-    with _Progress(steps) as progress:
+    with _Progress(config.steps) as progress:
         outcome = run_script(target, args, config, out=out, on_progress=progress.update)
     for message in outcome.warnings:
         warn(message)

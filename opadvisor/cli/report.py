@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from opadvisor.cli.common import user_errors
-from opadvisor.cli.suggest import apply_command, display_path
+from opadvisor.report.findings import apply_command, display_path
 
 
 def register(app: typer.Typer) -> None:

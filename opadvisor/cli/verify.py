@@ -47,11 +47,40 @@ def render(report: VerifyReport) -> None:
 
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
     # a terminal gets its own width; a pipe or a CI log gets 120 columns, so rule names are not folded
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     p = report.parity
+    _render_parity(console, p)
+    if report.rewrite_error:
+        console.print("[red]the rewritten script failed:[/]")
+        console.print(report.rewrite_error.rstrip(), markup=False, highlight=False)
+
+    if report.timing is not None:
+        _render_timing(console, report.timing)
+    if report.fused_calls:
+        _render_fused_calls(console, report.fused_calls)
+    for warning in report.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
+
+    if report.rules:
+        _render_site_times(console, report.rules)
+
+    for note in report.notes:
+        console.print(f"note: {note}", markup=False, highlight=False)
+    if p.ok:
+        console.print(f"[green]parity passed[/]: {p.message}")
+    else:
+        console.print(f"[red]parity FAILED[/]: {p.message}")
+    if report.slower and report.fail_slower:
+        console.print("[red]FAILED[/]: the rewrite is slower than the original (--fail-slower)")
+
+
+def _render_parity(console, p) -> None:  # noqa: ANN001 - a rich Console, a Parity
+    """The losses step by step, the gradient norm and the gradients compared, the tolerances."""
+    from rich.markup import escape
+    from rich.table import Table
+
     table = Table(title=f"loss parity ({p.precision}, |diff| <= {p.atol:g} + {p.rtol:g}*|before|)")
     table.add_column("step", justify="right")
     table.add_column("loss before", justify="right")
@@ -76,44 +105,29 @@ def render(report: VerifyReport) -> None:
             console.print(f"note: {note}", markup=False, highlight=False)
     if p.tolerances is not None:
         console.print(p.tolerances.words(), markup=False, highlight=False)
-    if report.rewrite_error:
-        console.print("[red]the rewritten script failed:[/]")
-        console.print(report.rewrite_error.rstrip(), markup=False, highlight=False)
 
-    if report.timing is not None:
-        _render_timing(console, report.timing)
-    if report.fused_calls:
-        _render_fused_calls(console, report.fused_calls)
-    for warning in report.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}")
 
-    if report.rules:
-        rules = Table(
-            title="GPU time at each applied rule's sites, under the profiler (kernel time at those lines, "
-            "not step time: --reprofile)"
+def _render_site_times(console, site_rules) -> None:  # noqa: ANN001 - a rich Console, RuleSites
+    """GPU time at each applied rule's sites under the profiler (--reprofile)."""
+    from rich.table import Table
+
+    rules = Table(
+        title="GPU time at each applied rule's sites, under the profiler (kernel time at those lines, "
+        "not step time: --reprofile)"
+    )
+    for col in ("rule", "before ms", "after ms", "saved ms", "before %", "after %", "basis"):
+        rules.add_column(col, justify="left" if col in ("rule", "basis") else "right")
+    for r in site_rules:
+        rules.add_row(
+            r.rule,
+            _fmt(r.before_ms, ".3f"),
+            _fmt(r.after_ms, ".3f"),
+            _fmt(r.saved_ms, ".3f"),
+            _pct(r.before_share),
+            _pct(r.after_share),
+            r.basis,
         )
-        for col in ("rule", "before ms", "after ms", "saved ms", "before %", "after %", "basis"):
-            rules.add_column(col, justify="left" if col in ("rule", "basis") else "right")
-        for r in report.rules:
-            rules.add_row(
-                r.rule,
-                _fmt(r.before_ms, ".3f"),
-                _fmt(r.after_ms, ".3f"),
-                _fmt(r.saved_ms, ".3f"),
-                _pct(r.before_share),
-                _pct(r.after_share),
-                r.basis,
-            )
-        console.print(rules)
-
-    for note in report.notes:
-        console.print(f"note: {note}", markup=False, highlight=False)
-    if p.ok:
-        console.print(f"[green]parity passed[/]: {p.message}")
-    else:
-        console.print(f"[red]parity FAILED[/]: {p.message}")
-    if report.slower and report.fail_slower:
-        console.print("[red]FAILED[/]: the rewrite is slower than the original (--fail-slower)")
+    console.print(rules)
 
 
 def _render_fused_calls(console, calls: list[FusedCalls]) -> None:
@@ -195,124 +209,144 @@ def _render_timing(console, t: Timing) -> None:
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the app."""
 
-    @app.command()
-    @user_errors
-    def verify(
-        run: Annotated[
-            str | None, typer.Argument(help="Run folder or run id (default: the latest run).")
-        ] = None,
-        steps: Annotated[
-            int, typer.Option(help="Steps to compare (and to time, after the warm-up).", min=1)
-        ] = 10,
-        warmup: Annotated[
-            int, typer.Option(help="Steps run before timing starts (compilation, caches).", min=0)
-        ] = 3,
-        seed: Annotated[
-            int, typer.Option(help="Seed for random, numpy and torch before the script runs.")
-        ] = 0,
-        rtol: Annotated[
-            float | None,
-            typer.Option(
-                help="Relative loss tolerance (default by precision: fp32 1e-4, tf32 1e-3, bf16/fp16 2e-2)."
-            ),
-        ] = None,
-        atol: Annotated[
-            float | None,
-            typer.Option(
-                help="Absolute loss tolerance (default by precision: fp32 1e-5, tf32 1e-4, bf16/fp16 1e-3)."
-            ),
-        ] = None,
-        timing: Annotated[bool, typer.Option("--timing/--no-timing", help="Time both programs.")] = True,
-        quick: Annotated[
-            bool,
-            typer.Option(
-                "--quick",
-                help="Parity only (losses and gradients), no timing: the check that fits a busy or small "
-                "machine, where step times say little.",
-            ),
-        ] = False,
-        per_rule: Annotated[
-            bool,
-            typer.Option(
-                "--per-rule/--no-per-rule",
-                help="With several rules applied, also time the original with the first 1, 2, ... rules "
-                "applied: what each rule saved, measured like the whole step.",
-            ),
-        ] = True,
-        fail_slower: Annotated[
-            bool,
-            typer.Option(
-                "--fail-slower", help="Exit 1 when the rewrite is measurably slower than the original (CI)."
-            ),
-        ] = False,
-        reprofile: Annotated[
-            bool,
-            typer.Option(
-                "--reprofile/--no-reprofile",
-                help="Also profile the rewrite again: GPU time at each rule's sites under the profiler.",
-            ),
-        ] = False,
-        repeats: Annotated[
-            int,
-            typer.Option(
-                help="Timing runs of each program, in alternating rounds; their spread decides whether "
-                "a difference is real.",
-                min=1,
-            ),
-        ] = 3,
-        timeout: Annotated[
-            float | None, typer.Option(help="Seconds each child process may run (default: no limit).")
-        ] = None,
-        compile: Annotated[
-            bool,
-            typer.Option(
-                "--compile",
-                help="Time both programs compiled: torch.compile of the first module with trainable "
-                "parameters each one calls (its model), in place, from its second call on; the parity "
-                "phase stays eager. Give --warmup room for the compilation.",
-            ),
-        ] = False,
-        compile_backend: Annotated[
-            str, typer.Option(help="torch.compile's backend with --compile (aot_eager: no C++ compiler).")
-        ] = "inductor",
-        format: Annotated[Format, typer.Option("--format", help="table, or json for CI.")] = Format.table,
-    ) -> None:
-        """Run the original and the rewritten script with the same seeds: same losses? how much faster?
+    app.command("verify")(verify)
 
-        The original is rebuilt from the backups `opadvisor apply` kept. Step times come from --repeats
-        runs of each program; a 95% interval says whether the difference is real ("no measurable
-        difference" otherwise), and with several rules applied each rule's saving is measured the same
-        way. Exit 0 when the losses match, 1 when they do not (the first diverging step is named) or, with
-        --fail-slower, when the rewrite is measurably slower; 2 on a user error.
-        """
-        from rich.console import Console
 
-        from opadvisor.profile.runs import load_run
-        from opadvisor.verify.core import VerifyOptions
-        from opadvisor.verify.core import verify as run_verify
+RunArgument = Annotated[str | None, typer.Argument(help="Run folder or run id (default: the latest run).")]
+StepsOption = Annotated[int, typer.Option(help="Steps to compare (and to time, after the warm-up).", min=1)]
+WarmupOption = Annotated[
+    int, typer.Option(help="Steps run before timing starts (compilation, caches).", min=0)
+]
+SeedOption = Annotated[int, typer.Option(help="Seed for random, numpy and torch before the script runs.")]
+RtolOption = Annotated[
+    float | None,
+    typer.Option(
+        help="Relative loss tolerance (default by precision: fp32 1e-4, tf32 1e-3, bf16/fp16 2e-2)."
+    ),
+]
+AtolOption = Annotated[
+    float | None,
+    typer.Option(
+        help="Absolute loss tolerance (default by precision: fp32 1e-5, tf32 1e-4, bf16/fp16 1e-3)."
+    ),
+]
+TimingOption = Annotated[bool, typer.Option("--timing/--no-timing", help="Time both programs.")]
+QuickOption = Annotated[
+    bool,
+    typer.Option(
+        "--quick",
+        help="Parity only (losses and gradients), no timing: the check that fits a busy or small "
+        "machine, where step times say little.",
+    ),
+]
+PerRuleOption = Annotated[
+    bool,
+    typer.Option(
+        "--per-rule/--no-per-rule",
+        help="With several rules applied, also time the original with the first 1, 2, ... rules "
+        "applied: what each rule saved, measured like the whole step.",
+    ),
+]
+FailSlowerOption = Annotated[
+    bool,
+    typer.Option(
+        "--fail-slower", help="Exit 1 when the rewrite is measurably slower than the original (CI)."
+    ),
+]
+ReprofileOption = Annotated[
+    bool,
+    typer.Option(
+        "--reprofile/--no-reprofile",
+        help="Also profile the rewrite again: GPU time at each rule's sites under the profiler.",
+    ),
+]
+RepeatsOption = Annotated[
+    int,
+    typer.Option(
+        help="Timing runs of each program, in alternating rounds; their spread decides whether "
+        "a difference is real.",
+        min=1,
+    ),
+]
+TimeoutOption = Annotated[
+    float | None, typer.Option(help="Seconds each child process may run (default: no limit).")
+]
+CompileOption = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="Time both programs compiled: torch.compile of the first module with trainable "
+        "parameters each one calls (its model), in place, from its second call on; the parity "
+        "phase stays eager. Give --warmup room for the compilation.",
+    ),
+]
+CompileBackendOption = Annotated[
+    str, typer.Option(help="torch.compile's backend with --compile (aot_eager: no C++ compiler).")
+]
+FormatOption = Annotated[Format, typer.Option("--format", help="table, or json for CI.")]
 
-        run_dir, profiles = load_run(run)
-        opts = VerifyOptions(
-            steps=steps,
-            warmup=warmup,
-            seed=seed,
-            rtol=rtol,
-            atol=atol,
-            timing=timing and not quick,
-            reprofile=reprofile,
-            repeats=repeats,
-            per_rule=per_rule,
-            fail_slower=fail_slower,
-            timeout=timeout,
-            compile_backend=compile_backend if compile else None,
-        )
-        if format is Format.json:
-            report = run_verify(run_dir, profiles[0], opts)
-            print(json.dumps(report.to_dict(), indent=2))
-        else:
-            with Console(stderr=True).status("verifying") as status:
-                report = run_verify(
-                    run_dir, profiles[0], opts, progress=lambda message: status.update(f"verify: {message}")
-                )
-            render(report)
-        raise typer.Exit(EXIT_OK if report.ok else EXIT_FINDINGS)
+
+@user_errors
+def verify(
+    run: RunArgument = None,
+    steps: StepsOption = 10,
+    warmup: WarmupOption = 3,
+    seed: SeedOption = 0,
+    rtol: RtolOption = None,
+    atol: AtolOption = None,
+    timing: TimingOption = True,
+    quick: QuickOption = False,
+    per_rule: PerRuleOption = True,
+    fail_slower: FailSlowerOption = False,
+    reprofile: ReprofileOption = False,
+    repeats: RepeatsOption = 3,
+    timeout: TimeoutOption = None,
+    compile: CompileOption = False,
+    compile_backend: CompileBackendOption = "inductor",
+    format: FormatOption = Format.table,
+) -> None:
+    """Run the original and the rewritten script with the same seeds: same losses? how much faster?
+
+    The original is rebuilt from the backups `opadvisor apply` kept. Step times come from --repeats
+    runs of each program; a 95% interval says whether the difference is real ("no measurable
+    difference" otherwise), and with several rules applied each rule's saving is measured the same
+    way. Exit 0 when the losses match, 1 when they do not (the first diverging step is named) or, with
+    --fail-slower, when the rewrite is measurably slower; 2 on a user error.
+    """
+    from opadvisor.verify.core import VerifyOptions
+
+    options = VerifyOptions(
+        steps=steps,
+        warmup=warmup,
+        seed=seed,
+        rtol=rtol,
+        atol=atol,
+        timing=timing and not quick,
+        reprofile=reprofile,
+        repeats=repeats,
+        per_rule=per_rule,
+        fail_slower=fail_slower,
+        timeout=timeout,
+        compile_backend=compile_backend if compile else None,
+    )
+    _verify(run, options, format)
+
+
+def _verify(run: str | None, opts, format: Format) -> None:  # noqa: ANN001 - a VerifyOptions
+    """Load the run, verify it (a spinner on stderr for the table), print the report, exit by its verdict."""
+    from rich.console import Console
+
+    from opadvisor.profile.runs import load_run
+    from opadvisor.verify.core import verify as run_verify
+
+    run_dir, profiles = load_run(run)
+    if format is Format.json:
+        report = run_verify(run_dir, profiles[0], opts)
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        with Console(stderr=True).status("verifying") as status:
+            report = run_verify(
+                run_dir, profiles[0], opts, progress=lambda message: status.update(f"verify: {message}")
+            )
+        render(report)
+    raise typer.Exit(EXIT_OK if report.ok else EXIT_FINDINGS)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import opadvisor
+# opadvisor/ (this file is opadvisor/profile/userframes.py)
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
 
 
 @lru_cache(maxsize=1)
@@ -36,7 +37,7 @@ def _kernels_dirs() -> frozenset[str]:
 def opadvisor_dirs() -> tuple[str, ...]:
     """opadvisor's own folders, `opadvisor.kernels`' included (looked up, not assumed to be inside
     `opadvisor/`): the fused ops' reference paths must never read as the user's code, nor as a library's."""
-    return tuple(sorted({str(Path(opadvisor.__file__).resolve().parent), *_kernels_dirs()}))
+    return tuple(sorted({str(_PACKAGE_DIR), *_kernels_dirs()}))
 
 
 # Modules of opadvisor.kernels that run the caller's own code (a patched module's forward, a CUDA-graphed

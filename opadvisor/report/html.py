@@ -370,7 +370,7 @@ def _highlight(code: str, first: int, line: int, end_line: int) -> str:
 
 
 def _timeline_section(p: Profile, display: Callable[[str], str]) -> str:
-    from opadvisor.rules.timeline import step_timeline
+    from opadvisor.report.timeline import step_timeline
 
     tl = step_timeline(p)
     if tl is None:
@@ -441,7 +441,7 @@ def short_kernel_name(name: str) -> str:
 
 
 def _ranks_section(profiles: Sequence[Profile]) -> str:
-    from opadvisor.rules import cross_rank
+    from opadvisor.ranks import cross_rank
 
     cr = cross_rank.analyse(profiles)
     longest = max((r.step_ms for r in cr.ranks), default=0.0) or 1.0

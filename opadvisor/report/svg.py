@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 from html import escape
 
+from opadvisor.report.timeline import Segment, StepTimeline
 from opadvisor.rules.overview import fmt_ms
-from opadvisor.rules.timeline import Segment, StepTimeline
 
 WIDTH = 1000.0
 LABEL_W = 150.0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
@@ -95,6 +96,17 @@ class Chain:
     def sub(self, a: int, z: int) -> Chain:
         """Segments a..z (positions in self.segments)."""
         return Chain(self.segments[a : z + 1], self.softmax_seg - a)
+
+
+def _accesses(scope: Any, name: str) -> list[Any]:
+    """Every access of `name` in `scope`: its reads and the references of its assignments, once each."""
+    accesses: dict[int, Any] = {}
+    for assignment in scope.assignments[name]:
+        for ref in getattr(assignment, "references", ()):
+            accesses[id(ref.node)] = ref
+    for access in scope.accesses[name]:
+        accesses[id(access.node)] = access
+    return list(accesses.values())
 
 
 def _small(stmt: cst.CSTNode) -> cst.BaseSmallStatement | None:
@@ -648,11 +660,19 @@ class ChainFinder:
         segments = [
             Segment(index, [*reversed(pre), softmax, *post], entry, top, self._target_of_top(top, stmt))
         ]
-        # backwards: statements that compute what flows in
+        if link:
+            self._extend_backwards(segments, index, lower, entry, pos)
+            self._extend_forwards(segments, index, used)
+        softmax_seg = next(n for n, seg in enumerate(segments) if seg.index == index)
+        return Chain(segments, softmax_seg)
+
+    def _extend_backwards(
+        self, segments: list[Segment], index: int, lower: int, entry: cst.BaseExpression, pos: int
+    ) -> None:
+        """Prepend the statements above `index` (down to `lower`) that compute what flows into the chain."""
         i = index
         while (
-            link
-            and isinstance(entry, cst.Name)
+            isinstance(entry, cst.Name)
             and i - 1 >= lower
             and pos < len(self.pre_kinds)
             and (segments[0].steps[0].kind != "qk")
@@ -664,30 +684,10 @@ class ChainFinder:
                 and isinstance(small.target, cst.Name)
                 and small.target.value == entry.value
             ):
-                kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(
-                    type(small.operator)
-                )
-                if kind is None or kind not in self.pre_kinds[pos:] or not self.allows(kind):
+                step = self._aug_step(small, entry, pos)
+                if step is None:
                     break
-                if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
-                    break
-                problem = (
-                    self.scale_problem(small.value)
-                    if kind == "scale"
-                    else self.mask_problem(small.value, True)
-                )
-                if problem is not None:
-                    self.refused.append((kind, small, problem))
-                    break
-                params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
-                step = Step(
-                    kind,
-                    small.value,
-                    small.target,
-                    params,
-                    divide=isinstance(small.operator, cst.DivideAssign),
-                )
-                pos = self.pre_kinds.index(kind) + 1
+                pos = self.pre_kinds.index(step.kind) + 1
                 segments.insert(0, Segment(i - 1, [step], small.target, small.value, entry.value, aug=True))
                 entry = small.target
                 i -= 1
@@ -711,9 +711,34 @@ class ChainFinder:
             i -= 1
             if steps[-1].kind == "qk":
                 break
-        # forwards: statements that post-process the result
+
+    def _aug_step(self, small: cst.AugAssign, entry: cst.Name, pos: int) -> Step | None:
+        """`x += mask`, `x *= scale`, `x /= scale` as the chain's step; None where it cannot be one (a
+        refusal with a reason is recorded)."""
+        kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(
+            type(small.operator)
+        )
+        if kind is None or kind not in self.pre_kinds[pos:] or not self.allows(kind):
+            return None
+        if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
+            return None
+        problem = self.scale_problem(small.value) if kind == "scale" else self.mask_problem(small.value, True)
+        if problem is not None:
+            self.refused.append((kind, small, problem))
+            return None
+        params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
+        return Step(
+            kind,
+            small.value,
+            small.target,
+            params,
+            divide=isinstance(small.operator, cst.DivideAssign),
+        )
+
+    def _extend_forwards(self, segments: list[Segment], index: int, used: set[str]) -> None:
+        """Append the statements below `index` that post-process the chain's result."""
         j = index
-        while link and j + 1 < len(self.stmts) and segments[-1].target is not None and "pv" not in used:
+        while j + 1 < len(self.stmts) and segments[-1].target is not None and "pv" not in used:
             name = segments[-1].target
             nxt = self.stmts[j + 1]
             reads = self._reads_of(name, nxt)
@@ -724,8 +749,6 @@ class ChainFinder:
                 break
             segments.append(Segment(j + 1, steps, reads[0], top, self._target_of_top(top, nxt)))
             j += 1
-        softmax_seg = next(n for n, seg in enumerate(segments) if seg.index == index)
-        return Chain(segments, softmax_seg)
 
     def _conditional_mask(self, index: int, entry: cst.Name, pos: int) -> Segment | None:
         """`if <test>: x = x + mask` (or `x += mask`, `x = x.masked_fill(m, v)`), with no else: the mask step,
@@ -895,15 +918,9 @@ class ChainFinder:
         scope = self.cm.get_metadata(ScopeProvider, _small(first_stmt) or first_stmt)
         in_loop = mt.inside(self.cm, first_stmt, (cst.For, cst.While), _function_of(self.cm, first_stmt))
         for name in sorted(folded):
-            accesses: dict[int, cst.CSTNode] = {}
             if scope is None:
                 continue
-            for assignment in scope.assignments[name]:
-                for ref in getattr(assignment, "references", ()):
-                    accesses[id(ref.node)] = ref
-            for access in scope.accesses[name]:
-                accesses[id(access.node)] = access
-            for access in accesses.values():
+            for access in _accesses(scope, name):
                 node = access.node
                 if id(node) in links:
                     continue
@@ -916,12 +933,9 @@ class ChainFinder:
                 ):
                     continue  # the first statement reads what was bound before the chain, and still is
                 if in_chain:
-                    carrier = next((c for c in carried if mt.contains(c, node)), None)
-                    if carrier is None:
-                        continue
-                    if name == meta_name and _metadata_read(self.cm, node):
-                        continue
-                    return name, line, False
+                    if self._breaks_carried(node, carried, name == meta_name):
+                        return name, line, False
+                    continue
                 if name == final:
                     continue
                 if access.scope is not scope:
@@ -934,6 +948,14 @@ class ChainFinder:
                     continue
                 return name, line, _in_return(self.cm, node)
         return None
+
+    def _breaks_carried(self, node: cst.CSTNode, carried: Sequence[cst.CSTNode], is_meta: bool) -> bool:
+        """Whether a read of a folded value inside the chain breaks the rewrite: it lies in a carried
+        expression, and is not a metadata read (`.dtype`, `.shape` ...) of the name the rewrite reads from."""
+        carrier = next((c for c in carried if mt.contains(c, node)), None)
+        if carrier is None:
+            return False
+        return not (is_meta and _metadata_read(self.cm, node))
 
     def _rebound_before(self, name: str, after_index: int, where: tuple[int, int]) -> bool:
         for stmt in self.stmts[after_index + 1 :]:

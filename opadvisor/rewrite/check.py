@@ -13,6 +13,11 @@ profile are left as they are (apply refuses the file anyway and `suggest` warns 
 
 Two findings that are alternatives (sdpa_attention and fused_softmax on the same lines) are ranked so
 that the one that can be applied comes first: a blocked one sorts right after its applicable alternative.
+
+Profile mode of `opadvisor apply` is built on these verdicts: `apply_run(rule, run)` analyses the run the
+same way (`analyse_checked`), selects the findings of `rule` and hands them to the engine
+(`engine.apply_findings`). It lives here rather than in engine.py, which the dry runs are made of, or in
+a module of its own, which rewrite/registry.py would take for a codemod (codemods are found by module name).
 """
 
 from __future__ import annotations
@@ -23,10 +28,18 @@ from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.rewrite import registry
-from opadvisor.rewrite._budget import OverBudget
 from opadvisor.rewrite.base import Target
+from opadvisor.rewrite.engine import (
+    ApplyResult,
+    apply_findings,
+    dry_run,
+    load_applied,
+    say_withheld,
+    selected_rules,
+    sha256,
+)
 
-__all__ = ["analyse_checked", "check_fixes", "dry_run", "rank_applicable"]
+__all__ = ["analyse_checked", "apply_run", "check_fixes", "rank_applicable"]
 
 
 def analyse_checked(
@@ -46,11 +59,63 @@ def analyse_checked(
     return report
 
 
+def apply_run(
+    rule: str,
+    run: str | None = None,
+    *,
+    allow_unsafe: bool = False,
+    force: bool = False,
+    write: bool = True,
+) -> ApplyResult:
+    """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
+    from opadvisor.profile.runs import load_run
+
+    messages: list[str] = []
+    rules, withheld = selected_rules(rule, allow_unsafe, messages)
+    run_dir, profiles = load_run(run)
+    # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
+    asked = [] if rule == "all" else rules
+    selected = rules + withheld
+    # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
+    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
+    findings = report.findings if report is not None else []
+    say_withheld(withheld, {f.rule for f in findings}, messages)
+    findings = [f for f in findings if f.rule not in withheld]
+    for note in report.notes if report is not None else []:
+        if note.rule in withheld:
+            continue
+        if note.failed and rule != "all":
+            raise UserError(
+                f"the {note.rule} rule crashed on this profile, so nothing was applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        if note.failed:
+            messages.append(
+                f"{note.rule}: error: the rule crashed on this profile, its fixes were not applied: "
+                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
+            )
+        else:
+            messages.append(f"{note.rule}: not checked on this profile: {note.message}")
+    sources: dict[str, str] = {}
+    for profile in profiles:
+        sources.update(profile.sources)
+    return apply_findings(
+        findings,
+        rules,
+        run_dir,
+        sources,
+        allow_unsafe=allow_unsafe,
+        force=force,
+        write=write,
+        messages=messages,
+        explicit_rule=None if rule == "all" else rule,
+    )
+
+
 def as_profiled(run_dir: Path, sources: dict[str, str]) -> Callable[[str], bytes | None]:
     """path -> the file as profiled: the copy the run keeps, else the backup an earlier apply of this run
     made, else the file itself while it still has the profiled hash; None when none of these is at hand."""
     from opadvisor.profile.runs import profiled_source
-    from opadvisor.rewrite.engine import load_applied, sha256
 
     applied = load_applied(run_dir)["applied"]
 
@@ -69,45 +134,6 @@ def as_profiled(run_dir: Path, sources: dict[str, str]) -> Callable[[str], bytes
         return now if digest is None or sha256(now) == digest else None
 
     return source_of
-
-
-def dry_run(
-    path: Path, rule: str, targets: Sequence[Target], source: bytes | None = None
-) -> list[str | None]:
-    """Per target: None when the codemod rewrites lines inside it, else why not (one line)."""
-    from opadvisor.rewrite.engine import LineMap, rewrite_source
-
-    try:
-        source = path.read_bytes() if source is None else source
-        after, result = rewrite_source(source, rule, list(targets), path, allow_unsafe=True)
-    except (OSError, UserError) as exc:
-        return [f"the {rule} rewrite fails here ({exc})"] * len(targets)
-    except OverBudget as exc:  # the fix is not offered: "not checked: source analysis over budget (in ...)"
-        return [str(exc)] * len(targets)
-    except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
-        return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
-    line_map = LineMap(source, after)
-    if result.already is not None:
-        return [f"already applied: {result.already}"] * len(targets)
-    if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
-        if result.changes:
-            return [None] * len(targets)
-        reason = _sentence(result.skipped[0].message) if result.skipped else None
-        return [reason or f"the {rule} rewrite found no code it can rewrite in this file"] * len(targets)
-    out: list[str | None] = []
-    for target in targets:
-        # changed lines inside it, or a change the codemod says it made for it (an autograd.Function's
-        # dropout is rewritten at its call site and noted at the finding's lines, where the profile saw it)
-        if line_map.map(target.line, target.end_line)[2] or any(
-            target.line <= n.line <= target.end_line for n in result.changes
-        ):
-            out.append(None)
-            continue
-        reasons = [n.message for n in result.skipped if target.line <= n.line <= target.end_line]
-        out.append(
-            _sentence(reasons[0]) if reasons else f"the {rule} rewrite found no code it can rewrite here"
-        )
-    return out
 
 
 def check_fixes(findings: Sequence[Any], source_of: Callable[[str], bytes | None] | None = None) -> None:
@@ -156,12 +182,6 @@ def block(finding: Any, reason: str) -> None:
     """Mark a finding's fix as one that cannot be applied, with the reason."""
     finding.fix = "none"
     finding.fix_blocked = reason
-
-
-def _sentence(reason: str) -> str:
-    for prefix in ("not rewritten: ", "not fused: ", "not applied: "):
-        reason = reason.removeprefix(prefix)
-    return reason
 
 
 def rank_applicable(findings: list[Any]) -> list[Any]:

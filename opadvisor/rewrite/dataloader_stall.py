@@ -365,6 +365,11 @@ class DataLoaderCodemod(RuleCodemod):
             return updated
         said = f" ({'; '.join(notes)})" if notes else ""
         self.record_change(call, f"DataLoader(..., {', '.join(done)}){said}")
+        self._caution(call, added_workers, done)
+        return append_keywords(updated, add, **layout(self, call))
+
+    def _caution(self, call: cst.Call, added_workers: bool, done: list[str]) -> None:
+        """A note on what the added worker settings change beyond speed (pickling, seeds, the main guard)."""
         cautions = []
         if added_workers:
             cautions.append(
@@ -383,7 +388,6 @@ class DataLoaderCodemod(RuleCodemod):
             )
         if cautions:
             self.note(call, "; ".join(cautions))
-        return append_keywords(updated, add, **layout(self, call))
 
     def _worker_unsafe_dataset(self, call: cst.Call) -> str | None:
         """Why the dataset cannot go to workers, when its class is in this file and says so; else None."""

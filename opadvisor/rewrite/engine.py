@@ -2,7 +2,7 @@
 
 Two modes:
 
-- profile mode (`apply_run`): the findings of a rule in a run (default: the latest) name files and line
+- profile mode (`apply_findings`, behind `check.apply_run`): the findings of a rule in a run (default: the latest) name files and line
   ranges; each file's codemod runs restricted to those ranges (`Target`s). A file is refused when its
   sha256 differs from the one the profile recorded (its lines may have moved; `--force` overrides), when
   it lies outside the project (the current directory) or inside site-packages. A file that an earlier
@@ -459,6 +459,49 @@ def _line_map(old: bytes, new: bytes) -> LineMap:
     return LineMap(old, new)
 
 
+def dry_run(
+    path: Path, rule: str, targets: Sequence[Target], source: bytes | None = None
+) -> list[str | None]:
+    """Per target: None when the codemod rewrites lines inside it, else why not (one line)."""
+    try:
+        source = path.read_bytes() if source is None else source
+        after, result = rewrite_source(source, rule, list(targets), path, allow_unsafe=True)
+    except (OSError, UserError) as exc:
+        return [f"the {rule} rewrite fails here ({exc})"] * len(targets)
+    except _budget.OverBudget as exc:  # not offered: "not checked: source analysis over budget (in ...)"
+        return [str(exc)] * len(targets)
+    except Exception as exc:  # noqa: BLE001 - a crashing codemod blocks its fixes, it does not end suggest
+        return [f"the {rule} rewrite crashed ({type(exc).__name__}: {exc})"] * len(targets)
+    line_map = LineMap(source, after)
+    if result.already is not None:
+        return [f"already applied: {result.already}"] * len(targets)
+    if registry.get_codemod(rule).FILE_LEVEL:  # one rewrite serves every target in the file
+        if result.changes:
+            return [None] * len(targets)
+        reason = _sentence(result.skipped[0].message) if result.skipped else None
+        return [reason or f"the {rule} rewrite found no code it can rewrite in this file"] * len(targets)
+    out: list[str | None] = []
+    for target in targets:
+        # changed lines inside it, or a change the codemod says it made for it (an autograd.Function's
+        # dropout is rewritten at its call site and noted at the finding's lines, where the profile saw it)
+        if line_map.map(target.line, target.end_line)[2] or any(
+            target.line <= n.line <= target.end_line for n in result.changes
+        ):
+            out.append(None)
+            continue
+        reasons = [n.message for n in result.skipped if target.line <= n.line <= target.end_line]
+        out.append(
+            _sentence(reasons[0]) if reasons else f"the {rule} rewrite found no code it can rewrite here"
+        )
+    return out
+
+
+def _sentence(reason: str) -> str:
+    for prefix in ("not rewritten: ", "not fused: ", "not applied: "):
+        reason = reason.removeprefix(prefix)
+    return reason
+
+
 def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
     """The target on the current text, and the rule that already rewrote its lines (if one did).
 
@@ -502,76 +545,99 @@ class FileJob:
 
 
 def _run_jobs(jobs: Sequence[FileJob], messages: list[str]) -> list[FileResult]:
-    results = []
     root = project_root()
-    for job in jobs:
-        text = job.current
-        maps: list[tuple[str, LineMap]] = []
-        if job.original != job.current:
-            maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
-        file_result = FileResult(job.path, job.current, job.current)
-        first_round = _first_round(job) if _merges(job) else None
-        rules = job.rules
-        if first_round is not None:
-            text, rules = first_round.text, first_round.again
-            file_result.rules.extend(first_round.results)
-        merged = {r.rule for r in first_round.results if r.before != r.after} if first_round else set()
-        for rule in rules:
-            targets: list[Target] | None = None
-            covered: list[tuple[Target, str]] = []
-            composes = registry.get_codemod(rule).COMPOSES
-            if job.targets is not None and rule in job.earlier_rules:
-                # the same findings, already applied to this file by an earlier apply: one line, not one
-                # "already rewritten" / "found no code" per finding
-                n = len(job.targets.get(rule, []))
-                messages.append(
-                    f"{display_path(job.path, root)}: {shown_rule(rule, job.targets.get(rule, []))}: already applied by an earlier apply "
-                    f"({n} finding{'s' if n != 1 else ''}); nothing more to do"
-                )
-                continue
-            pairs: list[tuple[Target, Target]] = []  # (as profiled, on the current text)
-            if job.targets is not None:
-                targets = []
-                for target in job.targets.get(rule, []):
-                    mapped, touched_by = _map_target(target, maps)
-                    if touched_by is not None and (not composes or touched_by == EDITED_SINCE_PROFILE):
-                        covered.append((target, touched_by))
-                    else:
-                        targets.append(mapped)
-                        pairs.append((target, mapped))
-                if not targets:
-                    _say_covered(job.path, rule, covered, messages, root)
-                    continue
-            try:
-                new_text, rule_result = rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
-            except UserError as exc:
-                if not job.keep_going or "cannot parse it" in str(exc):
-                    raise
-                messages.append(
-                    f"error: {exc} (for {shown_rule(rule, targets or [])}; the other rules go on)"
-                )
-                continue
-            except _budget.OverBudget as exc:  # reported like a skipped fix; nothing of it written
-                messages.append(f"{display_path(job.path, root)}: {shown_rule(rule, targets or [])}: {exc}")
-                continue
-            _name_findings(rule_result, pairs, text, job.original)
-            if targets:
-                _unmatched(job.path, rule, pairs, rule_result, LineMap(text, new_text), messages, root)
+    return [_run_job(job, messages, root) for job in jobs]
+
+
+def _run_job(job: FileJob, messages: list[str], root: Path) -> FileResult:
+    """Run the job's rules one after the other on its file, each on the text the previous one left."""
+    text = job.current
+    maps: list[tuple[str, LineMap]] = []
+    if job.original != job.current:
+        maps.append((job.earlier or "an earlier apply", LineMap(job.original, job.current)))
+    file_result = FileResult(job.path, job.current, job.current)
+    first_round = _first_round(job) if _merges(job) else None
+    rules = job.rules
+    if first_round is not None:
+        text, rules = first_round.text, first_round.again
+        file_result.rules.extend(first_round.results)
+    merged = {r.rule for r in first_round.results if r.before != r.after} if first_round else set()
+    for rule in rules:
+        composes = registry.get_codemod(rule).COMPOSES
+        if job.targets is not None and rule in job.earlier_rules:
+            _say_already_applied(job, rule, messages, root)
+            continue
+        targets, covered, pairs = _placed_targets(job, rule, maps, composes)
+        if targets is not None and not targets:
             _say_covered(job.path, rule, covered, messages, root)
-            if rule in merged:
-                if new_text == text:
-                    continue  # its stability check: the first round's result says what it did
-                rule_result = replace(rule_result, skipped=[], notes=[])  # the first round's said those
-            file_result.rules.append(rule_result)
-            if new_text != text:
-                maps.append((rule, LineMap(text, new_text)))
-                text = new_text
-        file_result.after = text
-        if file_result.changed:
-            changed = [r.rule for r in file_result.rules if r.before != r.after]
-            file_result.parity_original = _parity_original(job, changed)
-        results.append(file_result)
-    return results
+            continue
+        rewritten = _rewrite_rule(job, rule, text, targets, messages, root)
+        if rewritten is None:
+            continue
+        new_text, rule_result = rewritten
+        _name_findings(rule_result, pairs, text, job.original)
+        if targets:
+            _unmatched(job.path, rule, pairs, rule_result, LineMap(text, new_text), messages, root)
+        _say_covered(job.path, rule, covered, messages, root)
+        if rule in merged:
+            if new_text == text:
+                continue  # its stability check: the first round's result says what it did
+            rule_result = replace(rule_result, skipped=[], notes=[])  # the first round's said those
+        file_result.rules.append(rule_result)
+        if new_text != text:
+            maps.append((rule, LineMap(text, new_text)))
+            text = new_text
+    file_result.after = text
+    if file_result.changed:
+        changed = [r.rule for r in file_result.rules if r.before != r.after]
+        file_result.parity_original = _parity_original(job, changed)
+    return file_result
+
+
+def _say_already_applied(job: FileJob, rule: str, messages: list[str], root: Path) -> None:
+    """The same findings, already applied to this file by an earlier apply: one line, not one "already
+    rewritten" / "found no code" per finding."""
+    n = len(job.targets.get(rule, []))
+    messages.append(
+        f"{display_path(job.path, root)}: {shown_rule(rule, job.targets.get(rule, []))}: already applied by an earlier apply "
+        f"({n} finding{'s' if n != 1 else ''}); nothing more to do"
+    )
+
+
+def _placed_targets(
+    job: FileJob, rule: str, maps: Sequence[tuple[str, LineMap]], composes: bool
+) -> tuple[list[Target] | None, list[tuple[Target, str]], list[tuple[Target, Target]]]:
+    """(the rule's targets on the current text, None in static mode; those an earlier rewrite or edit
+    covered, with who; (as profiled, on the current text) pairs)."""
+    covered: list[tuple[Target, str]] = []
+    pairs: list[tuple[Target, Target]] = []
+    if job.targets is None:
+        return None, covered, pairs
+    targets = []
+    for target in job.targets.get(rule, []):
+        mapped, touched_by = _map_target(target, maps)
+        if touched_by is not None and (not composes or touched_by == EDITED_SINCE_PROFILE):
+            covered.append((target, touched_by))
+        else:
+            targets.append(mapped)
+            pairs.append((target, mapped))
+    return targets, covered, pairs
+
+
+def _rewrite_rule(
+    job: FileJob, rule: str, text: bytes, targets: list[Target] | None, messages: list[str], root: Path
+) -> tuple[bytes, RuleResult] | None:
+    """The rule's rewrite of `text`; None (and a message) when it failed and the other rules go on, or
+    ran over its analysis budget."""
+    try:
+        return rewrite_source(text, rule, targets, job.path, job.allow_unsafe)
+    except UserError as exc:
+        if not job.keep_going or "cannot parse it" in str(exc):
+            raise
+        messages.append(f"error: {exc} (for {shown_rule(rule, targets or [])}; the other rules go on)")
+    except _budget.OverBudget as exc:  # reported like a skipped fix; nothing of it written
+        messages.append(f"{display_path(job.path, root)}: {shown_rule(rule, targets or [])}: {exc}")
+    return None
 
 
 # ---- a static `--rule all`: every rule's first pass on the original, put together ----------------------------
@@ -850,11 +916,11 @@ def _name_findings(
 
 
 # ---- profile mode ------------------------------------------------------------------------------------------------------
-def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[list[str], list[str]]:
+def selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[list[str], list[str]]:
     """(the rules `--rule` names, with their codemods; the unsafe ones `all` holds back without --unsafe).
 
     Refusals are UserErrors. The held-back rules still run, so that only those that found something are
-    named (`_say_withheld`)."""
+    named (`say_withheld`)."""
     if rule == "all":
         chosen, withheld = [], []
         for rid in registry.fixable_rules():
@@ -879,7 +945,7 @@ def _selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple
     return [rule], []
 
 
-def _say_withheld(withheld: Sequence[str], found: set[str], messages: list[str]) -> None:
+def say_withheld(withheld: Sequence[str], found: set[str], messages: list[str]) -> None:
     """One line per held-back unsafe rule that would have had something to do (silence for the rest)."""
     for rid in withheld:
         if rid in found:
@@ -907,60 +973,6 @@ def _entries_for(applied: dict[str, Any], path: Path) -> list[dict[str, Any]]:
     return [e for e in applied["applied"] if isinstance(e, dict) and e.get("path") == str(path)]
 
 
-def apply_run(
-    rule: str,
-    run: str | None = None,
-    *,
-    allow_unsafe: bool = False,
-    force: bool = False,
-    write: bool = True,
-) -> ApplyResult:
-    """Profile mode: apply the fixes for the findings of `rule` (or "all") in a run."""
-    from opadvisor.profile.runs import load_run
-    from opadvisor.rewrite.check import analyse_checked
-
-    messages: list[str] = []
-    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
-    run_dir, profiles = load_run(run)
-    # a rule named by --rule is asked for: one that reports only on request (the memory rule) reports
-    asked = [] if rule == "all" else rules
-    selected = rules + withheld
-    # the fix verdicts suggest and report show (a dry run per finding), computed the same single way
-    report = analyse_checked(profiles, run_dir, select=selected, requested=asked) if selected else None
-    findings = report.findings if report is not None else []
-    _say_withheld(withheld, {f.rule for f in findings}, messages)
-    findings = [f for f in findings if f.rule not in withheld]
-    for note in report.notes if report is not None else []:
-        if note.rule in withheld:
-            continue
-        if note.failed and rule != "all":
-            raise UserError(
-                f"the {note.rule} rule crashed on this profile, so nothing was applied: "
-                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
-            )
-        if note.failed:
-            messages.append(
-                f"{note.rule}: error: the rule crashed on this profile, its fixes were not applied: "
-                f"{note.message.removeprefix('rule failed on this profile ')} (a bug in opadvisor: please report it)"
-            )
-        else:
-            messages.append(f"{note.rule}: not checked on this profile: {note.message}")
-    sources: dict[str, str] = {}
-    for profile in profiles:
-        sources.update(profile.sources)
-    return apply_findings(
-        findings,
-        rules,
-        run_dir,
-        sources,
-        allow_unsafe=allow_unsafe,
-        force=force,
-        write=write,
-        messages=messages,
-        explicit_rule=None if rule == "all" else rule,
-    )
-
-
 def apply_findings(
     findings: Sequence[Any],
     rules: Sequence[str],
@@ -977,14 +989,39 @@ def apply_findings(
     messages = messages if messages is not None else []
     root = project_root()
     applied = load_applied(run_dir)
-    by_path: dict[Path, dict[str, list[Target]]] = {}
-    refused: list[str] = []
-    applicable = []
-    withheld = []
     if explicit_rule is not None and not any(f.rule == explicit_rule for f in findings):
         messages.append(
             f"{explicit_rule}: no findings in this run, so nothing to fix (`opadvisor suggest` lists what it found)"
         )
+    applicable = _applicable(findings, rules, root, messages, allow_unsafe, explicit_rule)
+    if explicit_rule is None:
+        applicable = _resolve_alternatives(applicable, messages, root, run_dir, sources)
+    by_path = _targets_by_path(applicable, root, messages)
+    jobs: list[FileJob] = []
+    for path, targets in by_path.items():
+        job = _profile_job(path, targets, run_dir, applied, sources, root, messages, allow_unsafe, force)
+        if job is not None:
+            job.keep_going = explicit_rule is None
+            jobs.append(job)
+    result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
+    if write and result.changed:
+        _write(result, run_dir, applied)
+        result.written = True
+    return result
+
+
+def _applicable(
+    findings: Sequence[Any],
+    rules: Sequence[str],
+    root: Path,
+    messages: list[str],
+    allow_unsafe: bool,
+    explicit_rule: str | None,
+) -> list[Any]:
+    """The findings of `rules` whose fix may be applied; a line in `messages` for each one left out. An
+    explicit rule whose fixes are all unsafe (without --unsafe) is a UserError."""
+    applicable = []
+    withheld = []
     for f in findings:
         if f.rule not in rules:
             continue
@@ -1007,8 +1044,16 @@ def apply_findings(
             f"the {f.rule} fix at {_where(f, root)}{more} is unsafe "
             f"(see `opadvisor explain {f.rule}`); pass --unsafe to apply it"
         )
-    if explicit_rule is None:
-        applicable = _resolve_alternatives(applicable, messages, root, run_dir, sources)
+    return applicable
+
+
+def _targets_by_path(
+    applicable: Sequence[Any], root: Path, messages: list[str]
+) -> dict[Path, dict[str, list[Target]]]:
+    """file -> codemod -> targets, for the findings to apply (a library finding's fix goes into the user's
+    script); files outside the project are refused (a UserError when no file is left)."""
+    by_path: dict[Path, dict[str, list[Target]]] = {}
+    refused: list[str] = []
     for f in applicable:
         routed = library_target(f)
         if routed is None and getattr(f, "library", None) is not None:
@@ -1025,66 +1070,79 @@ def apply_findings(
         raise UserError(refused[0] + (f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""))
     for problem in dict.fromkeys(refused):
         messages.append(f"not applied: {problem}")
-    jobs: list[FileJob] = []
-    for path, targets in by_path.items():
-        current = _read(path)
-        original = current
-        entries = _entries_for(applied, path)
-        recorded = sources.get(str(path))
-        if recorded is None:
-            recorded = next((h for p, h in sources.items() if Path(p).resolve() == path), None)
-        now = sha256(current)
-        earlier_label = None
-        if entries and entries[-1].get("sha256_after") == now:
-            backup = run_dir / entries[0]["backup"]
-            if backup.is_file():
-                original = backup.read_bytes()
-        elif force and recorded is not None and recorded != now:
-            # issue 30: place the findings' lines on the edited file through a diff against the source as
-            # profiled (kept in the run); a finding whose own lines were edited is refused, never guessed
-            profiled = profiled_source(run_dir, recorded)
-            if profiled is None:
-                messages.append(
-                    f"not applied: {_rel(str(path), root)} changed since it was profiled and the run keeps no "
-                    "copy of it as profiled, so the findings' lines cannot be placed on it; profile again"
-                )
-                continue
-            original, earlier_label = profiled, EDITED_SINCE_PROFILE
-        elif not force:
-            if recorded is None:
-                raise UserError(
-                    f"{path}: the profile recorded no hash for it, so its lines cannot be trusted; "
-                    "re-profile, or pass --force"
-                )
-            if recorded != now:
-                raise UserError(
-                    f"{path} changed since it was profiled (sha256 differs), so the findings' lines may have "
-                    "moved; re-profile, or pass --force to apply anyway"
-                )
-        _check_writable(path)
-        ordered = codemod_order(targets)
-        earlier_rules = tuple(dict.fromkeys(str(e.get("rule")) for e in entries))
-        earlier = ", ".join(earlier_rules)
-        if original == current:
-            earlier_rules = ()  # the file is not the earlier apply's result (restored, or another file)
-        jobs.append(
-            FileJob(
-                path,
-                current,
-                original,
-                targets,
-                ordered,
-                earlier_label or f"an earlier apply ({earlier})",
-                earlier_rules,
-                allow_unsafe,
-                keep_going=explicit_rule is None,
+    return by_path
+
+
+def _profile_job(
+    path: Path,
+    targets: dict[str, list[Target]],
+    run_dir: Path,
+    applied: dict[str, Any],
+    sources: dict[str, str],
+    root: Path,
+    messages: list[str],
+    allow_unsafe: bool,
+    force: bool,
+) -> FileJob | None:
+    """The job for one file of a profile-mode apply: the findings' lines are placed on the file as
+    profiled (an earlier apply's result maps back to its backup; with --force an edited file maps through
+    the copy the run keeps). None (and a message) when they cannot be placed; a UserError when the file
+    changed since the profile and --force was not given."""
+    current = _read(path)
+    original = current
+    entries = _entries_for(applied, path)
+    recorded = sources.get(str(path))
+    if recorded is None:
+        recorded = next((h for p, h in sources.items() if Path(p).resolve() == path), None)
+    now = sha256(current)
+    earlier_label = None
+    if entries and entries[-1].get("sha256_after") == now:
+        backup = run_dir / entries[0]["backup"]
+        if backup.is_file():
+            original = backup.read_bytes()
+    elif force and recorded is not None and recorded != now:
+        # issue 30: place the findings' lines on the edited file through a diff against the source as
+        # profiled (kept in the run); a finding whose own lines were edited is refused, never guessed
+        profiled = profiled_source(run_dir, recorded)
+        if profiled is None:
+            messages.append(
+                f"not applied: {_rel(str(path), root)} changed since it was profiled and the run keeps no "
+                "copy of it as profiled, so the findings' lines cannot be placed on it; profile again"
             )
+            return None
+        original, earlier_label = profiled, EDITED_SINCE_PROFILE
+    elif not force:
+        _check_profiled_hash(path, recorded, now)
+    _check_writable(path)
+    ordered = codemod_order(targets)
+    earlier_rules = tuple(dict.fromkeys(str(e.get("rule")) for e in entries))
+    earlier = ", ".join(earlier_rules)
+    if original == current:
+        earlier_rules = ()  # the file is not the earlier apply's result (restored, or another file)
+    return FileJob(
+        path,
+        current,
+        original,
+        targets,
+        ordered,
+        earlier_label or f"an earlier apply ({earlier})",
+        earlier_rules,
+        allow_unsafe,
+    )
+
+
+def _check_profiled_hash(path: Path, recorded: str | None, now: str) -> None:
+    """Refuse a file whose lines cannot be trusted: no hash recorded, or changed since the profile."""
+    if recorded is None:
+        raise UserError(
+            f"{path}: the profile recorded no hash for it, so its lines cannot be trusted; "
+            "re-profile, or pass --force"
         )
-    result = ApplyResult(_run_jobs(jobs, messages), messages, run_dir)
-    if write and result.changed:
-        _write(result, run_dir, applied)
-        result.written = True
-    return result
+    if recorded != now:
+        raise UserError(
+            f"{path} changed since it was profiled (sha256 differs), so the findings' lines may have "
+            "moved; re-profile, or pass --force to apply anyway"
+        )
 
 
 def library_target(f: Any) -> tuple[str, str, Target] | None:
@@ -1116,8 +1174,6 @@ def _resolve_alternatives(
 ) -> list[Any]:
     """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
     the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
-    from opadvisor.rewrite.check import dry_run
-
     dropped: set[int] = set()
     for f in findings:
         alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
@@ -1194,7 +1250,7 @@ def apply_files(
 ) -> ApplyResult:
     """Static mode: rewrite every match of `rule` (or "all") in the named files, without a profile."""
     messages: list[str] = []
-    rules, withheld = _selected_rules(rule, allow_unsafe, messages)
+    rules, withheld = selected_rules(rule, allow_unsafe, messages)
     root = project_root()
     jobs = []
     seen: set[Path] = set()
@@ -1220,7 +1276,7 @@ def apply_files(
             FileJob(j.path, j.current, j.current, None, list(withheld), allow_unsafe=True, dry=True)
             for j in jobs
         ]
-        _say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
+        say_withheld(withheld, {r.rule for f in _run_jobs(dry, []) for r in f.rules if r.changes}, messages)
     state = static_state_dir()
     result = ApplyResult(_run_jobs(jobs, messages), messages, state)
     if write and result.changed:

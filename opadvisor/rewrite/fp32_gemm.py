@@ -199,6 +199,20 @@ class Fp32GemmCodemod(RuleCodemod):
         if reason is not None:
             self.skip(original_node.body[hit[0]], reason)
             return updated_node
+        groups = self._autocast_groups(original_node, hit)
+        if not groups:
+            return updated_node
+        body = list(updated_node.body)
+        for group in reversed(groups):
+            first, last = group[0], group[-1]
+            body[first : last + 1] = [self._autocast_with(original_node, body, first, last)]
+        if not self._torch_imported:
+            AddImportsVisitor.add_needed_import(self.context, "torch")
+        return updated_node.with_changes(body=body)
+
+    def _autocast_groups(self, original_node: cst.IndentedBlock, hit: list[int]) -> list[list[int]]:
+        """The targeted statements of the block in runs of adjacent simple statements (each run goes under
+        one `with torch.autocast`); compound, already-autocast and backward/optimizer statements skipped."""
         groups: list[list[int]] = []
         for i in hit:
             stmt = original_node.body[i]
@@ -221,37 +235,33 @@ class Fp32GemmCodemod(RuleCodemod):
                 groups[-1].append(i)
             else:
                 groups.append([i])
-        if not groups:
-            return updated_node
-        body = list(updated_node.body)
-        for group in reversed(groups):
-            first, last = group[0], group[-1]
-            inner = [*body[first : last + 1]]
-            leading = inner[0].leading_lines  # type: ignore[attr-defined]
-            inner[0] = inner[0].with_changes(leading_lines=[])
-            t = self._torch
-            with_stmt = cst.With(
-                items=[
-                    cst.WithItem(
-                        cst.parse_expression(f'{t}.autocast(device_type="cuda", dtype={t}.bfloat16)')
-                    )
-                ],
-                body=cst.IndentedBlock(body=inner),
-                leading_lines=leading,
-            )
-            start, end = (
-                self.lines_of(original_node.body[first])[0],
-                self.lines_of(original_node.body[last])[1],
-            )
-            span = f"line {start}" if start == end else f"lines {start}-{end}"
-            self.record_change(
-                original_node.body[first],
-                f'{span} run under torch.autocast("cuda", bfloat16) (unsafe: numerics change)',
-            )
-            body[first : last + 1] = [with_stmt]
-        if not self._torch_imported:
-            AddImportsVisitor.add_needed_import(self.context, "torch")
-        return updated_node.with_changes(body=body)
+        return groups
+
+    def _autocast_with(
+        self, original_node: cst.IndentedBlock, body: list[cst.BaseStatement], first: int, last: int
+    ) -> cst.With:
+        """Statements first..last of the block under `with torch.autocast("cuda", bfloat16)`, recorded."""
+        inner = [*body[first : last + 1]]
+        leading = inner[0].leading_lines  # type: ignore[attr-defined]
+        inner[0] = inner[0].with_changes(leading_lines=[])
+        t = self._torch
+        with_stmt = cst.With(
+            items=[
+                cst.WithItem(cst.parse_expression(f'{t}.autocast(device_type="cuda", dtype={t}.bfloat16)'))
+            ],
+            body=cst.IndentedBlock(body=inner),
+            leading_lines=leading,
+        )
+        start, end = (
+            self.lines_of(original_node.body[first])[0],
+            self.lines_of(original_node.body[last])[1],
+        )
+        span = f"line {start}" if start == end else f"lines {start}-{end}"
+        self.record_change(
+            original_node.body[first],
+            f'{span} run under torch.autocast("cuda", bfloat16) (unsafe: numerics change)',
+        )
+        return with_stmt
 
     def _block_refusal(self, block: cst.IndentedBlock) -> str | None:
         in_loop = False

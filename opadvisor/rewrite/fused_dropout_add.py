@@ -45,6 +45,40 @@ RESHAPING = frozenset(
 FILLED = frozenset({"torch.zeros", "torch.ones", "torch.empty", "torch.randn", "torch.rand", "torch.full"})
 
 
+def _add_read(
+    finder: ChainFinder, stmts: Sequence[cst.BaseStatement], index: int, drop: Step, link: bool
+) -> tuple[cst.BaseExpression, cst.BaseStatement, tuple[str, cst.BaseExpression] | None]:
+    """(what the add reads: the dropout call, or the temporary holding it; the statement of the add;
+    statement `index` as `name = value`, None when it is not one)."""
+    stmt = stmts[index]
+    read: cst.BaseExpression = drop.node
+    add_stmt = stmt
+    assign = _assign_name(stmt)
+    if link and assign is not None and assign[1] is drop.node and index + 1 < len(stmts):
+        reads = finder._reads_of(assign[0], stmts[index + 1])
+        if len(reads) == 1:
+            read, add_stmt = reads[0], stmts[index + 1]
+    return read, add_stmt, assign
+
+
+def _dropout_keywords(drop: Step, carried: list[cst.CSTNode]) -> list[tuple[str, cst.BaseExpression]]:
+    """The kernel's p= and training= as the dropout had them (a module's: `m.p`, `m.training`); what they
+    read is added to `carried`."""
+    module = drop.params.get("module")
+    if module is not None:
+        from opadvisor.rewrite._edit import template
+
+        carried.append(module)
+        return [
+            ("p", template("__m__.p", m=module)),
+            ("training", template("__m__.training", m=module)),
+        ]
+    p, training = drop.params["p"], drop.params.get("training")
+    assert p is not None
+    carried.extend(n for n in (p, training) if n is not None)
+    return [("p", p)] + ([("training", training)] if training is not None else [])
+
+
 def _innermost(functions: list[tuple[str, int, int]], line: int) -> tuple[str, int] | None:
     """(name, first line) of the innermost def holding `line`."""
     holding = [(end - start, name, start) for name, start, end in functions if start <= line <= end]
@@ -191,15 +225,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
         small = _small(stmt)
         assert small is not None and drop.input is not None
         first = index
-        read: cst.BaseExpression = (
-            drop.node
-        )  # what the add reads: the dropout call, or the temporary holding it
-        add_stmt = stmt
-        assign = _assign_name(stmt)
-        if link and assign is not None and assign[1] is drop.node and index + 1 < len(stmts):
-            reads = finder._reads_of(assign[0], stmts[index + 1])
-            if len(reads) == 1:
-                read, add_stmt = reads[0], stmts[index + 1]
+        read, add_stmt, assign = _add_read(finder, stmts, index, drop, link)
         residual, top = self._residual(finder, read, add_stmt)
         if residual is None:
             return None
@@ -217,22 +243,8 @@ class FusedDropoutAddCodemod(BlockRewriter):
             self.skip(anchor, f"not fused: {problem}")
             return None
         x, bias = self._split_bias(finder, drop.input, facts)
-        module = drop.params.get("module")
-        keywords: list[tuple[str, cst.BaseExpression]] = []
         carried: list[cst.CSTNode] = [x, residual] + ([bias] if bias is not None else [])
-        if module is not None:
-            from opadvisor.rewrite._edit import template
-
-            keywords = [
-                ("p", template("__m__.p", m=module)),
-                ("training", template("__m__.training", m=module)),
-            ]
-            carried.append(module)
-        else:
-            p, training = drop.params["p"], drop.params.get("training")
-            assert p is not None
-            keywords = [("p", p)] + ([("training", training)] if training is not None else [])
-            carried.extend(n for n in (p, training) if n is not None)
+        keywords = _dropout_keywords(drop, carried)
         if isinstance(top, cst.AugAssign):
             problem = self._shared_in_place(finder, stmts, last, top)
             if problem:
@@ -248,25 +260,40 @@ class FusedDropoutAddCodemod(BlockRewriter):
                 ],
                 0,
             )
-            problem = finder.temps_problem(chain, carried)
-            if problem is not None:
-                name, line, _ = problem
-                self.skip(
-                    anchor, f"not fused: `{name}` is read again at line {line}, so it cannot be folded away"
-                )
+            if not self._temps_fold(finder, chain, carried, anchor):
                 return None
-        last_stmt = stmts[last]
-        assert isinstance(last_stmt, cst.SimpleStatementLine)
         positional = [mt.unparen(x), bias if bias is not None else cst.Name("None"), residual]
-        if isinstance(top, cst.AugAssign):
-            assert isinstance(top.target, cst.Name)
-            probe_call = self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top.value, indent)
-            new: cst.CSTNode = cst.Assign(targets=[cst.AssignTarget(target=top.target)], value=probe_call)
-        else:
-            new = self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top, indent)
+        new = self._kernel_call(stmts[last], top, positional, keywords, indent)
         what = "bias add -> dropout -> residual add" if bias is not None else "dropout -> residual add"
         self.record_change(anchor, f"{what} -> opadvisor.kernels.bias_dropout_add")
         return BlockEdit(first, last, {id(top): new}, carried)  # type: ignore[dict-item]
+
+    def _temps_fold(
+        self, finder: ChainFinder, chain: Chain, carried: list[cst.CSTNode], anchor: cst.CSTNode
+    ) -> bool:
+        """Whether the temporary between the dropout and the add can be folded away (else a skip, said)."""
+        problem = finder.temps_problem(chain, carried)
+        if problem is None:
+            return True
+        name, line, _ = problem
+        self.skip(anchor, f"not fused: `{name}` is read again at line {line}, so it cannot be folded away")
+        return False
+
+    def _kernel_call(
+        self,
+        last_stmt: cst.BaseStatement,
+        top: cst.CSTNode,
+        positional: list[cst.BaseExpression],
+        keywords: list[tuple[str, cst.BaseExpression]],
+        indent: str,
+    ) -> cst.CSTNode:
+        """The bias_dropout_add call that replaces `top` (an in-place `x += ...` becomes `x = call`)."""
+        assert isinstance(last_stmt, cst.SimpleStatementLine)
+        if isinstance(top, cst.AugAssign):
+            assert isinstance(top.target, cst.Name)
+            probe_call = self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top.value, indent)
+            return cst.Assign(targets=[cst.AssignTarget(target=top.target)], value=probe_call)
+        return self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top, indent)
 
     # ---- the facts of the site ------------------------------------------------------------------------
     def _is_profiled_site(

@@ -41,7 +41,9 @@ from opadvisor.rewrite._blocks import BlockEdit
 from opadvisor.rewrite._chain import (
     Chain,
     ChainFinder,
+    Segment,
     SoftmaxChainRewriter,
+    Step,
     _small,
     cast_problem,
     guarded,
@@ -132,22 +134,10 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     ) -> tuple[BlockEdit | None, str | None]:
         first = cand.segments[0]
         single = len(cand.segments) == 1
-        keep_first = False
-        if single:
-            x: cst.BaseExpression = first.entry
-        elif first.aug or isinstance(first.entry, cst.Name):
-            x = cst.Name(first.target if first.aug else first.entry.value)  # type: ignore[union-attr,arg-type]
-        else:
-            x = cst.Name(first.target)  # type: ignore[arg-type]
-            keep_first = True
+        x, keep_first = _scores_of(first, single)
         positional: list[cst.BaseExpression] = [x]
-        keywords: list[tuple[str, cst.BaseExpression]] = []
         carried: list[cst.CSTNode] = [first.entry] if (single or keep_first) else []
-        softmax = cand.step("softmax")
-        assert softmax is not None
         mask = cand.step("mask")
-        scale = cand.step("scale")
-        dropout = cand.step("dropout")
         meta_name = x.value if isinstance(x, cst.Name) else None
         reshape, restore = (mask.params.get("reshape"), mask.params.get("restore")) if mask else (None, None)
         if reshape is not None:  # the mask applies to a view of the scores: the call takes that view
@@ -159,37 +149,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
             value, reused = guarded(mask, mask.params["mask"])  # type: ignore[arg-type]
             positional.append(value)
             carried.extend([mask.params["mask"], *reused])  # type: ignore[list-item]
-        dim = softmax.params.get("dim")
-        if dim is not None and mt.int_value(dim) != -1:
-            keywords.append(("dim", dim))
-            carried.append(dim)
-        if scale is not None:
-            factor = scale.params["factor"]
-            assert factor is not None
-            keywords.append(("scale", ed.reciprocal(factor) if scale.divide else factor))
-            carried.append(factor)
-        if mask is not None and mask.params.get("fill") is not None:
-            fill = mask.params["fill"]
-            assert fill is not None
-            if not mt.is_neg_inf(fill):
-                keywords.append(("fill_value", fill))
-                carried.append(fill)
-        if cand.step("zero") is not None:
-            keywords.append(("zero_masked", cst.Name("True")))
-        if dropout is not None:
-            module = dropout.params.get("module")
-            if module is not None:
-                keywords.append(("dropout_p", ed.template("__m__.p", m=module)))
-                keywords.append(("training", ed.template("__m__.training", m=module)))
-                carried.append(module)
-            else:
-                p, training = dropout.params["p"], dropout.params.get("training")
-                assert p is not None
-                keywords.append(("dropout_p", p))
-                carried.append(p)
-                if training is not None:
-                    keywords.append(("training", training))
-                    carried.append(training)
+        keywords = _keywords(cand, carried)
         read = finder.temps_problem(cand, carried, meta_name, keep_first)
         if read is not None:
             name, line, _in_return = read
@@ -206,15 +166,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
             call = cst.Call(func=cst.Attribute(value=call, attr=restore.func.attr), args=restore.args)  # type: ignore[attr-defined]
         edit = BlockEdit(cand.first, cand.last, {id(cand.top): call}, carried)
         if keep_first:
-            first_stmt = stmts[cand.first]
-            assert isinstance(first_stmt, cst.SimpleStatementLine)
-            assign = first_stmt.body[0]
-            assert isinstance(assign, cst.Assign)
-            base = first.entry
-            if getattr(base, "lpar", None) and "\n" not in mt.code(mt.unparen(base)):
-                base = mt.unparen(base)
-            edit.kept_first = first_stmt.with_changes(body=[assign.with_changes(value=base)])
-            edit.kept_first_dropped = assign.value
+            _keep_first(edit, stmts[cand.first], first)
         return edit, None
 
     def _record(self, anchor: cst.CSTNode, full: Chain, done: Chain, problem: str | None) -> None:
@@ -237,3 +189,73 @@ def code_op(stmt: cst.CSTNode) -> str:
     if isinstance(small, cst.AugAssign):
         return mt.code(small.operator).strip().rstrip("=")
     return ""
+
+
+def _scores_of(first: Segment, single: bool) -> tuple[cst.BaseExpression, bool]:
+    """(what the kernel call takes as the scores, whether the first statement is kept as `name = base`)."""
+    if single:
+        return first.entry, False
+    if first.aug or isinstance(first.entry, cst.Name):
+        return cst.Name(first.target if first.aug else first.entry.value), False  # type: ignore[union-attr,arg-type]
+    return cst.Name(first.target), True  # type: ignore[arg-type]
+
+
+def _keywords(cand: Chain, carried: list[cst.CSTNode]) -> list[tuple[str, cst.BaseExpression]]:
+    """The kernel call's keywords (dim, scale, fill_value, zero_masked, dropout_p, training) from the chain's
+    steps; what they read is added to `carried`."""
+    keywords: list[tuple[str, cst.BaseExpression]] = []
+    softmax = cand.step("softmax")
+    assert softmax is not None
+    mask = cand.step("mask")
+    scale = cand.step("scale")
+    dim = softmax.params.get("dim")
+    if dim is not None and mt.int_value(dim) != -1:
+        keywords.append(("dim", dim))
+        carried.append(dim)
+    if scale is not None:
+        factor = scale.params["factor"]
+        assert factor is not None
+        keywords.append(("scale", ed.reciprocal(factor) if scale.divide else factor))
+        carried.append(factor)
+    if mask is not None and mask.params.get("fill") is not None:
+        fill = mask.params["fill"]
+        assert fill is not None
+        if not mt.is_neg_inf(fill):
+            keywords.append(("fill_value", fill))
+            carried.append(fill)
+    if cand.step("zero") is not None:
+        keywords.append(("zero_masked", cst.Name("True")))
+    dropout = cand.step("dropout")
+    if dropout is not None:
+        keywords.extend(_dropout_keywords(dropout, carried))
+    return keywords
+
+
+def _dropout_keywords(dropout: Step, carried: list[cst.CSTNode]) -> list[tuple[str, cst.BaseExpression]]:
+    """dropout_p= and training= as the dropout had them (a module's: `m.p`, `m.training`)."""
+    module = dropout.params.get("module")
+    if module is not None:
+        carried.append(module)
+        return [
+            ("dropout_p", ed.template("__m__.p", m=module)),
+            ("training", ed.template("__m__.training", m=module)),
+        ]
+    p, training = dropout.params["p"], dropout.params.get("training")
+    assert p is not None
+    carried.append(p)
+    if training is None:
+        return [("dropout_p", p)]
+    carried.append(training)
+    return [("dropout_p", p), ("training", training)]
+
+
+def _keep_first(edit: BlockEdit, first_stmt: cst.BaseStatement, first: Segment) -> None:
+    """The first statement stays as `name = base` (its value unparenthesised where that fits one line)."""
+    assert isinstance(first_stmt, cst.SimpleStatementLine)
+    assign = first_stmt.body[0]
+    assert isinstance(assign, cst.Assign)
+    base = first.entry
+    if getattr(base, "lpar", None) and "\n" not in mt.code(mt.unparen(base)):
+        base = mt.unparen(base)
+    edit.kept_first = first_stmt.with_changes(body=[assign.with_changes(value=base)])
+    edit.kept_first_dropped = assign.value

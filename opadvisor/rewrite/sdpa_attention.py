@@ -56,6 +56,7 @@ from opadvisor.rewrite._chain import (
     Chain,
     ChainFinder,
     SoftmaxChainRewriter,
+    Step,
     _assign_name,
     _small,
     cast_problem,
@@ -204,7 +205,6 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         if dtype_problem is not None:
             return dtype_problem, keywords, carried
         mask, zero, scale, dropout = (chain.step(k) for k in ("mask", "zero", "scale", "dropout"))
-        causal = False
         if mask is not None and mask.params.get("reshape") is not None:
             return (
                 "the mask is added to a view of the scores in another shape (3-D scores, 4-D mask), "
@@ -212,86 +212,11 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                 keywords,
                 carried,
             )
-        if mask is not None:
-            mask_node = mask.params["mask"]
-            assert mask_node is not None
-            fill = mask.params.get("fill")
-            if fill is None:  # additive float mask: SDPA adds it the same way
-                value, reused = guarded(mask, mask_node)
-                keywords.append(("attn_mask", value))
-                carried.extend([mask_node, *reused])
-                if zero is not None:
-                    return "the zeroing after the softmax has no matching masked_fill", keywords, carried
-            else:
-                profiled = finder.facts.fill_value if finder.facts is not None else None
-                very_negative = (
-                    mt.is_neg_inf(fill)
-                    or mt.is_finfo_min(fill)
-                    or ((mt.number_value(fill) or 0.0) <= VERY_NEGATIVE and mt.number_value(fill) is not None)
-                    # a fill read from a name (`mask_value = -torch.finfo(dots.dtype).max`): its value as profiled
-                    or (
-                        mt.number_value(fill) is None
-                        and isinstance(profiled, float)
-                        and profiled <= VERY_NEGATIVE
-                    )
-                )
-                if not very_negative:
-                    return (
-                        f"the mask fills with `{mt.code(fill)}`, not -inf or a very large negative number",
-                        keywords,
-                        carried,
-                    )
-                if zero is not None and not getattr(self, "allow_unsafe", False):
-                    return (
-                        "the original zeroes the probabilities of masked positions, so it expects rows whose every "
-                        "key is masked; SDPA does not give zeros there on every backend (on an H200 in bf16, cuDNN "
-                        "attention gave non-zero rows and NaN gradients): an unsafe fix, pass --unsafe",
-                        keywords,
-                        carried,
-                    )
-                if zero is not None and not zero.params["mask"].deep_equals(mask_node):  # type: ignore[union-attr]
-                    return (
-                        "the zeroing after the softmax uses a different mask than the masked_fill",
-                        keywords,
-                        carried,
-                    )
-                causal = mask.params.get("condition") is None and self._is_causal(finder, mask_node)
-                if not causal:
-                    neg_inf = mt.is_neg_inf(fill) or (
-                        mt.number_value(fill) is None and profiled == float("-inf")
-                    )
-                    if not neg_inf and zero is None:
-                        return (
-                            f"with the finite fill `{mt.code(fill)}`, a row whose every key is masked averages "
-                            "the values; SDPA gives zeros there (fill with float('-inf') or zero the masked "
-                            "probabilities after the softmax)",
-                            keywords,
-                            carried,
-                        )
-                    value, reused = guarded(mask, ed.invert(mask_node))
-                    keywords.append(("attn_mask", value))
-                    carried.extend([mask_node, *reused])
-        elif zero is not None:
-            return "the zeroing after the softmax has no matching masked_fill", keywords, carried
+        problem, causal = self._mask_arguments(finder, mask, zero, keywords, carried)
+        if problem is not None:
+            return problem, keywords, carried
         if dropout is not None:
-            module = dropout.params.get("module")
-            if module is not None:
-                keywords.append(("dropout_p", ed.template("__m__.p if __m__.training else 0.0", m=module)))
-                carried.append(module)
-            else:
-                p, training = dropout.params["p"], dropout.params.get("training")
-                assert p is not None
-                carried.append(p)
-                if training is None or m.matches(training, m.Name("True")):
-                    keywords.append(("dropout_p", p))
-                else:
-                    keywords.append(
-                        (
-                            "dropout_p",
-                            ed.template("__p__ if __t__ else 0.0", p=ed.atomic(p), t=ed.atomic(training)),
-                        )
-                    )
-                    carried.append(training)
+            keywords.append(("dropout_p", _dropout_p(dropout, carried)))
         if causal:
             keywords.append(("is_causal", cst.Name("True")))
         if scale is None:
@@ -302,6 +227,70 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
             keywords.append(("scale", ed.reciprocal(factor) if scale.divide else factor))
             carried.append(factor)
         return None, keywords, carried
+
+    def _mask_arguments(
+        self,
+        finder: ChainFinder,
+        mask: Step | None,
+        zero: Step | None,
+        keywords: list[tuple[str, cst.BaseExpression]],
+        carried: list[cst.CSTNode],
+    ) -> tuple[str | None, bool]:
+        """Add attn_mask (and what it reads) for the chain's mask: (why SDPA cannot take it, None when it
+        can; whether the mask is the causal one, given as is_causal instead)."""
+        if mask is None:
+            if zero is not None:
+                return "the zeroing after the softmax has no matching masked_fill", False
+            return None, False
+        mask_node = mask.params["mask"]
+        assert mask_node is not None
+        fill = mask.params.get("fill")
+        if fill is None:  # additive float mask: SDPA adds it the same way
+            value, reused = guarded(mask, mask_node)
+            keywords.append(("attn_mask", value))
+            carried.extend([mask_node, *reused])
+            if zero is not None:
+                return "the zeroing after the softmax has no matching masked_fill", False
+            return None, False
+        return self._filled_mask_arguments(finder, mask, mask_node, fill, zero, keywords, carried)
+
+    def _filled_mask_arguments(
+        self,
+        finder: ChainFinder,
+        mask: Step,
+        mask_node: cst.BaseExpression,
+        fill: cst.BaseExpression,
+        zero: Step | None,
+        keywords: list[tuple[str, cst.BaseExpression]],
+        carried: list[cst.CSTNode],
+    ) -> tuple[str | None, bool]:
+        """`_mask_arguments` for a masked_fill: SDPA's boolean attn_mask is the mask inverted (or is_causal)."""
+        profiled = finder.facts.fill_value if finder.facts is not None else None
+        if not _very_negative(fill, profiled):
+            return f"the mask fills with `{mt.code(fill)}`, not -inf or a very large negative number", False
+        if zero is not None and not getattr(self, "allow_unsafe", False):
+            return (
+                "the original zeroes the probabilities of masked positions, so it expects rows whose every "
+                "key is masked; SDPA does not give zeros there on every backend (on an H200 in bf16, cuDNN "
+                "attention gave non-zero rows and NaN gradients): an unsafe fix, pass --unsafe",
+                False,
+            )
+        if zero is not None and not zero.params["mask"].deep_equals(mask_node):  # type: ignore[union-attr]
+            return "the zeroing after the softmax uses a different mask than the masked_fill", False
+        causal = mask.params.get("condition") is None and self._is_causal(finder, mask_node)
+        if not causal:
+            neg_inf = mt.is_neg_inf(fill) or (mt.number_value(fill) is None and profiled == float("-inf"))
+            if not neg_inf and zero is None:
+                return (
+                    f"with the finite fill `{mt.code(fill)}`, a row whose every key is masked averages "
+                    "the values; SDPA gives zeros there (fill with float('-inf') or zero the masked "
+                    "probabilities after the softmax)",
+                    False,
+                )
+            value, reused = guarded(mask, ed.invert(mask_node))
+            keywords.append(("attn_mask", value))
+            carried.extend([mask_node, *reused])
+        return None, causal
 
     # ---- causal masks ---------------------------------------------------------------------------------------
     def _is_causal(self, finder: ChainFinder, mask: cst.BaseExpression) -> bool:
@@ -462,3 +451,30 @@ def _a_product(node: cst.BaseExpression) -> bool:
             if name in products:
                 return True
     return False
+
+
+def _very_negative(fill: cst.BaseExpression, profiled: object) -> bool:
+    """Whether a masked_fill's value is -inf, finfo.min or at most VERY_NEGATIVE (as written, or for a fill
+    read from a name, `mask_value = -torch.finfo(dots.dtype).max`, as profiled)."""
+    return (
+        mt.is_neg_inf(fill)
+        or mt.is_finfo_min(fill)
+        or ((mt.number_value(fill) or 0.0) <= VERY_NEGATIVE and mt.number_value(fill) is not None)
+        or (mt.number_value(fill) is None and isinstance(profiled, float) and profiled <= VERY_NEGATIVE)
+    )
+
+
+def _dropout_p(dropout: Step, carried: list[cst.CSTNode]) -> cst.BaseExpression:
+    """SDPA's dropout_p for the chain's dropout: p where it always drops, `p if training else 0.0` where it
+    drops in training only (a module's: `m.p if m.training else 0.0`); what it reads is added to `carried`."""
+    module = dropout.params.get("module")
+    if module is not None:
+        carried.append(module)
+        return ed.template("__m__.p if __m__.training else 0.0", m=module)
+    p, training = dropout.params["p"], dropout.params.get("training")
+    assert p is not None
+    carried.append(p)
+    if training is None or m.matches(training, m.Name("True")):
+        return p
+    carried.append(training)
+    return ed.template("__p__ if __t__ else 0.0", p=ed.atomic(p), t=ed.atomic(training))

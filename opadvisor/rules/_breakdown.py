@@ -26,10 +26,10 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from opadvisor.profile.intervals import interval_union
 from opadvisor.profile.model import Profile
 from opadvisor.rules._chains import GEMM_OPS
-from opadvisor.rules._index import index_of
-from opadvisor.rules.cross_rank import interval_union
+from opadvisor.rules._index import ProfileIndex, index_of
 
 LAUNCH_GAP_US = 100.0
 _BUSY_PARTS = ("matrix products", "memory-bound elementwise")
@@ -45,7 +45,6 @@ def _is_matrix_kernel(op_name: str, kernel_name: str) -> bool:
 
 def breakdown(profile: Profile) -> dict[str, Any]:
     ix = index_of(profile)
-    n = ix.steps_recorded
     step_ms = ix.step_ms
     parts: list[tuple[str, float]] = []
     profiled: dict[str, float] = {}
@@ -55,41 +54,7 @@ def breakdown(profile: Profile) -> dict[str, Any]:
         if "DataLoader" in a.name and (a.step is not None or not profile.steps)
     )
     if ix.gpu:
-        matrix = other = 0.0
-        for op in profile.ops:
-            if op.kernels and ix.in_window(op):
-                for k in op.kernels:
-                    if _is_matrix_kernel(op.name, k.name):
-                        matrix += k.duration_us
-                    else:
-                        other += k.duration_us
-        busy = sum((s.gpu_busy_ms or 0.0) for s in profile.steps) * 1000.0
-        total_k = matrix + other
-        scale = busy / total_k if total_k else 0.0  # overlapping streams: shares of the busy union
-        data = launch = idle = 0.0
-        starts = [a for a, _ in loaders]
-        for s in profile.steps:
-            span = (s.gpu_span_ms or s.wall_ms) * 1000.0
-            gaps = 0.0
-            for g in s.idle_gaps:
-                a, b = g.start_us, g.start_us + g.duration_us
-                gaps += g.duration_us
-                i = bisect.bisect_right(starts, b)
-                if any(loaders[j][1] > a for j in range(max(0, i - 16), i)):
-                    data += g.duration_us
-                elif g.duration_us < LAUNCH_GAP_US:
-                    launch += g.duration_us
-                else:
-                    idle += g.duration_us
-            launch += max(0.0, span - (s.gpu_busy_ms or 0.0) * 1000.0 - gaps)
-        parts = [
-            ("matrix products", matrix * scale),
-            ("memory-bound elementwise", other * scale),
-            ("launch-bound gaps", launch),
-            ("GPU idle", idle),
-            ("data loading", data),
-        ]
-        parts = [(name, us / 1000.0 / n) for name, us in parts]
+        parts = _gpu_parts(profile, ix, loaders)
         # idle parts as the plain step has them (scale 1 without a calibration): busy parts are GPU time
         profiled = dict(parts)
         parts = _idle_to_plain_step(parts, ix.calibration)
@@ -114,6 +79,56 @@ def breakdown(profile: Profile) -> dict[str, Any]:
             for name, ms in parts
         ],
     }
+
+
+def _gpu_parts(
+    profile: Profile, ix: ProfileIndex, loaders: list[tuple[float, float]]
+) -> list[tuple[str, float]]:
+    """The mean step's GPU span cut up (ms, as profiled): matrix products and other kernels (shares of the
+    busy union), and the idle gaps: waiting for data, launch-bound (short gaps), idle."""
+    n = ix.steps_recorded
+    matrix = other = 0.0
+    for op in profile.ops:
+        if op.kernels and ix.in_window(op):
+            for k in op.kernels:
+                if _is_matrix_kernel(op.name, k.name):
+                    matrix += k.duration_us
+                else:
+                    other += k.duration_us
+    busy = sum((s.gpu_busy_ms or 0.0) for s in profile.steps) * 1000.0
+    total_k = matrix + other
+    scale = busy / total_k if total_k else 0.0  # overlapping streams: shares of the busy union
+    data, launch, idle = _gap_parts(profile, loaders)
+    parts = [
+        ("matrix products", matrix * scale),
+        ("memory-bound elementwise", other * scale),
+        ("launch-bound gaps", launch),
+        ("GPU idle", idle),
+        ("data loading", data),
+    ]
+    return [(name, us / 1000.0 / n) for name, us in parts]
+
+
+def _gap_parts(profile: Profile, loaders: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(waiting for data, launch-bound, idle) us over the steps: each idle gap by what it overlaps or how
+    short it is; the span not covered by busy time or gaps counts as launch-bound."""
+    data = launch = idle = 0.0
+    starts = [a for a, _ in loaders]
+    for s in profile.steps:
+        span = (s.gpu_span_ms or s.wall_ms) * 1000.0
+        gaps = 0.0
+        for g in s.idle_gaps:
+            a, b = g.start_us, g.start_us + g.duration_us
+            gaps += g.duration_us
+            i = bisect.bisect_right(starts, b)
+            if any(loaders[j][1] > a for j in range(max(0, i - 16), i)):
+                data += g.duration_us
+            elif g.duration_us < LAUNCH_GAP_US:
+                launch += g.duration_us
+            else:
+                idle += g.duration_us
+        launch += max(0.0, span - (s.gpu_busy_ms or 0.0) * 1000.0 - gaps)
+    return data, launch, idle
 
 
 def _what_total_is(gpu: bool, calibrated: bool) -> str:

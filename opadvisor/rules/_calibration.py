@@ -110,25 +110,3 @@ def calibration_words(cal: StepCalibration) -> str:
         f"the profiler; GPU busy {cal.busy_ms:.3g} ms, so idle {cal.plain_idle_ms:.3g} ms plain vs "
         f"{cal.profiled_idle_ms:.3g} ms profiled (x{cal.idle_scale:.2f})"
     )
-
-
-def step_words(profile: Profile) -> str:
-    """ "step 50 ms plain, 88 ms under the profiler" (or why there is no plain time), for headers."""
-    from opadvisor.rules._findings import fmt_ms
-    from opadvisor.rules._index import index_of
-
-    cal = index_of(profile).calibration
-    profiled = fmt_ms(cal.profiled_ms)
-    if cal.plain_slower:
-        return (
-            f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler (the plain steps were slower: "
-            "the warm-up may not have been over; profile with a larger --warmup)"
-        )
-    if cal.plain_ms is not None:
-        return f"step {fmt_ms(cal.plain_ms)} plain, {profiled} under the profiler"
-    why = (
-        "profile with --warmup 2 or more to time it"
-        if profile.warmup_steps < 2
-        else "this run did not time one (--calibrate 0, a time window, or an older opadvisor)"
-    )
-    return f"median step {profiled} under the profiler (no plain step time: {why})"

@@ -132,22 +132,10 @@ def build_finding(
     ms = ix.per_step_ms(total_us) if every else None
     share = ix.share_of_step(ms)
     per_step = max(1, round(len(occurrences) / ix.steps_recorded))
-    if ix.gpu:
-        kernels_per_step = round(ix.site_kernels(every, backward=backward) / ix.steps_recorded)
-        fwd_kernels = sum(ix.kernel_count(op) for op in first)
-        what = f"{fwd_kernels} kernels" if fwd_kernels != 1 else "1 kernel"
-    else:
-        kernels_per_step = None
-        fwd_kernels = len(first)
-        what = f"{fwd_kernels} separate ops"
-    parts = [head + ":"]
-    if fused_kernels is not None and fwd_kernels > fused_kernels:
-        parts.append(f"{what} where {'one' if fused_kernels == 1 else fused_kernels} would do,")
-
-    if per_step > 1:
-        parts.append(f"{per_step}x per step,")
-    parts.append(cost_words(ix, ms, share))
-    message = " ".join(parts)
+    kernels_per_step = (
+        round(ix.site_kernels(every, backward=backward) / ix.steps_recorded) if ix.gpu else None
+    )
+    message = _site_message(ix, head, first, fused_kernels, per_step, ms, share)
     evidence = Evidence(
         ops=[op.name for op in first],
         kernel_count=kernels_per_step,
@@ -176,3 +164,28 @@ def build_finding(
         advice=advice,
         details=dict(details or {}),
     )
+
+
+def _site_message(
+    ix: ProfileIndex,
+    head: str,
+    first: list[Op],
+    fused_kernels: int | None,
+    per_step: int,
+    ms: float | None,
+    share: float | None,
+) -> str:
+    """ "head: 3 kernels where one would do, 2x per step, 1.9 ms/step (15%)" (ops on a CPU profile)."""
+    if ix.gpu:
+        fwd_kernels = sum(ix.kernel_count(op) for op in first)
+        what = f"{fwd_kernels} kernels" if fwd_kernels != 1 else "1 kernel"
+    else:
+        fwd_kernels = len(first)
+        what = f"{fwd_kernels} separate ops"
+    parts = [head + ":"]
+    if fused_kernels is not None and fwd_kernels > fused_kernels:
+        parts.append(f"{what} where {'one' if fused_kernels == 1 else fused_kernels} would do,")
+    if per_step > 1:
+        parts.append(f"{per_step}x per step,")
+    parts.append(cost_words(ix, ms, share))
+    return " ".join(parts)

@@ -115,6 +115,18 @@ class ProfileIndex:
         self.gpu: bool = profile.has_gpu
         self.basis: str = "gpu" if self.gpu else "cpu"
         ops = profile.ops
+        self._index_tree(ops)
+        self.steps_recorded: int = profile.step_count
+        self.step_ms: float | None = median_step_ms(profile)
+        # the plain step (timed without the profiler) and the scale for idle-based times
+        self.calibration: StepCalibration = step_calibration(profile, self.step_ms)
+        in_window = (lambda o: o.step is not None) if profile.steps else (lambda o: True)
+        self._in_window = in_window
+        self._index_backward(ops)
+        self._index_frames(ops)
+
+    def _index_tree(self, ops: list[Op]) -> None:
+        """children, root_id and the kernels under each op (its own and its descendants')."""
         n = len(ops)
         self.children: list[list[int]] = [[] for _ in range(n)]
         self.root_id: list[int] = list(range(n))
@@ -128,14 +140,9 @@ class ProfileIndex:
             if op.parent is not None and 0 <= op.parent < n:
                 self._kernels[op.parent] += self._kernels[op.id]
 
-        self.steps_recorded: int = profile.step_count
-        self.step_ms: float | None = median_step_ms(profile)
-        # the plain step (timed without the profiler) and the scale for idle-based times
-        self.calibration: StepCalibration = step_calibration(profile, self.step_ms)
-        in_window = (lambda o: o.step is not None) if profile.steps else (lambda o: True)
-        self._in_window = in_window
-
-        # backward root ops per forward root op (autograd links backward ops to their forward op)
+    def _index_backward(self, ops: list[Op]) -> None:
+        """Backward root ops per forward root op (autograd links backward ops to their forward op)."""
+        n, in_window = len(ops), self._in_window
         self.backward_of: dict[int, list[int]] = defaultdict(list)
         pending_fwd: dict[int, int | None] = {}
         for op in ops:
@@ -150,7 +157,10 @@ class ProfileIndex:
             if fwd_root is not None:
                 self.backward_of[fwd_root].append(bwd_root)
 
-        # frames: forward root ops by (step, thread, file, function), cut at unrelated module paths
+    def _index_frames(self, ops: list[Op]) -> None:
+        """Frames: forward root ops by (step, thread, file, function), cut at unrelated module paths; and
+        the forward root ops in sequences (step, thread, run)."""
+        in_window = self._in_window
         self.frames: list[Frame] = []
         self.frame_of: dict[int, Frame] = {}
         open_frames: dict[tuple, Frame] = {}

@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from opadvisor.profile.model import Construction, Profile
+from opadvisor.ranks.cross_rank import rank_stats
 from opadvisor.rules._findings import fmt_ms
 from opadvisor.rules._index import index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._units import unit_comm, words
-from opadvisor.rules.cross_rank import rank_stats
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.finding import Evidence, Finding, FixSafety
 

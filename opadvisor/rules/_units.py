@@ -16,8 +16,8 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
+from opadvisor.profile.intervals import interval_union
 from opadvisor.profile.model import Annotation, Kernel, Op, Profile
-from opadvisor.rules.cross_rank import interval_union
 
 _RANGE = re.compile(r"^FSDP::(?P<phase>all_gather|post_backward_reduce)(?: \((?P<unit>.*)\))?$")
 _COLLECTIVE = {"all_gather": "all_gather", "post_backward_reduce": "reduce_scatter"}

@@ -190,8 +190,7 @@ def _finding(
         return None
     path = sites[0][0]
     lines = sorted({line for file, line in sites if file == path})
-    src = load_profiled_source(profile, path)
-    spans = [src.statement_span(line) if src is not None else (line, line) for line in lines]
+    spans = _spans(profile, path, lines)
     callers = [str(m.attrs.get("caller") or "") for m in members]
     sequential = all(SEQUENTIAL_FRAME in c for c in callers)  # called by nn.Sequential's forward
     in_library = not sequential and any(callers)
@@ -202,26 +201,9 @@ def _finding(
     freed = memory_saving(profile, holder)
     allocated, reserved = profile.peak_memory()
     device = profile.environment.gpu_memory_bytes
-    cls = holder.module_class.rpartition(".")[2] if holder.module_class else "block"
-    message = (
-        f"{len(members)} x {cls} ({holder.name}) hold {fmt_bytes(holder.saved_bytes)} of the "
-        f"{fmt_bytes(saved)} saved for backward per step ({fmt_share(holder.saved_bytes / saved)})"
-    )
-    if reserved is not None and device:
-        message += f"; the step peaks at {fmt_bytes(reserved)} of {fmt_bytes(device)} ({fmt_share(pressure)})"
-    message += (
-        f". Checkpointing them frees about {fmt_bytes(freed)} for one more forward of the blocks per step "
-        f"({fmt_ms(extra_ms)})"
-    )
+    message = _message(profile, holder, len(members), saved, pressure, freed, extra_ms)
     fix, advice = _fix(profile, members, in_library, batchnorm)
-    notes = [f"largest holders of activation memory: {_holders_words(holders, saved)}"]
-    if batchnorm:
-        notes.append(
-            f"the blocks hold {', '.join(c.rpartition('.')[2] for c in batchnorm)}: the recomputation updates "
-            "its running statistics a second time"
-        )
-    if extra_ms is not None and not ix.gpu:
-        notes.append("CPU profile: the recompute cost is CPU op time; profile on a GPU for kernel time")
+    notes = _notes(ix, holders, saved, batchnorm, extra_ms)
     return Finding(
         rule=ID,
         path=path,
@@ -231,14 +213,7 @@ def _finding(
         fix=fix,
         function=members[0].function,
         module=holder.name,
-        evidence=Evidence(
-            ops=[],
-            time_ms_per_step=extra_ms,
-            share_of_step=ix.share_of_step(extra_ms),
-            time_basis=ix.basis if extra_ms is not None else "none",  # type: ignore[arg-type]
-            occurrences=max(1, round(sum(m.calls for m in members) / ix.steps_recorded)),
-            notes=notes,
-        ),
+        evidence=_evidence(ix, members, extra_ms, notes),
         time_ms_per_step=extra_ms,
         est_saving_ms_per_step=None if extra_ms is None else -extra_ms,  # a cost: the recomputed forward
         advice=advice,
@@ -259,6 +234,63 @@ def _finding(
             in_library=in_library,
         ).to_details(),
     )
+
+
+def _evidence(ix: ProfileIndex, members: list, extra_ms: float | None, notes: list[str]) -> Evidence:
+    """The recomputation's cost as the finding's time (no ops: the blocks' forwards are the evidence)."""
+    return Evidence(
+        ops=[],
+        time_ms_per_step=extra_ms,
+        share_of_step=ix.share_of_step(extra_ms),
+        time_basis=ix.basis if extra_ms is not None else "none",  # type: ignore[arg-type]
+        occurrences=max(1, round(sum(m.calls for m in members) / ix.steps_recorded)),
+        notes=notes,
+    )
+
+
+def _spans(profile: Profile, path: str, lines: list[int]) -> list[tuple[int, int]]:
+    """The statements of the calls at `lines` (each line alone where the source is not at hand)."""
+    src = load_profiled_source(profile, path)
+    return [src.statement_span(line) if src is not None else (line, line) for line in lines]
+
+
+def _message(
+    profile: Profile,
+    holder: Holder,
+    count: int,
+    saved: float,
+    pressure: float | None,
+    freed: float,
+    extra_ms: float | None,
+) -> str:
+    """What the blocks hold, the step's peak against the device, and what checkpointing frees and costs."""
+    _, reserved = profile.peak_memory()
+    device = profile.environment.gpu_memory_bytes
+    cls = holder.module_class.rpartition(".")[2] if holder.module_class else "block"
+    message = (
+        f"{count} x {cls} ({holder.name}) hold {fmt_bytes(holder.saved_bytes)} of the "
+        f"{fmt_bytes(saved)} saved for backward per step ({fmt_share(holder.saved_bytes / saved)})"
+    )
+    if reserved is not None and device:
+        message += f"; the step peaks at {fmt_bytes(reserved)} of {fmt_bytes(device)} ({fmt_share(pressure)})"
+    return message + (
+        f". Checkpointing them frees about {fmt_bytes(freed)} for one more forward of the blocks per step "
+        f"({fmt_ms(extra_ms)})"
+    )
+
+
+def _notes(
+    ix: ProfileIndex, holders: list[Holder], saved: float, batchnorm: list[str], extra_ms: float | None
+) -> list[str]:
+    notes = [f"largest holders of activation memory: {_holders_words(holders, saved)}"]
+    if batchnorm:
+        notes.append(
+            f"the blocks hold {', '.join(c.rpartition('.')[2] for c in batchnorm)}: the recomputation updates "
+            "its running statistics a second time"
+        )
+    if extra_ms is not None and not ix.gpu:
+        notes.append("CPU profile: the recompute cost is CPU op time; profile on a GPU for kernel time")
+    return notes
 
 
 def _fix(

@@ -122,32 +122,7 @@ def _finding(
     ms = ix.per_step_ms(ix.site_cost_us(ops))
     share = ix.share_of_step(ms)
     name = call.module or "(model)"
-    said, notes = [], []
-    fix, saving, advice = "none", None, ""
-    if "not_flat" in problems:
-        copy_ms = ix.per_step_ms(_copy_us(ix, ops))
-        said.append(
-            f"its weights are not one contiguous buffer in {attrs['calls_not_flat']} of {call.calls} calls, so "
-            f"cuDNN packs them at every call ({fmt_ms(copy_ms)}/step of copies)"
-        )
-        fix, saving = "safe", copy_ms
-        advice = f"call {_callee(call)}.flatten_parameters() before the call (re-packs the weights in place)"
-    if "no_cudnn" in problems:
-        why = (
-            "torch.backends.cudnn.enabled is False"
-            if not attrs.get("cudnn_enabled", True)
-            else "cuDNN refused it"
-        )
-        said.append(f"it does not run cuDNN ({why}): PyTorch's own recurrence launches kernels per time step")
-        advice = advice or "let cuDNN run it (torch.backends.cudnn.enabled = True; check the input dtype)"
-    if "float32" in problems:
-        cap = tuple(profile.environment.capability or (0, 0))
-        dtype = "bfloat16" if cap >= BF16 else "float16"
-        tf32 = "TF32" if attrs.get("cudnn_tf32") else "full float32 (cudnn.allow_tf32 is off)"
-        said.append(f"it runs in float32 ({tf32} at best) on a GPU with 16-bit tensor cores")
-        autocast = f'with torch.autocast("cuda", dtype=torch.{dtype}): around the forward'
-        notes.append(f"float32: {autocast} runs cuDNN's 16-bit kernels (changes numerics: check with verify)")
-        advice = advice or autocast
+    said, notes, fix, saving, advice = _what_is_wrong(profile, ix, call, ops, problems)
     src = load_profiled_source(profile, call.file or "")
     first, last = src.statement_span(call.line) if src is not None else (call.line, call.line)
     message = (
@@ -189,6 +164,40 @@ def _finding(
             autocast=attrs.get("autocast"),
         ).to_details(),
     )
+
+
+def _what_is_wrong(
+    profile: Profile, ix: ProfileIndex, call: ModuleCall, ops: list[Op], problems: list[str]
+) -> tuple[list[str], list[str], str, float | None, str]:
+    """(what is said of each problem, notes, fix safety, saving, advice) for the call's problems."""
+    attrs = call.attrs
+    said, notes = [], []
+    fix, saving, advice = "none", None, ""
+    if "not_flat" in problems:
+        copy_ms = ix.per_step_ms(_copy_us(ix, ops))
+        said.append(
+            f"its weights are not one contiguous buffer in {attrs['calls_not_flat']} of {call.calls} calls, so "
+            f"cuDNN packs them at every call ({fmt_ms(copy_ms)}/step of copies)"
+        )
+        fix, saving = "safe", copy_ms
+        advice = f"call {_callee(call)}.flatten_parameters() before the call (re-packs the weights in place)"
+    if "no_cudnn" in problems:
+        why = (
+            "torch.backends.cudnn.enabled is False"
+            if not attrs.get("cudnn_enabled", True)
+            else "cuDNN refused it"
+        )
+        said.append(f"it does not run cuDNN ({why}): PyTorch's own recurrence launches kernels per time step")
+        advice = advice or "let cuDNN run it (torch.backends.cudnn.enabled = True; check the input dtype)"
+    if "float32" in problems:
+        cap = tuple(profile.environment.capability or (0, 0))
+        dtype = "bfloat16" if cap >= BF16 else "float16"
+        tf32 = "TF32" if attrs.get("cudnn_tf32") else "full float32 (cudnn.allow_tf32 is off)"
+        said.append(f"it runs in float32 ({tf32} at best) on a GPU with 16-bit tensor cores")
+        autocast = f'with torch.autocast("cuda", dtype=torch.{dtype}): around the forward'
+        notes.append(f"float32: {autocast} runs cuDNN's 16-bit kernels (changes numerics: check with verify)")
+        advice = advice or autocast
+    return said, notes, fix, saving, advice
 
 
 def _callee(call: ModuleCall) -> str:

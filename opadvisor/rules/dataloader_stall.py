@@ -158,112 +158,41 @@ def detect(profile: Profile) -> list[Finding]:
     annotations = _loader_annotations(profile)
     h2d = [m for m in profile.memcpys if "HtoD" in m.name and m.step is not None]
     pageable = [m for m in h2d if "Pageable" in m.name]
-
-    loader_iv = [(a.start_us, a.start_us + a.duration_us) for a in annotations]
-    pageable_ops = {m.op for m in pageable if m.op is not None}
-    copy_iv = [(m.start_us, m.start_us + m.duration_us) for m in pageable] + _sync_intervals(
-        profile, pageable_ops
-    )
-    cal = ix.calibration
-    idle_loader_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv)))
-    idle_copy_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, copy_iv)))
-    profiled_idle_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv + copy_iv))
+    idle_loader_ms, idle_copy_ms, profiled_idle_ms = _idle_times(profile, ix, annotations, pageable)
     idle_ms, share, cost = idle_cost(ix, profiled_idle_ms)
     if idle_ms < MIN_MS or share is None or share < MIN_SHARE:
         return []
-
     construction, others = _pick_loader(profile, annotations)
     copies = _copy_sites(ix, h2d)
     wait_ms = ix.per_step_ms(sum(a.duration_us for a in annotations))
     attrs = dict(construction.attrs) if construction is not None else {}
-    workers = attrs.get("num_workers")
-    pinned = attrs.get("pin_memory")
-    iterator = (
-        "multi-process"
-        if any("MultiProcessing" in a.name for a in annotations)
-        else "single-process"
-        if annotations
-        else None
-    )
-
-    causes: list[str] = []
-    changes: list[str] = []
-    if annotations:
-        causes.append(f"waits in the DataLoader ({fmt_ms(wait_ms)}/step on the host, {iterator})")
-    if pageable:
-        causes.append(
-            f"makes {len(pageable) / ix.steps_recorded:.0f} pageable host-to-device copies per step"
-        )
-    if construction is not None:
-        if not workers:
-            changes.append(f"num_workers={_suggested_workers(profile)}")
-        if not pinned:
-            changes.append("pin_memory=True")
-        if not attrs.get("persistent_workers"):
-            changes.append("persistent_workers=True")
-    if any(c["non_blocking"] is not True for c in copies):
-        changes.append("non_blocking=True on the .to(device) copies")
-
-    if construction is not None:
-        path, line = construction.file, construction.line
-        function = construction.function
-    elif copies:
-        path, line, function = copies[0]["path"], copies[0]["line"], None
-    elif annotations and annotations[0].file and annotations[0].line:
-        path, line, function = annotations[0].file, annotations[0].line, None
-    else:
+    iterator = _iterator_kind(annotations)
+    causes = _causes(ix, annotations, pageable, wait_ms, iterator)
+    changes = _changes(profile, construction, attrs, copies)
+    site = _site(profile, construction, copies, annotations)
+    if site is None:
         return []
-    src = load_profiled_source(profile, path)  # type: ignore[arg-type]
-    first, last = src.statement_span(line) if src is not None else (line, line)  # type: ignore[arg-type]
-
+    path, first, last, function = site
     fix = "unsafe" if construction is not None and changes else "none"
-    if fix == "unsafe":
-        advice = "DataLoader(..., " + ", ".join(c for c in changes if "=" in c and "copies" not in c) + ")"
-        if any("copies" in c for c in changes):
-            advice += " and x.to(device, non_blocking=True)"
-        advice += (
-            "; unsafe: workers pickle the dataset under spawn (macOS/Windows) and draw their own random "
-            "numbers, so a dataset that is not picklable breaks and random augmentations change"
-        )
-    elif construction is not None:
-        advice = (
-            "the loader already uses workers and pinned memory: raise num_workers / prefetch_factor, make "
-            "__getitem__ and collate_fn cheaper (pre-tokenise, cache decoded data), or send fewer, larger "
-            "tensors per batch (receiving a batch from a worker costs host time too)"
-        )
-    else:
-        advice = "pin the host tensors (tensor.pin_memory()) and copy with .to(device, non_blocking=True)"
-
-    notes = []
-    if others:
-        notes.append(
-            "more than one DataLoader fits; also built at "
-            + ", ".join(f"{c.file.rsplit('/', 1)[-1]}:{c.line}" for c in others if c.file)
-        )
-    if construction is not None and attrs.get("dataset"):
-        notes.append(f"dataset {attrs['dataset']} (workers must be able to pickle it under spawn)")
-
-    message = f"GPU idle {cost} while the step " + " and ".join(causes)
-    details = {
-        "num_workers": workers,
-        "pin_memory": pinned,
-        "persistent_workers": attrs.get("persistent_workers"),
-        "batch_size": attrs.get("batch_size"),
-        "dataset": attrs.get("dataset"),
-        "iterator": iterator,
-        "construction": (
-            {"path": construction.file, "line": construction.line} if construction is not None else None
-        ),
-        "copies": copies,
+    measured = {
         "gpu_idle_ms_per_step": idle_ms,
         "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
         "gpu_idle_in_loader_ms_per_step": idle_loader_ms,
         "gpu_idle_in_pageable_copies_ms_per_step": idle_copy_ms,
         "loader_wait_ms_per_step": wait_ms,
         "pageable_copies_per_step": len(pageable) / ix.steps_recorded,
-        "suggested": changes,
-        "suggested_num_workers": _suggested_workers(profile) if not workers else workers,
     }
+    details = _details(profile, construction, attrs, iterator, copies, measured, changes)
+    evidence = Evidence(
+        ops=sorted({a.name for a in annotations} | {m.name for m in h2d}),
+        time_ms_per_step=idle_ms,
+        share_of_step=share,
+        time_basis="gpu",
+        occurrences=max(1, round(len(annotations) / ix.steps_recorded)),
+        profiled_time_ms_per_step=profiled_idle_ms if ix.calibration.calibrated else None,
+        notes=[*_notes(construction, others, attrs), calibration_words(ix.calibration)],
+    )
+    message = f"GPU idle {cost} while the step " + " and ".join(causes)
     return [
         Finding(
             rule=ID,
@@ -273,21 +202,147 @@ def detect(profile: Profile) -> list[Finding]:
             message=message,
             fix=fix,  # type: ignore[arg-type]
             function=function,
-            evidence=Evidence(
-                ops=sorted({a.name for a in annotations} | {m.name for m in h2d}),
-                time_ms_per_step=idle_ms,
-                share_of_step=share,
-                time_basis="gpu",
-                occurrences=max(1, round(len(annotations) / ix.steps_recorded)),
-                profiled_time_ms_per_step=profiled_idle_ms if cal.calibrated else None,
-                notes=[*notes, calibration_words(cal)],
-            ),
+            evidence=evidence,
             time_ms_per_step=idle_ms,
             est_saving_ms_per_step=idle_ms,
-            advice=advice,
+            advice=_advice(construction, changes, fix),
             details=details,
         )
     ]
+
+
+def _details(
+    profile: Profile,
+    construction: Construction | None,
+    attrs: dict,
+    iterator: str | None,
+    copies: list[dict],
+    measured: dict[str, float | None],
+    changes: list[str],
+) -> dict:
+    """The finding's details: the loader's arguments, the copies, the times measured, what to change."""
+    workers = attrs.get("num_workers")
+    return {
+        "num_workers": workers,
+        "pin_memory": attrs.get("pin_memory"),
+        "persistent_workers": attrs.get("persistent_workers"),
+        "batch_size": attrs.get("batch_size"),
+        "dataset": attrs.get("dataset"),
+        "iterator": iterator,
+        "construction": (
+            {"path": construction.file, "line": construction.line} if construction is not None else None
+        ),
+        "copies": copies,
+        **measured,
+        "suggested": changes,
+        "suggested_num_workers": _suggested_workers(profile) if not workers else workers,
+    }
+
+
+def _idle_times(
+    profile: Profile, ix: ProfileIndex, annotations: list[Annotation], pageable: list[Memcpy]
+) -> tuple[float | None, float | None, float | None]:
+    """GPU idle per step while the loader runs, while pageable copies (and their syncs) run (both scaled
+    to the plain step), and under either, as profiled."""
+    loader_iv = [(a.start_us, a.start_us + a.duration_us) for a in annotations]
+    pageable_ops = {m.op for m in pageable if m.op is not None}
+    copy_iv = [(m.start_us, m.start_us + m.duration_us) for m in pageable] + _sync_intervals(
+        profile, pageable_ops
+    )
+    cal = ix.calibration
+    idle_loader_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv)))
+    idle_copy_ms = cal.idle_ms(ix.per_step_ms(gpu_idle_overlap_us(profile, copy_iv)))
+    profiled_idle_ms = ix.per_step_ms(gpu_idle_overlap_us(profile, loader_iv + copy_iv))
+    return idle_loader_ms, idle_copy_ms, profiled_idle_ms
+
+
+def _iterator_kind(annotations: list[Annotation]) -> str | None:
+    if any("MultiProcessing" in a.name for a in annotations):
+        return "multi-process"
+    return "single-process" if annotations else None
+
+
+def _causes(
+    ix: ProfileIndex,
+    annotations: list[Annotation],
+    pageable: list[Memcpy],
+    wait_ms: float | None,
+    iterator: str | None,
+) -> list[str]:
+    """What the step does while the GPU idles: waits in the loader, pageable copies."""
+    causes: list[str] = []
+    if annotations:
+        causes.append(f"waits in the DataLoader ({fmt_ms(wait_ms)}/step on the host, {iterator})")
+    if pageable:
+        causes.append(
+            f"makes {len(pageable) / ix.steps_recorded:.0f} pageable host-to-device copies per step"
+        )
+    return causes
+
+
+def _changes(
+    profile: Profile, construction: Construction | None, attrs: dict, copies: list[dict]
+) -> list[str]:
+    """The loader's arguments to add and the copies' non_blocking, where missing."""
+    changes: list[str] = []
+    if construction is not None:
+        if not attrs.get("num_workers"):
+            changes.append(f"num_workers={_suggested_workers(profile)}")
+        if not attrs.get("pin_memory"):
+            changes.append("pin_memory=True")
+        if not attrs.get("persistent_workers"):
+            changes.append("persistent_workers=True")
+    if any(c["non_blocking"] is not True for c in copies):
+        changes.append("non_blocking=True on the .to(device) copies")
+    return changes
+
+
+def _site(
+    profile: Profile, construction: Construction | None, copies: list[dict], annotations: list[Annotation]
+) -> tuple[str, int, int, str | None] | None:
+    """(path, first line, last line, function) of the finding: the statement of the loader's construction,
+    else of the first copy, else where the loader was iterated; None when none is known."""
+    if construction is not None:
+        path, line, function = construction.file, construction.line, construction.function
+    elif copies:
+        path, line, function = copies[0]["path"], copies[0]["line"], None
+    elif annotations and annotations[0].file and annotations[0].line:
+        path, line, function = annotations[0].file, annotations[0].line, None
+    else:
+        return None
+    src = load_profiled_source(profile, path)  # type: ignore[arg-type]
+    first, last = src.statement_span(line) if src is not None else (line, line)  # type: ignore[arg-type]
+    return path, first, last, function  # type: ignore[return-value]
+
+
+def _advice(construction: Construction | None, changes: list[str], fix: str) -> str:
+    if fix == "unsafe":
+        advice = "DataLoader(..., " + ", ".join(c for c in changes if "=" in c and "copies" not in c) + ")"
+        if any("copies" in c for c in changes):
+            advice += " and x.to(device, non_blocking=True)"
+        return advice + (
+            "; unsafe: workers pickle the dataset under spawn (macOS/Windows) and draw their own random "
+            "numbers, so a dataset that is not picklable breaks and random augmentations change"
+        )
+    if construction is not None:
+        return (
+            "the loader already uses workers and pinned memory: raise num_workers / prefetch_factor, make "
+            "__getitem__ and collate_fn cheaper (pre-tokenise, cache decoded data), or send fewer, larger "
+            "tensors per batch (receiving a batch from a worker costs host time too)"
+        )
+    return "pin the host tensors (tensor.pin_memory()) and copy with .to(device, non_blocking=True)"
+
+
+def _notes(construction: Construction | None, others: list[Construction], attrs: dict) -> list[str]:
+    notes = []
+    if others:
+        notes.append(
+            "more than one DataLoader fits; also built at "
+            + ", ".join(f"{c.file.rsplit('/', 1)[-1]}:{c.line}" for c in others if c.file)
+        )
+    if construction is not None and attrs.get("dataset"):
+        notes.append(f"dataset {attrs['dataset']} (workers must be able to pickle it under spawn)")
+    return notes
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

@@ -39,7 +39,7 @@ from pathlib import Path
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._chains import in_dtype, matmul_mnk
 from opadvisor.rules._findings import fmt_ms, fmt_share, module_pattern
-from opadvisor.rules._index import index_of
+from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import source_status
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
 from opadvisor.rules.finding import Evidence, Finding
@@ -133,7 +133,59 @@ def detect(profile: Profile) -> list[Finding]:
     gemms = _fp32_gemms(profile)
     if not gemms:
         return []
+    sites, total_us, saving_us = _sites(profile, gemms)
+    ms = ix.per_step_ms(total_us)
+    saving_ms = ix.per_step_ms(saving_us)
+    share = ix.share_of_step(ms)
+    saving_share = ix.share_of_step(saving_ms)
+    if saving_ms < MIN_SAVING_MS or saving_share is None or saving_share < MIN_SAVING_SHARE:
+        return []
+    site_list = _site_list(ix, sites)
+    script = profile.script
+    line, end, has_torch = _fix_line(script)
+    if source_status(profile, script) == "missing":
+        line = end = 1
+    gpu = profile.environment.gpu_name or "this GPU"
+    top = site_list[0]
+    where = f"{Path(top['path']).name}:{top['line']}" if top["path"] else "an unknown line"
+    message = (
+        f"{len(gemms) / ix.steps_recorded:.0f} float32 matrix products per step run without TF32 on {gpu} "
+        f"(sm_{cap[0]}{cap[1]}): {fmt_ms(ms)}/step ({fmt_share(share)} of the step); the heaviest at {where}"
+    )
+    return [
+        Finding(
+            rule=ID,
+            path=script,
+            line=line,
+            end_line=end,
+            message=message,
+            fix="unsafe",
+            function=None,
+            module=module_pattern(op.module for op in gemms),
+            evidence=_evidence(ix, gemms, ms, share),
+            time_ms_per_step=ms,
+            est_saving_ms_per_step=saving_ms,
+            advice=(
+                'torch.backends.cuda.matmul.allow_tf32 = True (or torch.set_float32_matmul_precision("high")) '
+                "at the top of the script, or bf16 autocast around the forward pass; both change numerics "
+                "(unsafe): check the losses with opadvisor verify"
+            ),
+            details={
+                "insert_after_line": end,
+                "imports_torch": has_torch,
+                "setting": "torch.backends.cuda.matmul.allow_tf32 = True",
+                "alternative": 'torch.set_float32_matmul_precision("high")',
+                "capability": list(cap),
+                "gpu": profile.environment.gpu_name,
+                "sites": site_list,
+            },
+        )
+    ]
 
+
+def _sites(profile: Profile, gemms: list[Op]) -> tuple[dict, float, float]:
+    """(per source line: kernel time, TF32 saving, count, modules, backward time, flops; the total time;
+    the total saving), all in us over the recorded steps."""
     peak = _fp32_peak_flops(profile)
     sites: dict[tuple[str | None, int | None], dict] = defaultdict(
         lambda: {"us": 0.0, "saving_us": 0.0, "count": 0, "modules": set(), "backward_us": 0.0, "flops": 0.0}
@@ -159,14 +211,13 @@ def detect(profile: Profile) -> list[Finding]:
         total_us += us
         saving_us += gain
 
-    ms = ix.per_step_ms(total_us)
-    saving_ms = ix.per_step_ms(saving_us)
-    share = ix.share_of_step(ms)
-    saving_share = ix.share_of_step(saving_ms)
-    if saving_ms < MIN_SAVING_MS or saving_share is None or saving_share < MIN_SAVING_SHARE:
-        return []
+    return sites, total_us, saving_us
+
+
+def _site_list(ix: ProfileIndex, sites: dict) -> list[dict]:
+    """The sites, heaviest first, per step."""
     ranked = sorted(sites.items(), key=lambda kv: -kv[1]["us"])
-    site_list = [
+    return [
         {
             "path": path,
             "line": line,
@@ -178,57 +229,21 @@ def detect(profile: Profile) -> list[Finding]:
         }
         for (path, line), s in ranked
     ]
-    script = profile.script
-    line, end, has_torch = _fix_line(script)
-    if source_status(profile, script) == "missing":
-        line = end = 1
-    gpu = profile.environment.gpu_name or "this GPU"
-    top = site_list[0]
-    where = f"{Path(top['path']).name}:{top['line']}" if top["path"] else "an unknown line"
-    message = (
-        f"{len(gemms) / ix.steps_recorded:.0f} float32 matrix products per step run without TF32 on {gpu} "
-        f"(sm_{cap[0]}{cap[1]}): {fmt_ms(ms)}/step ({fmt_share(share)} of the step); the heaviest at {where}"
-    )
+
+
+def _evidence(ix: ProfileIndex, gemms: list[Op], ms: float | None, share: float | None) -> Evidence:
     kernels = sorted({k.name for op in gemms for k in op.kernels})
-    return [
-        Finding(
-            rule=ID,
-            path=script,
-            line=line,
-            end_line=end,
-            message=message,
-            fix="unsafe",
-            function=None,
-            module=module_pattern(op.module for op in gemms),
-            evidence=Evidence(
-                ops=sorted({op.name for op in gemms}),
-                kernel_count=round(sum(len(op.kernels) for op in gemms) / ix.steps_recorded),
-                shapes=[s for s in (op.input_shapes[0] for op in gemms[:8]) if isinstance(s, list)],
-                dtypes=["float32"],
-                time_ms_per_step=ms,
-                share_of_step=share,
-                time_basis="gpu",
-                occurrences=max(1, round(len(gemms) / ix.steps_recorded)),
-                notes=[f"float32 GEMM kernels: {', '.join(k[:60] for k in kernels[:3])}"],
-            ),
-            time_ms_per_step=ms,
-            est_saving_ms_per_step=saving_ms,
-            advice=(
-                'torch.backends.cuda.matmul.allow_tf32 = True (or torch.set_float32_matmul_precision("high")) '
-                "at the top of the script, or bf16 autocast around the forward pass; both change numerics "
-                "(unsafe): check the losses with opadvisor verify"
-            ),
-            details={
-                "insert_after_line": end,
-                "imports_torch": has_torch,
-                "setting": "torch.backends.cuda.matmul.allow_tf32 = True",
-                "alternative": 'torch.set_float32_matmul_precision("high")',
-                "capability": list(cap),
-                "gpu": profile.environment.gpu_name,
-                "sites": site_list,
-            },
-        )
-    ]
+    return Evidence(
+        ops=sorted({op.name for op in gemms}),
+        kernel_count=round(sum(len(op.kernels) for op in gemms) / ix.steps_recorded),
+        shapes=[s for s in (op.input_shapes[0] for op in gemms[:8]) if isinstance(s, list)],
+        dtypes=["float32"],
+        time_ms_per_step=ms,
+        share_of_step=share,
+        time_basis="gpu",
+        occurrences=max(1, round(len(gemms) / ix.steps_recorded)),
+        notes=[f"float32 GEMM kernels: {', '.join(k[:60] for k in kernels[:3])}"],
+    )
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

@@ -285,13 +285,7 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
     floor_ms, bytes_info = _floor(ix, site, bwd_n > 0) if site.block is None else (None, {})
     saving = None if (floor_ms is None or not ix.gpu) else max(0.0, time_ms - floor_ms)
     function = site.function or "?"
-    if site.block is not None:
-        block = function.split(".")[0]
-        label = f"memory-bound ops between the matrix products of {block} (a library block, every instance)"
-        fix_words = BLOCK_FIX.format(block=block)
-    else:
-        label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
-        fix_words = FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
+    label, fix_words = _label_and_fix(site, function)
     unit = "kernels" if ix.gpu else "ops"
     head = f"{label} ({_op_names(first)})"
     f = build_finding(
@@ -331,6 +325,16 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
     f.evidence.share_of_step = share
     f.message = _message(ix, f, label, fwd, bwd_n, unit, floor_ms, bytes_info)
     return f
+
+
+def _label_and_fix(site: Site, function: str) -> tuple[str, str]:
+    """What the region is called in the message, and the fix in words."""
+    if site.block is not None:
+        block = function.split(".")[0]
+        label = f"memory-bound ops between the matrix products of {block} (a library block, every instance)"
+        return label, BLOCK_FIX.format(block=block)
+    label = CHAIN_LABELS.get(site.chain or "", "memory-bound chain")
+    return label, FIXES.get(site.chain or "") or COMPILE_FIX.format(function=function)
 
 
 def _op_names(ops: list[Op]) -> str:

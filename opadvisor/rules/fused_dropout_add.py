@@ -36,7 +36,7 @@ from opadvisor.rules._attention import DROPOUT_OPS, dropout_active
 from opadvisor.rules._chains import Chain, Link, dtype_of, names, numel, out_shape, scalar_float, shape
 from opadvisor.rules._chains import find_chains as _find
 from opadvisor.rules._findings import build_finding
-from opadvisor.rules._index import index_of
+from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source, locate_each
 from opadvisor.rules.facts import Facts, Operand, operand, operand_kind
 from opadvisor.rules.finding import Finding
@@ -132,6 +132,18 @@ CHAIN = Chain(
 
 def detect(profile: Profile) -> list[Finding]:
     ix = index_of(profile)
+    findings: list[Finding] = []
+    for (path, line, end, function), items in _sites(profile, ix).items():
+        finding = _finding(ix, path, line, end, function, items)
+        if finding is not None:
+            findings.append(finding)
+    return findings
+
+
+def _sites(
+    profile: Profile, ix: ProfileIndex
+) -> dict[tuple, list[tuple[dict[str, Op], dict[str, tuple[int, int]]]]]:
+    """The chains found, by (file, first line, last line, function): each one's ops and their lines."""
     groups: dict[tuple, list[tuple[dict[str, Op], dict[str, tuple[int, int]]]]] = defaultdict(list)
     for m in _find(ix, CHAIN):
         labels = [x for x in LABELS if x in m.ops]
@@ -148,79 +160,99 @@ def detect(profile: Profile) -> list[Finding]:
         line = min(s[0] for s in lines.values())
         end = max(s[1] for s in lines.values())
         groups[(m.frame.file, line, end, m.frame.function)].append((m.ops, lines))
-    findings: list[Finding] = []
-    for (path, line, end, function), items in groups.items():
-        first, lines = items[0]
-        bias = first.get("bias")
-        bias_kind = None if bias is None else ("linear" if bias.name == "aten::linear" else "add")
-        # the linear stays a GEMM: cost and kernels are the elementwise ops the fused kernel replaces
-        occurrences = [
-            [ops[x] for x in LABELS if x in ops and ops[x].name != "aten::linear"] for ops, _ in items
-        ]
-        n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
-        if ix.gpu and n_fwd < 2:
-            continue
-        size = numel(shape(first["dropout"], 0))
-        too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
-        saving = None
-        if too_small:
-            saving = 0.0  # outside CUDA graphs the bundled function runs this same chain at this size
-        elif ix.gpu:
-            saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (
-                1 - 1 / n_fwd
-            )
-        residual = first["residual"]
-        head = " -> ".join(
-            w
-            for w in (
-                {"linear": "linear(+bias)", "add": "+ bias", None: None}[bias_kind],
-                "dropout",
-                "+= residual" if residual.name.endswith("_") else "+ residual",
-            )
-            if w
+    return groups
+
+
+def _finding(
+    ix: ProfileIndex,
+    path: str,
+    line: int,
+    end: int,
+    function: str | None,
+    items: list[tuple[dict[str, Op], dict[str, tuple[int, int]]]],
+) -> Finding | None:
+    first, lines = items[0]
+    bias = first.get("bias")
+    bias_kind = None if bias is None else ("linear" if bias.name == "aten::linear" else "add")
+    # the linear stays a GEMM: cost and kernels are the elementwise ops the fused kernel replaces
+    occurrences = [[ops[x] for x in LABELS if x in ops and ops[x].name != "aten::linear"] for ops, _ in items]
+    n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
+    if ix.gpu and n_fwd < 2:
+        return None
+    size = numel(shape(first["dropout"], 0))
+    too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
+    saving = None
+    if too_small:
+        saving = 0.0  # outside CUDA graphs the bundled function runs this same chain at this size
+    elif ix.gpu:
+        saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (1 - 1 / n_fwd)
+    residual = first["residual"]
+    return build_finding(
+        ix,
+        rule=ID,
+        fix=FIX,
+        path=path,
+        line=line,
+        end_line=end,
+        function=function,
+        occurrences=occurrences,
+        head=_head(bias_kind, residual),
+        fused_kernels=1,
+        est_saving_ms=saving,
+        advice=_advice(size, too_small),
+        details=_facts(first, lines, bias, bias_kind, residual).to_details(),
+        notes=["the fused dropout draws its own random mask: losses agree in distribution"],
+    )
+
+
+def _head(bias_kind: str | None, residual: Op) -> str:
+    """ "linear(+bias) -> dropout -> + residual" as the chain has it."""
+    return " -> ".join(
+        w
+        for w in (
+            {"linear": "linear(+bias)", "add": "+ bias", None: None}[bias_kind],
+            "dropout",
+            "+= residual" if residual.name.endswith("_") else "+ residual",
         )
-        has_bias = bias_kind == "add" or (bias is not None and shape(bias, 2) is not None)
-        findings.append(
-            build_finding(
-                ix,
-                rule=ID,
-                fix=FIX,
-                path=path,
-                line=line,
-                end_line=end,
-                function=function,
-                occurrences=occurrences,
-                head=head,
-                fused_kernels=1,
-                est_saving_ms=saving,
-                advice=(
-                    f"at this size ({size:,} elements) the fused kernel runs only inside CUDA graphs "
-                    "(opadvisor apply --rule sparse_launch --unsafe); elsewhere "
-                    "opadvisor.kernels.bias_dropout_add runs this same chain, because under "
-                    f"{KERNEL_MIN_NUMEL:,} elements a fused call costs more host time than it saves"
-                    if too_small
-                    else "one fused kernel: opadvisor.kernels.bias_dropout_add "
-                    "(opadvisor apply --rule fused_dropout_add)"
-                ),
-                details=DropoutAddFacts(
-                    ops=[x for x in LABELS if x in first],
-                    op_names=[first[x].name for x in LABELS if x in first],
-                    lines={k: list(v) for k, v in lines.items()},
-                    shape=shape(first["dropout"], 0),
-                    dtype=dtype_of(first["dropout"], 0),
-                    bias=bias_kind if has_bias else None,
-                    producer="linear" if bias_kind == "linear" else None,
-                    bias_operand=operand(bias, 1) if bias_kind == "add" else None,
-                    residual_shape=shape(residual, 0),
-                    residual_kinds=[operand_kind(residual, 0), operand_kind(residual, 1)],
-                    inplace=residual.name.endswith("_"),
-                    dropout_p=scalar_float(first["dropout"], 1),
-                    dropout_inplace=first["dropout"].name.endswith("_"),
-                ).to_details(),
-                notes=["the fused dropout draws its own random mask: losses agree in distribution"],
-            )
+        if w
+    )
+
+
+def _advice(size: int | None, too_small: bool) -> str:
+    if too_small:
+        return (
+            f"at this size ({size:,} elements) the fused kernel runs only inside CUDA graphs "
+            "(opadvisor apply --rule sparse_launch --unsafe); elsewhere "
+            "opadvisor.kernels.bias_dropout_add runs this same chain, because under "
+            f"{KERNEL_MIN_NUMEL:,} elements a fused call costs more host time than it saves"
         )
-    return findings
+    return "one fused kernel: opadvisor.kernels.bias_dropout_add (opadvisor apply --rule fused_dropout_add)"
+
+
+def _facts(
+    first: dict[str, Op],
+    lines: dict[str, tuple[int, int]],
+    bias: Op | None,
+    bias_kind: str | None,
+    residual: Op,
+) -> DropoutAddFacts:
+    """What the profile proved of the chain, for the codemod to check the source against."""
+    has_bias = bias_kind == "add" or (bias is not None and shape(bias, 2) is not None)
+    return DropoutAddFacts(
+        ops=[x for x in LABELS if x in first],
+        op_names=[first[x].name for x in LABELS if x in first],
+        lines={k: list(v) for k, v in lines.items()},
+        shape=shape(first["dropout"], 0),
+        dtype=dtype_of(first["dropout"], 0),
+        bias=bias_kind if has_bias else None,
+        producer="linear" if bias_kind == "linear" else None,
+        bias_operand=operand(bias, 1) if bias_kind == "add" else None,
+        residual_shape=shape(residual, 0),
+        residual_kinds=[operand_kind(residual, 0), operand_kind(residual, 1)],
+        inplace=residual.name.endswith("_"),
+        dropout_p=scalar_float(first["dropout"], 1),
+        dropout_inplace=first["dropout"].name.endswith("_"),
+    )
 
 
 __all__ = ["CHAIN", "DROPOUT_OPS", "FIX", "ID", "TITLE", "DropoutAddFacts", "detect"]

@@ -32,6 +32,7 @@ Fix and its safety
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._findings import fmt_ms, fmt_share
@@ -131,94 +132,137 @@ def detect(profile: Profile) -> list[Finding]:
             anns = anns[nth :: len(same)]
         if not anns:
             continue
-        roots = [op for a in anns for op in _ops_inside(ix, a)]
-        names = {op.name for op in roots}
-        if any(n.startswith("aten::_fused_") for n in names):
-            continue  # already fused (e.g. set through a param group)
-        path_kind = "foreach" if any(n.startswith("aten::_foreach_") for n in names) else "for-loop"
-        kernels = list(_all_kernels(ix, roots))
-        if not kernels:
-            continue
-        kernel_us = sum(k.duration_us for k in kernels)
-        span_us = 0.0
-        for a in anns:
-            ks = list(_all_kernels(ix, _ops_inside(ix, a)))
-            if ks:
-                span_us += max(k.start_us + k.duration_us for k in ks) - min(k.start_us for k in ks)
-        kernels_per_step = len(kernels) / ix.steps_recorded
-        gpu_ms = ix.per_step_ms(kernel_us)
-        span_ms = ix.per_step_ms(span_us)
-        cpu_ms = ix.per_step_ms(sum(b - a for a, b, _ in anns))
-        # the GPU idles between the step's kernels: that part is scaled to the plain step (_calibration)
-        time_ms = gpu_ms + ix.calibration.idle_ms(max(0.0, span_ms - gpu_ms))
-        # passes over the state per step: elementwise ops that launched kernels (per parameter on the loop path)
-        launching = [op for op in roots if ix.kernel_count(op) > 0]
-        passes = len(launching) / ix.steps_recorded
-        if path_kind == "for-loop" and attrs_params(c):
-            passes /= attrs_params(c)
-        fused_ms = gpu_ms * min(1.0, FUSED_PASSES[cls_name] / passes) if passes else gpu_ms
-        saving = max(0.0, time_ms - fused_ms)
-        share = ix.share_of_step(time_ms)
-        saving_share = ix.share_of_step(saving)
-        if kernels_per_step < MIN_KERNELS_PER_STEP or saving_share is None or saving_share < MIN_SHARE:
-            continue
-        attrs = c.attrs
-        src = load_profiled_source(profile, c.file)
-        first, last = src.statement_span(c.line) if src is not None else (c.line, c.line)
-        params = attrs.get("param_count")
-        message = (
-            f"{cls_name} runs the {path_kind} path on {params if params is not None else 'its'} CUDA parameters: "
-            f"{kernels_per_step:.0f} kernels per step, the step occupies the GPU {fmt_ms(time_ms)}/step "
-            f"({fmt_share(share)} of the step); fused=True does it in one pass"
-        )
-        notes = [
-            f"GPU kernel time {fmt_ms(gpu_ms)}/step, host time in step() {fmt_ms(cpu_ms)}/step; the GPU time "
-            "the step occupies includes the gaps between its launches (profiling slows the host, so a "
-            "launch-bound step looks longer under the profiler than without it)",
-        ]
-        if attrs.get("foreach") is True:
-            notes.append("foreach=True is set: replace it by fused=True (they cannot be combined)")
-        findings.append(
-            Finding(
-                rule=ID,
-                path=c.file,
-                line=first,
-                end_line=last,
-                message=message,
-                fix="safe",
-                function=c.function,
-                evidence=Evidence(
-                    ops=sorted(names),
-                    kernel_count=round(kernels_per_step),
-                    dtypes=list(attrs.get("param_dtypes") or []),
-                    time_ms_per_step=time_ms,
-                    share_of_step=share,
-                    time_basis="gpu",
-                    occurrences=max(1, round(len(anns) / ix.steps_recorded)),
-                    profiled_time_ms_per_step=max(gpu_ms, span_ms) if ix.calibration.calibrated else None,
-                    notes=notes,
-                ),
-                time_ms_per_step=time_ms,
-                est_saving_ms_per_step=saving,
-                advice=f"torch.optim.{cls_name}(..., fused=True): one kernel pass for the whole update (safe for "
-                "floating-point CUDA parameters)",
-                details={
-                    "optimizer": c.cls,
-                    "path": path_kind,
-                    "fused": attrs.get("fused"),
-                    "foreach": attrs.get("foreach"),
-                    "param_count": params,
-                    "param_devices": list(attrs.get("param_devices") or []),
-                    "param_dtypes": list(attrs.get("param_dtypes") or []),
-                    "kernels_per_step": kernels_per_step,
-                    "gpu_kernel_ms_per_step": gpu_ms,
-                    "gpu_span_ms_per_step": span_ms,
-                    "host_ms_per_step": cpu_ms,
-                    "passes_per_step": passes,
-                },
-            )
-        )
+        finding = _finding(profile, ix, c, cls_name, anns)
+        if finding is not None:
+            findings.append(finding)
     return findings
+
+
+@dataclass
+class _StepCost:
+    """An optimizer's step, per training step (ms)."""
+
+    kernels_per_step: float
+    gpu_ms: float  # its kernels
+    span_ms: float  # first kernel start to last kernel end, per step() call, summed
+    cpu_ms: float  # host time in step()
+    time_ms: (
+        float  # the GPU time the step occupies: kernels + the idle between them (scaled to the plain step)
+    )
+    passes: float  # passes over the state (per parameter on the loop path)
+    saving: float
+
+
+def _finding(
+    profile: Profile, ix: ProfileIndex, c: Construction, cls_name: str, anns: list
+) -> Finding | None:
+    roots = [op for a in anns for op in _ops_inside(ix, a)]
+    names = {op.name for op in roots}
+    if any(n.startswith("aten::_fused_") for n in names):
+        return None  # already fused (e.g. set through a param group)
+    path_kind = "foreach" if any(n.startswith("aten::_foreach_") for n in names) else "for-loop"
+    kernels = list(_all_kernels(ix, roots))
+    if not kernels:
+        return None
+    cost = _step_cost(ix, c, cls_name, anns, roots, kernels, path_kind)
+    share = ix.share_of_step(cost.time_ms)
+    saving_share = ix.share_of_step(cost.saving)
+    if cost.kernels_per_step < MIN_KERNELS_PER_STEP or saving_share is None or saving_share < MIN_SHARE:
+        return None
+    attrs = c.attrs
+    src = load_profiled_source(profile, c.file)
+    first, last = src.statement_span(c.line) if src is not None else (c.line, c.line)
+    params = attrs.get("param_count")
+    message = (
+        f"{cls_name} runs the {path_kind} path on {params if params is not None else 'its'} CUDA parameters: "
+        f"{cost.kernels_per_step:.0f} kernels per step, the step occupies the GPU {fmt_ms(cost.time_ms)}/step "
+        f"({fmt_share(share)} of the step); fused=True does it in one pass"
+    )
+    return Finding(
+        rule=ID,
+        path=c.file,
+        line=first,
+        end_line=last,
+        message=message,
+        fix="safe",
+        function=c.function,
+        evidence=Evidence(
+            ops=sorted(names),
+            kernel_count=round(cost.kernels_per_step),
+            dtypes=list(attrs.get("param_dtypes") or []),
+            time_ms_per_step=cost.time_ms,
+            share_of_step=share,
+            time_basis="gpu",
+            occurrences=max(1, round(len(anns) / ix.steps_recorded)),
+            profiled_time_ms_per_step=max(cost.gpu_ms, cost.span_ms) if ix.calibration.calibrated else None,
+            notes=_notes(cost, attrs),
+        ),
+        time_ms_per_step=cost.time_ms,
+        est_saving_ms_per_step=cost.saving,
+        advice=f"torch.optim.{cls_name}(..., fused=True): one kernel pass for the whole update (safe for "
+        "floating-point CUDA parameters)",
+        details=_details(c, path_kind, cost),
+    )
+
+
+def _step_cost(
+    ix: ProfileIndex,
+    c: Construction,
+    cls_name: str,
+    anns: list,
+    roots: list[Op],
+    kernels: list,
+    path_kind: str,
+) -> _StepCost:
+    kernel_us = sum(k.duration_us for k in kernels)
+    span_us = 0.0
+    for a in anns:
+        ks = list(_all_kernels(ix, _ops_inside(ix, a)))
+        if ks:
+            span_us += max(k.start_us + k.duration_us for k in ks) - min(k.start_us for k in ks)
+    kernels_per_step = len(kernels) / ix.steps_recorded
+    gpu_ms = ix.per_step_ms(kernel_us)
+    span_ms = ix.per_step_ms(span_us)
+    cpu_ms = ix.per_step_ms(sum(b - a for a, b, _ in anns))
+    # the GPU idles between the step's kernels: that part is scaled to the plain step (_calibration)
+    time_ms = gpu_ms + ix.calibration.idle_ms(max(0.0, span_ms - gpu_ms))
+    # passes over the state per step: elementwise ops that launched kernels (per parameter on the loop path)
+    launching = [op for op in roots if ix.kernel_count(op) > 0]
+    passes = len(launching) / ix.steps_recorded
+    if path_kind == "for-loop" and attrs_params(c):
+        passes /= attrs_params(c)
+    fused_ms = gpu_ms * min(1.0, FUSED_PASSES[cls_name] / passes) if passes else gpu_ms
+    saving = max(0.0, time_ms - fused_ms)
+    return _StepCost(kernels_per_step, gpu_ms, span_ms, cpu_ms, time_ms, passes, saving)
+
+
+def _notes(cost: _StepCost, attrs: dict) -> list[str]:
+    notes = [
+        f"GPU kernel time {fmt_ms(cost.gpu_ms)}/step, host time in step() {fmt_ms(cost.cpu_ms)}/step; the GPU "
+        "time the step occupies includes the gaps between its launches (profiling slows the host, so a "
+        "launch-bound step looks longer under the profiler than without it)",
+    ]
+    if attrs.get("foreach") is True:
+        notes.append("foreach=True is set: replace it by fused=True (they cannot be combined)")
+    return notes
+
+
+def _details(c: Construction, path_kind: str, cost: _StepCost) -> dict:
+    attrs = c.attrs
+    return {
+        "optimizer": c.cls,
+        "path": path_kind,
+        "fused": attrs.get("fused"),
+        "foreach": attrs.get("foreach"),
+        "param_count": attrs.get("param_count"),
+        "param_devices": list(attrs.get("param_devices") or []),
+        "param_dtypes": list(attrs.get("param_dtypes") or []),
+        "kernels_per_step": cost.kernels_per_step,
+        "gpu_kernel_ms_per_step": cost.gpu_ms,
+        "gpu_span_ms_per_step": cost.span_ms,
+        "host_ms_per_step": cost.cpu_ms,
+        "passes_per_step": cost.passes,
+    }
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

@@ -94,18 +94,7 @@ def _where(c: Construction) -> str:
 def detect(profile: Profile) -> list[Finding]:
     ix = index_of(profile)
     linear_by_module, embeddings, loader = _constructions(profile)
-    candidates: list[tuple[Op, tuple[int, int, int, int], str]] = []
-    aligned_rates: list[tuple[float, float]] = []  # (flops, flop/us) of aligned 16-bit products
-    for op in ix.forward_roots(sorted(GEMM_OPS)):
-        mnk = matmul_mnk(op)
-        dtype = _dtype(ix, op)
-        if mnk is None or not is_16bit(dtype) or math.prod(mnk) < MIN_ELEMENTS:
-            continue
-        if _odd(mnk):
-            candidates.append((op, mnk, dtype))
-        elif ix.gpu and op.gpu_time_us:
-            aligned_rates.append((_flops(mnk), _flops(mnk) / op.gpu_time_us))
-
+    candidates, aligned_rates = _candidates(ix)
     # group by origin: the Linear construction, the vocabulary, or the call site
     groups: dict[tuple, list[tuple[Op, tuple[int, int, int, int], str]]] = defaultdict(list)
     origins: dict[tuple, dict] = {}
@@ -122,27 +111,10 @@ def detect(profile: Profile) -> list[Finding]:
         op0, mnk, dtype = items[0]
         ops = [op for op, _, _ in items]
         odd = _odd(mnk)
-        saving, basis_note = None, None
-        if ix.gpu:
-            measured = sum(op.gpu_time_us or 0.0 for op in ops)
-            if measured <= 0:
-                continue
-            rate = sum(_flops(m) for _, m, _ in items) / measured
-            ref = _reference_rate(aligned_rates, _flops(mnk))
-            if ref is not None:
-                if rate >= SLOW_RATIO * ref:
-                    continue  # runs as fast as the aligned products: nothing to gain
-                fraction = 1 - rate / ref
-                basis_note = (
-                    f"{rate / 1e6:.0f} TFLOP/s here against {ref / 1e6:.0f} for aligned products in this run"
-                )
-            else:
-                slowdown = max(ANCHOR_SLOWDOWN[d] for d in odd)
-                fraction = 1 - 1 / slowdown
-                basis_note = (
-                    f"estimate from an H200 measurement: {'/'.join(odd)} misaligned ran {slowdown}x slower"
-                )
-            saving = ix.per_step_ms(ix.site_cost_us(ops)) * fraction
+        measured = _saving(ix, items, aligned_rates) if ix.gpu else (None, None)
+        if measured is None:
+            continue
+        saving, basis_note = measured
         b, m, n, k = mnk
         dims = f"{m}x{n}x{k}" + (f" (batch {b})" if b > 1 else "")
         head = f"{_short(op0.name)} {dims} in {dtype}: {', '.join(f'{d}={dict(M=m, N=n, K=k)[d]}' for d in odd)} not a multiple of {ALIGN} ({origin['words']})"
@@ -169,6 +141,52 @@ def detect(profile: Profile) -> list[Finding]:
     return findings
 
 
+def _candidates(
+    ix: ProfileIndex,
+) -> tuple[list[tuple[Op, tuple[int, int, int, int], str]], list[tuple[float, float]]]:
+    """(the misaligned 16-bit matrix products large enough to matter, with their sizes and dtype; the
+    (flops, flop/us) of the aligned 16-bit ones, measured on a GPU)."""
+    candidates: list[tuple[Op, tuple[int, int, int, int], str]] = []
+    aligned_rates: list[tuple[float, float]] = []  # (flops, flop/us) of aligned 16-bit products
+    for op in ix.forward_roots(sorted(GEMM_OPS)):
+        mnk = matmul_mnk(op)
+        dtype = _dtype(ix, op)
+        if mnk is None or not is_16bit(dtype) or math.prod(mnk) < MIN_ELEMENTS:
+            continue
+        if _odd(mnk):
+            candidates.append((op, mnk, dtype))
+        elif ix.gpu and op.gpu_time_us:
+            aligned_rates.append((_flops(mnk), _flops(mnk) / op.gpu_time_us))
+    return candidates, aligned_rates
+
+
+def _saving(
+    ix: ProfileIndex,
+    items: list[tuple[Op, tuple[int, int, int, int], str]],
+    aligned_rates: list[tuple[float, float]],
+) -> tuple[float | None, str | None] | None:
+    """(the saving per step padding would bring, how it was judged) on a GPU; None when there is nothing to
+    gain (no time measured, or the products run as fast as the aligned ones)."""
+    ops = [op for op, _, _ in items]
+    mnk = items[0][1]
+    measured = sum(op.gpu_time_us or 0.0 for op in ops)
+    if measured <= 0:
+        return None
+    rate = sum(_flops(m) for _, m, _ in items) / measured
+    ref = _reference_rate(aligned_rates, _flops(mnk))
+    if ref is not None:
+        if rate >= SLOW_RATIO * ref:
+            return None  # runs as fast as the aligned products: nothing to gain
+        fraction = 1 - rate / ref
+        basis_note = f"{rate / 1e6:.0f} TFLOP/s here against {ref / 1e6:.0f} for aligned products in this run"
+    else:
+        odd = _odd(mnk)
+        slowdown = max(ANCHOR_SLOWDOWN[d] for d in odd)
+        fraction = 1 - 1 / slowdown
+        basis_note = f"estimate from an H200 measurement: {'/'.join(odd)} misaligned ran {slowdown}x slower"
+    return ix.per_step_ms(ix.site_cost_us(ops)) * fraction, basis_note
+
+
 def _short(name: str) -> str:
     return name.rsplit("::", 1)[-1]
 
@@ -184,61 +202,13 @@ def _origin(op: Op, mnk, linear_by_module, embeddings, loader) -> tuple[tuple, d
     odd = _odd(mnk)
     lin = linear_by_module.get(op.module) if op.name == "aten::linear" and op.module is not None else None
     if lin is not None and ("N" in odd or "K" in odd):
-        in_f, out_f = lin.attrs.get("in_features", k), lin.attrs.get("out_features", n)
-        end = lin.line
-        return ("linear", lin.file, lin.line), {
-            "words": f"nn.Linear({in_f}, {out_f}) built at {_where(lin)}",
-            "fix": "safe",
-            "path": lin.file or op.file,
-            "line": lin.line or op.line,
-            "end_line": end or op.line,
-            "function": lin.function,
-            "advice": f"pad the Linear to {pad(in_f)} x {pad(out_f)} (opadvisor apply --rule gemm_align: a padded "
-            "linear that slices its output)",
-            "details": {
-                "kind": "linear",
-                "in_features": in_f,
-                "out_features": out_f,
-                "pad_to": ALIGN,
-                "padded_in_features": pad(in_f),
-                "padded_out_features": pad(out_f),
-                "odd": odd,
-                "module": lin.module,
-            },
-        }
+        return _linear_origin(op, lin, n, k, odd)
     for emb in embeddings:
         vocab = emb.attrs.get("num_embeddings")
         if vocab is not None and vocab % ALIGN and vocab in (n, k):
-            return ("vocab", emb.file, emb.line, op.file, op.line), {
-                "words": f"vocabulary size {vocab} of the nn.Embedding built at {_where(emb)}",
-                "fix": "none",
-                "path": op.file,
-                "line": op.line,
-                "end_line": op.line,
-                "advice": f"pad the vocabulary to {pad(vocab, 64)} (unused rows are never predicted when masked)",
-                "details": {
-                    "kind": "vocab",
-                    "num_embeddings": vocab,
-                    "pad_to": ALIGN,
-                    "padded": pad(vocab, 64),
-                    "construction": [emb.file, emb.line],
-                    "odd": odd,
-                },
-            }
+            return _vocab_origin(op, emb, vocab, odd)
     if odd == ["M"]:
-        batch = loader.attrs.get("batch_size") if loader is not None else None
-        words = f"{m} rows (batch x sequence)"
-        if isinstance(batch, int) and batch % ALIGN:
-            words = f"{m} rows: batch size {batch} of the DataLoader at {_where(loader)}"
-        return ("rows", op.file, op.line), {
-            "words": words,
-            "fix": "none",
-            "path": op.file,
-            "line": op.line,
-            "end_line": op.line,
-            "advice": "use a batch size (or sequence length) whose product is a multiple of 8",
-            "details": {"kind": "batch", "rows": m, "batch_size": batch, "odd": odd},
-        }
+        return _rows_origin(op, m, loader, odd)
     return ("shape", op.file, op.line), {
         "words": "a size computed in this function",
         "fix": "none",
@@ -247,4 +217,67 @@ def _origin(op: Op, mnk, linear_by_module, embeddings, loader) -> tuple[tuple, d
         "end_line": op.line,
         "advice": "pad the odd dimension to a multiple of 8 (zeros in K; slice extra outputs of N/M)",
         "details": {"kind": "shape", "odd": odd},
+    }
+
+
+def _linear_origin(op: Op, lin, n: int, k: int, odd: list[str]) -> tuple[tuple, dict]:  # noqa: ANN001
+    """An nn.Linear whose in or out features are misaligned: padded by the codemod (safe)."""
+    in_f, out_f = lin.attrs.get("in_features", k), lin.attrs.get("out_features", n)
+    end = lin.line
+    return ("linear", lin.file, lin.line), {
+        "words": f"nn.Linear({in_f}, {out_f}) built at {_where(lin)}",
+        "fix": "safe",
+        "path": lin.file or op.file,
+        "line": lin.line or op.line,
+        "end_line": end or op.line,
+        "function": lin.function,
+        "advice": f"pad the Linear to {pad(in_f)} x {pad(out_f)} (opadvisor apply --rule gemm_align: a padded "
+        "linear that slices its output)",
+        "details": {
+            "kind": "linear",
+            "in_features": in_f,
+            "out_features": out_f,
+            "pad_to": ALIGN,
+            "padded_in_features": pad(in_f),
+            "padded_out_features": pad(out_f),
+            "odd": odd,
+            "module": lin.module,
+        },
+    }
+
+
+def _vocab_origin(op: Op, emb, vocab: int, odd: list[str]) -> tuple[tuple, dict]:  # noqa: ANN001
+    """A vocabulary size (an nn.Embedding's) that is misaligned: advice only."""
+    return ("vocab", emb.file, emb.line, op.file, op.line), {
+        "words": f"vocabulary size {vocab} of the nn.Embedding built at {_where(emb)}",
+        "fix": "none",
+        "path": op.file,
+        "line": op.line,
+        "end_line": op.line,
+        "advice": f"pad the vocabulary to {pad(vocab, 64)} (unused rows are never predicted when masked)",
+        "details": {
+            "kind": "vocab",
+            "num_embeddings": vocab,
+            "pad_to": ALIGN,
+            "padded": pad(vocab, 64),
+            "construction": [emb.file, emb.line],
+            "odd": odd,
+        },
+    }
+
+
+def _rows_origin(op: Op, m: int, loader, odd: list[str]) -> tuple[tuple, dict]:  # noqa: ANN001
+    """Misaligned rows (batch x sequence), named by the DataLoader's batch size where that is odd."""
+    batch = loader.attrs.get("batch_size") if loader is not None else None
+    words = f"{m} rows (batch x sequence)"
+    if isinstance(batch, int) and batch % ALIGN:
+        words = f"{m} rows: batch size {batch} of the DataLoader at {_where(loader)}"
+    return ("rows", op.file, op.line), {
+        "words": words,
+        "fix": "none",
+        "path": op.file,
+        "line": op.line,
+        "end_line": op.line,
+        "advice": "use a batch size (or sequence length) whose product is a multiple of 8",
+        "details": {"kind": "batch", "rows": m, "batch_size": batch, "odd": odd},
     }

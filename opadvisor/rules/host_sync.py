@@ -167,11 +167,20 @@ def detect(profile: Profile) -> list[Finding]:
             "on the CPU there is no device to wait for, so a sync costs nothing here", _cpu_reads(profile)
         )
     ix = index_of(profile)
-    starts, ends = _gaps(profile)
+    per_site = _syncs_by_site(profile, ix)
+    idle = _idle_by_site(profile, ix, per_site)
+    return [
+        _finding(profile, ix, path, line, items, idle[(path, line)])
+        for (path, line), items in per_site.items()
+    ]
+
+
+def _syncs_by_site(profile: Profile, ix: ProfileIndex) -> dict[tuple[str, int], list[tuple[SyncEvent, Op]]]:
+    """The step's syncs by the user's line that caused them, in time order; those of host-to-device copies
+    and inside the DataLoader left to dataloader_stall."""
     loaders = _in_loader(profile)
     ops = profile.ops
     h2d_ops = {m.op for m in profile.memcpys if "HtoD" in m.name and m.op is not None}
-
     per_site: dict[tuple[str, int], list[tuple[SyncEvent, Op]]] = defaultdict(list)
     for sync in sorted(profile.syncs, key=lambda s: s.start_us):
         if sync.step is None or sync.op is None or not 0 <= sync.op < len(ops):
@@ -190,7 +199,15 @@ def detect(profile: Profile) -> list[Finding]:
         if site is None:
             continue
         per_site[(site.file, site.line)].append((sync, op))  # type: ignore[index]
+    return per_site
 
+
+def _idle_by_site(
+    profile: Profile, ix: ProfileIndex, per_site: dict[tuple[str, int], list[tuple[SyncEvent, Op]]]
+) -> dict[tuple[str, int], float]:
+    """GPU idle (us) each site opened: each idle gap goes to the first sync that opened it."""
+    starts, ends = _gaps(profile)
+    ops = profile.ops
     claimed: set[int] = set()
     idle: dict[tuple[str, int], float] = defaultdict(float)
     for sync in sorted((s for items in per_site.values() for s, _ in items), key=lambda s: s.start_us):
@@ -202,62 +219,65 @@ def detect(profile: Profile) -> list[Finding]:
         site = _site_op(ix, op)
         opened = ends[gi] - max(starts[gi], sync.start_us)
         idle[(site.file, site.line)] += max(0.0, opened)  # type: ignore[union-attr]
+    return idle
 
-    findings: list[Finding] = []
-    for (path, line), items in per_site.items():
-        roots = [ix.root(op) for _, op in items]
-        words, advice = _kind([r.name for r in roots] + [op.name for _, op in items])
-        per_step = len(items) / ix.steps_recorded
-        profiled_idle_ms = ix.per_step_ms(idle[(path, line)])
-        idle_ms, share, cost = idle_cost(ix, profiled_idle_ms)
-        wait_ms = ix.per_step_ms(sum(s.duration_us for s, _ in items))
-        src = load_profiled_source(profile, path)
-        first, last = src.statement_span(line) if src is not None else (line, line)
-        count = (
-            f"{per_step:.0f}x"
-            if per_step >= 1 and abs(per_step - round(per_step)) < 0.05
-            else f"{per_step:.2g}x"
-        )
-        message = f"{words} waits for the GPU {count} per step; the GPU then idles {cost}"
-        root = roots[0]
-        findings.append(
-            Finding(
-                rule=ID,
-                path=path,
-                line=first,
-                end_line=last,
-                message=message,
-                fix="none",
-                function=root.function,
-                module=root.module,
-                evidence=Evidence(
-                    ops=sorted({r.name for r in roots}),
-                    kernel_count=None,
-                    time_ms_per_step=idle_ms,
-                    share_of_step=share,
-                    time_basis="gpu",
-                    occurrences=max(1, round(per_step)),
-                    profiled_time_ms_per_step=profiled_idle_ms if ix.calibration.calibrated else None,
-                    notes=[
-                        f"the host waited {fmt_ms(wait_ms)}/step in {sorted({s.name for s, _ in items})[0]}",
-                        calibration_words(ix.calibration),
-                    ],
-                ),
-                time_ms_per_step=idle_ms,
-                est_saving_ms_per_step=idle_ms,
-                advice=advice,
-                details={
-                    "syncs_per_step": per_step,
-                    "gpu_idle_ms_per_step": idle_ms,
-                    "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
-                    "host_wait_ms_per_step": wait_ms,
-                    "sync_calls": sorted({s.name for s, _ in items}),
-                    "ops": sorted({r.name for r in roots}),
-                    "source": src.line_text(line).strip() if src is not None else None,
-                },
-            )
-        )
-    return findings
+
+def _finding(
+    profile: Profile,
+    ix: ProfileIndex,
+    path: str,
+    line: int,
+    items: list[tuple[SyncEvent, Op]],
+    idle_us: float,
+) -> Finding:
+    roots = [ix.root(op) for _, op in items]
+    words, advice = _kind([r.name for r in roots] + [op.name for _, op in items])
+    per_step = len(items) / ix.steps_recorded
+    profiled_idle_ms = ix.per_step_ms(idle_us)
+    idle_ms, share, cost = idle_cost(ix, profiled_idle_ms)
+    wait_ms = ix.per_step_ms(sum(s.duration_us for s, _ in items))
+    src = load_profiled_source(profile, path)
+    first, last = src.statement_span(line) if src is not None else (line, line)
+    count = (
+        f"{per_step:.0f}x" if per_step >= 1 and abs(per_step - round(per_step)) < 0.05 else f"{per_step:.2g}x"
+    )
+    message = f"{words} waits for the GPU {count} per step; the GPU then idles {cost}"
+    root = roots[0]
+    return Finding(
+        rule=ID,
+        path=path,
+        line=first,
+        end_line=last,
+        message=message,
+        fix="none",
+        function=root.function,
+        module=root.module,
+        evidence=Evidence(
+            ops=sorted({r.name for r in roots}),
+            kernel_count=None,
+            time_ms_per_step=idle_ms,
+            share_of_step=share,
+            time_basis="gpu",
+            occurrences=max(1, round(per_step)),
+            profiled_time_ms_per_step=profiled_idle_ms if ix.calibration.calibrated else None,
+            notes=[
+                f"the host waited {fmt_ms(wait_ms)}/step in {sorted({s.name for s, _ in items})[0]}",
+                calibration_words(ix.calibration),
+            ],
+        ),
+        time_ms_per_step=idle_ms,
+        est_saving_ms_per_step=idle_ms,
+        advice=advice,
+        details={
+            "syncs_per_step": per_step,
+            "gpu_idle_ms_per_step": idle_ms,
+            "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
+            "host_wait_ms_per_step": wait_ms,
+            "sync_calls": sorted({s.name for s, _ in items}),
+            "ops": sorted({r.name for r in roots}),
+            "source": src.line_text(line).strip() if src is not None else None,
+        },
+    )
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

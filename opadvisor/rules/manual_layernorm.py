@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._chains import PASS_THROUGH_OPS, names, scalar, scalar_float, shape
 from opadvisor.rules._findings import build_finding
-from opadvisor.rules._index import Frame, index_of
+from opadvisor.rules._index import Frame, ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source, locate_each
 from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Finding
@@ -200,22 +200,36 @@ def _role(op: Op, m: _Match, centers: int) -> str | None:
         m.reduced = dims
         return "center"
     if "var" not in roles:
-        if s0 != s:
-            return None
-        if n in VAR_OPS:
-            m.unbiased = not _biased(op)
-            m.std = n == "aten::std"
-            return "var"
-        if n == "aten::mean":
-            return "var" if "square" in roles else "stop"  # else: the next layer norm's mean
-        if n in ANCHORS:
-            return "stop"
-        if centers and "square" not in roles:
-            if n == "aten::pow" and scalar_float(op, 1) in (None, 2.0):
-                return "square"
-            if n == "aten::square" or (n == "aten::mul" and s1 == s):
-                return "square"
+        return _variance_role(op, m, centers)
+    return _normalise_role(op, m, centers)
+
+
+def _variance_role(op: Op, m: _Match, centers: int) -> str | None:
+    """`_role` before the variance: the variance itself, or the square it is the mean of."""
+    s, roles, n = m.x_shape, m.roles, op.name
+    s0, s1 = shape(op, 0), shape(op, 1)
+    if s0 != s:
         return None
+    if n in VAR_OPS:
+        m.unbiased = not _biased(op)
+        m.std = n == "aten::std"
+        return "var"
+    if n == "aten::mean":
+        return "var" if "square" in roles else "stop"  # else: the next layer norm's mean
+    if n in ANCHORS:
+        return "stop"
+    if centers and "square" not in roles:
+        if n == "aten::pow" and scalar_float(op, 1) in (None, 2.0):
+            return "square"
+        if n == "aten::square" or (n == "aten::mul" and s1 == s):
+            return "square"
+    return None
+
+
+def _normalise_role(op: Op, m: _Match, centers: int) -> str | None:
+    """`_role` after the variance: eps, the square root, the normalisation, the weight and the bias."""
+    s, roles, n = m.x_shape, m.roles, op.name
+    s0, s1 = shape(op, 0), shape(op, 1)
     if n in ANCHORS and s0 == s:
         return "stop"
     if not m.reduced:  # variance before the centring (`mean, std, x - mean`): learn the kept shape
@@ -292,22 +306,8 @@ def _judge(m: _Match) -> tuple[bool, list[str]]:
 
 def detect(profile: Profile) -> list[Finding]:
     ix = index_of(profile)
-    groups: dict[tuple, list[_Match]] = defaultdict(list)
-    for frame in ix.frames:
-        for m in _find(frame):
-            src = load_profiled_source(profile, frame.file)
-            spans = [s for s in (locate_each(src, m.ops) if src is not None else []) if s is not None]
-            if spans:
-                line, end = min(a for a, _ in spans), max(b for _, b in spans)
-            else:
-                lines = [o.line for o in m.ops if o.line is not None]
-                if not lines:
-                    continue
-                line, end = min(lines), max(lines)
-            groups[(frame.file, line, end, frame.function)].append(m)
-
     findings: list[Finding] = []
-    for (path, line, end, function), matches in groups.items():
+    for (path, line, end, function), matches in _sites(profile, ix).items():
         first = matches[0]
         safe, reasons = _judge(first)
         n = len(first.x_shape)
@@ -321,21 +321,7 @@ def detect(profile: Profile) -> list[Finding]:
             # F.layer_norm: one kernel forward, about two backward
             saving = total_ms * max(0.0, 1 - 3 / kernels) if kernels else None
         chain = " -> ".join(op.name.rsplit("::", 1)[-1] for op in first.ops)
-        affine = [r for r in ("weight", "bias") if r in first.roles]
-        params = "".join(f", {r}" for r in affine)
-        if trailing:
-            advice = (
-                f"use torch.nn.functional.layer_norm(x, x.shape[-{len(first.reduced)}:]{params}, eps=...) "
-                "(or nn.LayerNorm)"
-            )
-        else:
-            dims = ", ".join(str(d - n) for d in first.reduced)
-            advice = (
-                f"move dim {dims} last and use torch.nn.functional.layer_norm on it "
-                f"(x.movedim({first.reduced[0] - n}, -1) ... .movedim(-1, {first.reduced[0] - n}))"
-                if len(first.reduced) == 1
-                else f"normalising over dims {dims} needs them moved last before torch.nn.functional.layer_norm"
-            )
+        advice = _advice(first, n, trailing)
         if not safe:
             advice += ": not the same function here, " + "; ".join(reasons)
         findings.append(
@@ -370,6 +356,42 @@ def detect(profile: Profile) -> list[Finding]:
             )
         )
     return findings
+
+
+def _sites(profile: Profile, ix: ProfileIndex) -> dict[tuple, list[_Match]]:
+    """The layer norms found, by (file, first line, last line, function)."""
+    groups: dict[tuple, list[_Match]] = defaultdict(list)
+    for frame in ix.frames:
+        for m in _find(frame):
+            src = load_profiled_source(profile, frame.file)
+            spans = [s for s in (locate_each(src, m.ops) if src is not None else []) if s is not None]
+            if spans:
+                line, end = min(a for a, _ in spans), max(b for _, b in spans)
+            else:
+                lines = [o.line for o in m.ops if o.line is not None]
+                if not lines:
+                    continue
+                line, end = min(lines), max(lines)
+            groups[(frame.file, line, end, frame.function)].append(m)
+    return groups
+
+
+def _advice(first: _Match, n: int, trailing: bool) -> str:
+    """F.layer_norm over the reduced trailing dims; otherwise move them last first."""
+    affine = [r for r in ("weight", "bias") if r in first.roles]
+    params = "".join(f", {r}" for r in affine)
+    if trailing:
+        return (
+            f"use torch.nn.functional.layer_norm(x, x.shape[-{len(first.reduced)}:]{params}, eps=...) "
+            "(or nn.LayerNorm)"
+        )
+    dims = ", ".join(str(d - n) for d in first.reduced)
+    return (
+        f"move dim {dims} last and use torch.nn.functional.layer_norm on it "
+        f"(x.movedim({first.reduced[0] - n}, -1) ... .movedim(-1, {first.reduced[0] - n}))"
+        if len(first.reduced) == 1
+        else f"normalising over dims {dims} needs them moved last before torch.nn.functional.layer_norm"
+    )
 
 
 __all__ = ["FIX", "ID", "TITLE", "LayerNormFacts", "detect"]

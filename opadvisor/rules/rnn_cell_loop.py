@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from opadvisor.profile.model import ModuleCall, Profile
 from opadvisor.rules._findings import cost_words, fmt_ms
-from opadvisor.rules._index import index_of
+from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
@@ -109,12 +109,7 @@ def _finding(
         f"{cost_words(ix, ms, share)}; one fused call over the sequence ({FUSED_LAYER[kind]}'s op) "
         "runs the recurrence in a few launches"
     )
-    notes = [
-        f"input {attrs.get('input_shape')} ({attrs.get('input_dtype')}), hidden size {attrs.get('hidden_size')}",
-        "the saving is measured by `opadvisor verify` after the rewrite (on a GPU: cuDNN's fused recurrence)",
-    ]
-    if not ix.gpu:
-        notes.append("CPU profile: times are CPU op times; profile on a GPU for kernel times")
+    notes = _notes(ix, attrs)
     return Finding(
         rule=ID,
         path=call.file or "",
@@ -141,18 +136,34 @@ def _finding(
             f"{FUSED_LAYER[kind]}'s fused op over the whole sequence, with the cell's own parameters "
             f"(about {fmt_ms(ms)}/step spent in the loop now)"
         ),
-        details=CellLoopFacts(
-            kind=kind,
-            module=call.module,
-            call_line=call.line,
-            calls_per_step=per_step,
-            input_size=attrs.get("input_size"),
-            hidden_size=attrs.get("hidden_size"),
-            bias=attrs.get("bias"),
-            nonlinearity=attrs.get("nonlinearity"),
-            input_shape=attrs.get("input_shape"),
-            state_given=attrs.get("state_given"),
-        ).to_details(),
+        details=_facts(call, kind, per_step).to_details(),
+    )
+
+
+def _notes(ix: ProfileIndex, attrs: dict) -> list[str]:
+    notes = [
+        f"input {attrs.get('input_shape')} ({attrs.get('input_dtype')}), hidden size {attrs.get('hidden_size')}",
+        "the saving is measured by `opadvisor verify` after the rewrite (on a GPU: cuDNN's fused recurrence)",
+    ]
+    if not ix.gpu:
+        notes.append("CPU profile: times are CPU op times; profile on a GPU for kernel times")
+    return notes
+
+
+def _facts(call: ModuleCall, kind: str, per_step: float) -> CellLoopFacts:
+    """The cell and its loop as profiled, for the codemod to check the source against."""
+    attrs = call.attrs
+    return CellLoopFacts(
+        kind=kind,
+        module=call.module,
+        call_line=call.line,
+        calls_per_step=per_step,
+        input_size=attrs.get("input_size"),
+        hidden_size=attrs.get("hidden_size"),
+        bias=attrs.get("bias"),
+        nonlinearity=attrs.get("nonlinearity"),
+        input_shape=attrs.get("input_shape"),
+        state_given=attrs.get("state_given"),
     )
 
 

@@ -262,21 +262,42 @@ def detect(profile: Profile) -> list[Finding]:
     ix = index_of(profile)
     if not profile.steps or not any(s.kernel_count for s in profile.steps):
         raise NotApplicable("the profile recorded no kernels inside its steps")
+    kernels = _window_kernels(profile, ix)
+    sites: dict[tuple, _Site] = {}
+    step_rows, unexplained_ms = _idle_by_site(profile, ix, kernels, sites)
+    tiny_total = _count_tiny(profile, ix, kernels, sites)
+    median_share = _median_idle_share(ix, step_rows, unexplained_ms)
+    if median_share is None or median_share < IDLE_SHARE_MIN:
+        return []
+    findings: list[Finding] = []
+    ranked = sorted(sites.values(), key=lambda s: -s.idle_us)
+    graph_facts = GraphFacts.of(capture_blockers(profile, ix))
+    for site in ranked[:MAX_FINDINGS]:
+        finding = _finding(profile, ix, site, median_share, step_rows, tiny_total, graph_facts)
+        if finding is not None:
+            findings.append(finding)
+    return findings
 
-    loader_s, loader_e = _intervals(a for a in profile.annotations if DATALOADER_MARK in a.name)
-    sync_s, sync_e = _intervals(profile.syncs)
-    opt_s, opt_e = _intervals(a for a in profile.annotations if a.name.startswith(OPTIMIZER_MARK))
 
-    # every kernel of the window with the op that launched it, in GPU start order
+def _window_kernels(profile: Profile, ix: ProfileIndex) -> list[tuple[float, float, Op]]:
+    """Every kernel of the window with the op that launched it, in GPU start order: (start, duration, op)."""
     kernels: list[tuple[float, float, Op]] = []
     for op in profile.ops:
         if op.kernels and ix.in_window(op):
             for k in op.kernels:
                 kernels.append((k.start_us, k.duration_us, op))
     kernels.sort(key=lambda t: t[0])
-    starts = [k[0] for k in kernels]
+    return kernels
 
-    sites: dict[tuple, _Site] = {}
+
+def _idle_by_site(
+    profile: Profile, ix: ProfileIndex, kernels: list[tuple[float, float, Op]], sites: dict[tuple, _Site]
+) -> tuple[list[dict], list[float]]:
+    """Each idle gap not explained by data loading or a host sync goes to the site of the kernel that ends
+    it (added to `sites`); (one row per step, the unexplained idle ms of each step)."""
+    loader_s, loader_e = _intervals(a for a in profile.annotations if DATALOADER_MARK in a.name)
+    sync_s, sync_e = _intervals(profile.syncs)
+    starts = [k[0] for k in kernels]
     step_rows = []
     unexplained_ms: list[float] = []
     for step in profile.steps:
@@ -306,8 +327,15 @@ def detect(profile: Profile) -> list[Finding]:
                 "kernels": step.kernel_count,
             }
         )
+    return step_rows, unexplained_ms
 
-    # tiny kernels: shorter than the CPU time their op spent per kernel launched (its launch cost)
+
+def _count_tiny(
+    profile: Profile, ix: ProfileIndex, kernels: list[tuple[float, float, Op]], sites: dict[tuple, _Site]
+) -> int:
+    """Tiny kernels: shorter than the CPU time their op spent per kernel launched (its launch cost). Counted
+    per site (those inside the optimizer's step apart); returns the run's total."""
+    opt_s, opt_e = _intervals(a for a in profile.annotations if a.name.startswith(OPTIMIZER_MARK))
     tiny_total = 0
     for _start, dur, op in kernels:
         site = _site_of(sites, ix, op)
@@ -321,71 +349,77 @@ def detect(profile: Profile) -> list[Finding]:
             root = ix.root(op)
             if _overlaps(opt_s, opt_e, root.start_us, root.start_us):
                 site.in_optimizer += 1
+    return tiny_total
 
-    median_share = _median_idle_share(ix, step_rows, unexplained_ms)
-    if median_share is None or median_share < IDLE_SHARE_MIN:
-        return []
+
+def _finding(
+    profile: Profile,
+    ix: ProfileIndex,
+    site: _Site,
+    median_share: float,
+    step_rows: list[dict],
+    tiny_total: int,
+    graph_facts: GraphFacts,
+) -> Finding | None:
+    cal = ix.calibration
+    profiled_ms = ix.per_step_ms(site.idle_us)
+    ms, share, cost = idle_cost(ix, profiled_ms)
+    if share is None or share < FUNCTION_SHARE_MIN:
+        return None
+    line, end = _lines(profile, site)
+    tiny_per_step = round(site.tiny / ix.steps_recorded)
+    kernels_per_step = round(site.kernels / ix.steps_recorded)
+    fix = "none" if _optimizer_bound(site) else FIX
+    remedies = _remedies(site, graph_facts if fix != "none" else None)
+    where = site.function or "this code"
+    message = (
+        f"GPU idle while {where} launches kernels: {tiny_per_step} of its {kernels_per_step} kernels/step are "
+        f"shorter than their launch; {cost} of idle GPU "
+        f"(steps idle {fmt_share(median_share)} overall)"
+    )
+    return Finding(
+        rule=ID,
+        path=site.file,
+        line=line,
+        end_line=end,
+        message=message,
+        fix=fix,  # type: ignore[arg-type]
+        function=site.function,
+        module=", ".join(sorted(site.modules)[:2]) or None,
+        evidence=Evidence(
+            ops=sorted({o.name for o in site.ops})[:12],
+            kernel_count=kernels_per_step,
+            time_ms_per_step=ms,
+            share_of_step=share,
+            time_basis="gpu",
+            occurrences=1,
+            profiled_time_ms_per_step=profiled_ms if cal.calibrated else None,
+            notes=_notes(ix, median_share, tiny_total),
+        ),
+        time_ms_per_step=ms,
+        est_saving_ms_per_step=ms,
+        advice="; ".join(remedies),
+        details={
+            "steps": step_rows,
+            "tiny_kernels_per_step": tiny_per_step,
+            "kernels_per_step": kernels_per_step,
+            "remedies": remedies,
+            "upper_bound": not cal.calibrated,
+            "profiled_idle_ms_per_step": profiled_ms,
+            **(graph_facts.to_details() if fix != "none" else {}),
+        },
+    )
+
+
+def _notes(ix: ProfileIndex, median_share: float, tiny_total: int) -> list[str]:
     cal = ix.calibration
     step_ms = cal.share_base_ms or 0.0
-    findings: list[Finding] = []
-    ranked = sorted(sites.values(), key=lambda s: -s.idle_us)
-    graph_facts = GraphFacts.of(capture_blockers(profile, ix))
-    for site in ranked[:MAX_FINDINGS]:
-        profiled_ms = ix.per_step_ms(site.idle_us)
-        ms, share, cost = idle_cost(ix, profiled_ms)
-        if share is None or share < FUNCTION_SHARE_MIN:
-            continue
-        line, end = _lines(profile, site)
-        tiny_per_step = round(site.tiny / ix.steps_recorded)
-        kernels_per_step = round(site.kernels / ix.steps_recorded)
-        fix = "none" if _optimizer_bound(site) else FIX
-        remedies = _remedies(site, graph_facts if fix != "none" else None)
-        where = site.function or "this code"
-        message = (
-            f"GPU idle while {where} launches kernels: {tiny_per_step} of its {kernels_per_step} kernels/step are "
-            f"shorter than their launch; {cost} of idle GPU "
-            f"(steps idle {fmt_share(median_share)} overall)"
-        )
-        findings.append(
-            Finding(
-                rule=ID,
-                path=site.file,
-                line=line,
-                end_line=end,
-                message=message,
-                fix=fix,  # type: ignore[arg-type]
-                function=site.function,
-                module=", ".join(sorted(site.modules)[:2]) or None,
-                evidence=Evidence(
-                    ops=sorted({o.name for o in site.ops})[:12],
-                    kernel_count=kernels_per_step,
-                    time_ms_per_step=ms,
-                    share_of_step=share,
-                    time_basis="gpu",
-                    occurrences=1,
-                    profiled_time_ms_per_step=profiled_ms if cal.calibrated else None,
-                    notes=[
-                        f"median step {fmt_ms(step_ms)}{' plain' if cal.calibrated else ''}, GPU idle "
-                        f"{fmt_share(median_share)} of it (gaps explained by data loading or host syncs excluded)",
-                        f"{tiny_total // ix.steps_recorded} kernels/step in the whole run are shorter than their launch",
-                        calibration_words(cal),
-                    ],
-                ),
-                time_ms_per_step=ms,
-                est_saving_ms_per_step=ms,
-                advice="; ".join(remedies),
-                details={
-                    "steps": step_rows,
-                    "tiny_kernels_per_step": tiny_per_step,
-                    "kernels_per_step": kernels_per_step,
-                    "remedies": remedies,
-                    "upper_bound": not cal.calibrated,
-                    "profiled_idle_ms_per_step": profiled_ms,
-                    **(graph_facts.to_details() if fix != "none" else {}),
-                },
-            )
-        )
-    return findings
+    return [
+        f"median step {fmt_ms(step_ms)}{' plain' if cal.calibrated else ''}, GPU idle "
+        f"{fmt_share(median_share)} of it (gaps explained by data loading or host syncs excluded)",
+        f"{tiny_total // ix.steps_recorded} kernels/step in the whole run are shorter than their launch",
+        calibration_words(cal),
+    ]
 
 
 def _median_idle_share(ix: ProfileIndex, step_rows: list[dict], unexplained_ms: list[float]) -> float | None:

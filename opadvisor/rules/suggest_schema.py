@@ -238,7 +238,7 @@ SUGGEST_SCHEMA: dict[str, Any] = {
         "step_ms": _NUM_OR_NULL,  # median step wall time, under the profiler
         "findings": {"type": "array", "items": FINDING_SCHEMA},
         # ---- additions
-        "cross_rank": {  # multi-rank runs only: opadvisor/rules/cross_rank.py's to_json
+        "cross_rank": {  # multi-rank runs only: opadvisor/ranks/cross_rank.py's to_json
             "type": "object",
             "required": ["schema"],
             "properties": {"schema": {"const": 1}},

@@ -97,36 +97,7 @@ def compare_parity(
 
     b_steps, a_steps = before.get("steps", []), after.get("steps", [])
     for k in range(min(steps, max(len(b_steps), len(a_steps)))):
-        b = b_steps[k]["losses"] if k < len(b_steps) else None
-        a = a_steps[k]["losses"] if k < len(a_steps) else None
-        row = StepParity(
-            step=k + 1,
-            loss_before=(b or [None])[0],
-            loss_after=(a or [None])[0],
-            diff=None,
-            allowed=None,
-            ok=True,
-        )
-        if b is None or a is None:
-            row.ok = False
-            row.note = (
-                "the original stopped before this step"
-                if b is None
-                else "the rewrite stopped before this step"
-            )
-        elif len(b) != len(a):
-            row.ok = False
-            row.note = f"{len(b)} backward call(s) before, {len(a)} after"
-        else:
-            worst = 0.0
-            for lb, la in zip(b, a, strict=True):
-                ok, diff, allowed = _close(lb, la, rtol_, atol_)
-                row.ok = row.ok and ok
-                if diff >= worst:
-                    worst, row.allowed = diff, allowed
-            row.diff = worst
-            if not b:
-                row.note = "no loss recorded (no backward on a scalar in this step)"
+        row = _step_parity(k, b_steps, a_steps, rtol_, atol_)
         result.steps.append(row)
         if not row.ok and result.first_bad_step is None:
             result.first_bad_step = row.step
@@ -137,6 +108,46 @@ def compare_parity(
         result.grad_norm_rtol = tol.grad_norm_rtol
         result.grad_norm_ok = _close(gb, ga, result.grad_norm_rtol, atol_)[0]
 
+    _say_verdict(result, precision, gb, ga)
+    return result
+
+
+def _step_parity(k: int, b_steps: list, a_steps: list, rtol_: float, atol_: float) -> StepParity:
+    """Step k+1's losses before and after, compared (every backward call's loss of the step)."""
+    b = b_steps[k]["losses"] if k < len(b_steps) else None
+    a = a_steps[k]["losses"] if k < len(a_steps) else None
+    row = StepParity(
+        step=k + 1,
+        loss_before=(b or [None])[0],
+        loss_after=(a or [None])[0],
+        diff=None,
+        allowed=None,
+        ok=True,
+    )
+    if b is None or a is None:
+        row.ok = False
+        row.note = (
+            "the original stopped before this step" if b is None else "the rewrite stopped before this step"
+        )
+    elif len(b) != len(a):
+        row.ok = False
+        row.note = f"{len(b)} backward call(s) before, {len(a)} after"
+    else:
+        worst = 0.0
+        for lb, la in zip(b, a, strict=True):
+            ok, diff, allowed = _close(lb, la, rtol_, atol_)
+            row.ok = row.ok and ok
+            if diff >= worst:
+                worst, row.allowed = diff, allowed
+        row.diff = worst
+        if not b:
+            row.note = "no loss recorded (no backward on a scalar in this step)"
+    return row
+
+
+def _say_verdict(result: Parity, precision: str, gb: Any, ga: Any) -> None:
+    """Set `ok` and `message`: the first diverging step, else the gradient norms, else a match."""
+    rtol_, atol_ = result.rtol, result.atol
     if result.first_bad_step is not None:
         row = result.steps[result.first_bad_step - 1]
         result.ok = False
@@ -160,7 +171,6 @@ def compare_parity(
         result.message = (
             f"losses match for {len(result.steps)} steps ({precision}, rtol {rtol_:g}, atol {atol_:g})"
         )
-    return result
 
 
 def add_gradients(parity: Parity, check: Any) -> None:

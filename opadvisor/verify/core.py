@@ -315,9 +315,46 @@ def verify(
         raise UserError(f"the profiled script {script!r} no longer exists")
     if opts.steps < 1 or opts.repeats < 1 or opts.warmup < 0:
         raise UserError("--steps and --repeats must be at least 1, --warmup at least 0")
+    nproc, ranks_note = verify_ranks(profile)  # a multi-rank run: on as many ranks, through torchrun
+    spec = _child_specs(profile, opts, nproc)
+    notes = _applied_notes(applied, ranks_note)
+    parity_started = time.monotonic()
+    before, after, parity = _parity_phase(spec, applied, opts, progress)
+    budget_s = opts.timing_budget * (time.monotonic() - parity_started)  # each program ran once there
+    report = VerifyReport(
+        run=display_path(run_dir),
+        script=display_path(script),
+        applied_rules=applied.rules,
+        parity=parity,
+        notes=notes,
+        fail_slower=opts.fail_slower,
+    )
+    if after.error is not None:
+        _rewrite_failed(report, after.error)
+        return report
+    notes += _parity_run_notes(applied, before, opts)
+    dispatch, run = (after.result or {}).get("dispatch"), "parity"
+    if parity.ok and opts.timing:
+        device = (before.result or {}).get("device", "cpu")
+        plain = profile.plain_step_ms()
+        report.timing, timed_dispatch = _timing(spec, applied, opts, progress, device, budget_s, plain)
+        notes.extend(_timing_notes(report.timing, profile, opts))
+        if timed_dispatch is not None:
+            dispatch, run = timed_dispatch, "timing"
+    report.fused_calls, warnings = fused_calls(applied.rules, dispatch, run, applied.names_added)
+    report.warnings.extend(warnings)
+    if parity.ok and opts.reprofile:
+        progress("re-profiling the rewritten script")
+        report.rules, rule_notes = rule_times(profile, applied, timeout=opts.timeout)
+        notes.extend(rule_notes)
+    return report
+
+
+def _child_specs(profile: Profile, opts: VerifyOptions, nproc: int) -> Callable[..., ChildSpec]:
+    """spec(mode, sources, grads_dir=None): how to run the script in a child process, for each phase."""
+    script = profile.script
     argv = profile.argv or [script]
     cwd = profile.cwd or str(Path(script).parent)
-    nproc, ranks_note = verify_ranks(profile)  # a multi-rank run: on as many ranks, through torchrun
 
     def spec(mode: str, sources: dict[str, str], grads_dir: Path | None = None) -> ChildSpec:
         return ChildSpec(
@@ -336,6 +373,12 @@ def verify(
             compile_backend=opts.compile_backend if mode == "timing" else None,
         )
 
+    return spec
+
+
+def _applied_notes(applied: Applied, ranks_note: str | None) -> list[str]:
+    """What the report says before any run: dropout, hand-written dropout in the parity original, files
+    edited after apply, the ranks."""
     notes = [DROPOUT_NOTE]
     notes += [
         f"{display_path(f.path)}: for the parity phase the original's dropout written by hand ran as "
@@ -350,23 +393,13 @@ def verify(
     ]
     if ranks_note:
         notes.append(ranks_note)
+    return notes
 
-    parity_started = time.monotonic()
-    before, after, parity = _parity_phase(spec, applied, opts, progress)
-    budget_s = opts.timing_budget * (time.monotonic() - parity_started)  # each program ran once there
-    report = VerifyReport(
-        run=display_path(run_dir),
-        script=display_path(script),
-        applied_rules=applied.rules,
-        parity=parity,
-        notes=notes,
-        fail_slower=opts.fail_slower,
-    )
-    if after.error is not None:
-        _rewrite_failed(report, after.error)
-        return report
+
+def _parity_run_notes(applied: Applied, before: ChildResult, opts: VerifyOptions) -> list[str]:
+    """Rewritten files the script never imported, and a script that ended before --steps."""
     served = set((before.result or {}).get("served", []))
-    notes += [
+    notes = [
         f"{display_path(f.path)} was never imported by the script: its rewrite was not exercised"
         for f in applied.files
         if os.path.realpath(f.path) not in served
@@ -374,21 +407,7 @@ def verify(
     recorded = len((before.result or {}).get("steps", []))
     if recorded < opts.steps:
         notes.append(f"the script ended after {recorded} steps (asked for {opts.steps})")
-    dispatch, run = (after.result or {}).get("dispatch"), "parity"
-    if parity.ok and opts.timing:
-        device = (before.result or {}).get("device", "cpu")
-        plain = profile.plain_step_ms()
-        report.timing, timed_dispatch = _timing(spec, applied, opts, progress, device, budget_s, plain)
-        notes.extend(_timing_notes(report.timing, profile, opts))
-        if timed_dispatch is not None:
-            dispatch, run = timed_dispatch, "timing"
-    report.fused_calls, warnings = fused_calls(applied.rules, dispatch, run, applied.names_added)
-    report.warnings.extend(warnings)
-    if parity.ok and opts.reprofile:
-        progress("re-profiling the rewritten script")
-        report.rules, rule_notes = rule_times(profile, applied, timeout=opts.timeout)
-        notes.extend(rule_notes)
-    return report
+    return notes
 
 
 def _parity_phase(
@@ -531,21 +550,7 @@ def _timing(
     programs, rules_note = timing_programs(applied, opts.per_rule)
     started, rounds, stopped = time.monotonic(), 0, None
     for r in range(opts.repeats):
-        for program in programs if r % 2 == 0 else programs[::-1]:
-            if program.label not in ("original", "rewrite") and rules_note is not None:
-                continue  # an intermediate program failed earlier
-            round_ = f", run {r + 1}/{opts.repeats}" if opts.repeats > 1 else ""
-            progress(f"timing: {program.label}, {opts.warmup} warm-up + {opts.steps} steps{round_}")
-            res = run_child(spec("timing", program.sources), timeout=opts.timeout)
-            if res.error is not None and program.label in ("original", "rewrite"):
-                raise UserError(f"the {program.label} failed in the timing phase: {_last_line(res.error)}")
-            if res.error is not None:
-                rules_note = f"the program with only {', '.join(program.rules)} applied failed: {_last_line(res.error)}"
-                continue
-            program.runs.append(step_durations_ms(res.result or {}, opts.warmup))
-            program.results.append(res.result or {})
-            if program.dispatch is None:
-                program.dispatch = (res.result or {}).get("dispatch")
+        rules_note = _timing_round(r, programs, spec, opts, progress, rules_note)
         rounds += 1
         if rounds < opts.repeats:
             stopped = stop_reason(programs[0].runs, programs[-1].runs, rounds, opts.repeats, plain_ms)
@@ -579,6 +584,36 @@ def _timing(
     if rules_note is None:
         timing.rules = _rule_steps(programs, noise)
     return timing, rewrite.dispatch
+
+
+def _timing_round(
+    r: int,
+    programs: list[Program],
+    spec: Callable[[str, dict[str, str]], ChildSpec],
+    opts: VerifyOptions,
+    progress: Callable[[str], None],
+    rules_note: str | None,
+) -> str | None:
+    """Round r: each program once (backwards on odd rounds), its step times kept; returns the rules note,
+    set when an intermediate program fails (the original or the rewrite failing is a UserError)."""
+    for program in programs if r % 2 == 0 else programs[::-1]:
+        if program.label not in ("original", "rewrite") and rules_note is not None:
+            continue  # an intermediate program failed earlier
+        round_ = f", run {r + 1}/{opts.repeats}" if opts.repeats > 1 else ""
+        progress(f"timing: {program.label}, {opts.warmup} warm-up + {opts.steps} steps{round_}")
+        res = run_child(spec("timing", program.sources), timeout=opts.timeout)
+        if res.error is not None and program.label in ("original", "rewrite"):
+            raise UserError(f"the {program.label} failed in the timing phase: {_last_line(res.error)}")
+        if res.error is not None:
+            rules_note = (
+                f"the program with only {', '.join(program.rules)} applied failed: {_last_line(res.error)}"
+            )
+            continue
+        program.runs.append(step_durations_ms(res.result or {}, opts.warmup))
+        program.results.append(res.result or {})
+        if program.dispatch is None:
+            program.dispatch = (res.result or {}).get("dispatch")
+    return rules_note
 
 
 def stop_reason(

@@ -517,6 +517,42 @@ def main() -> int:
         return EXIT_HARNESS_ERROR
     cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
     os.chdir(cfg["cwd"])
+    finder, script, script_source = _program_sources(cfg)
+    mode = cfg["mode"]
+    total = cfg["steps"] + (cfg.get("warmup", 0) if mode == "timing" else 0)
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun (a multi-rank verify): each rank its own file
+    grads_dir = cfg.get("grads_dir") if mode == "parity" and rank == 0 else None
+    rec = Recorder(total, mode, grads_dir)
+    result: dict[str, Any] = {"schema": RESULT_SCHEMA, "mode": mode, "error": None, "dropout_patched": []}
+    seed_everything(int(cfg.get("seed", 0)))
+    if mode == "parity":
+        make_deterministic()
+        result["dropout_patched"] = neutralise_dropout()
+    install_hooks(rec)
+    if cfg.get("compile_backend"):
+        install_compile(cfg["compile_backend"], result)
+    exit_code = _run_program(cfg, script, script_source, result)
+    result.update(
+        steps=rec.steps,
+        grad_norm=rec.grad_norm,
+        precision=rec.precision,
+        device=rec.device,
+        stopped=len(rec.steps) >= total,
+        served=finder.served,
+        work=rec.work() if mode == "parity" else None,
+        gradients=rec.grads_dir if rec.grads_saved else None,
+        dispatch=dispatch_record(),
+    )
+    target = Path(rank_result_path(cfg["result"], rank))
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    tmp.replace(target)
+    return exit_code
+
+
+def _program_sources(cfg: dict[str, Any]) -> tuple[BackupFinder, str, bytes]:
+    """The program's files as the config names them (the original's from the backups), served ahead of the
+    files on disk; (the finder, the script, the script's source)."""
     finder = BackupFinder(
         {path: Path(backup).read_bytes() for path, backup in cfg.get("sources", {}).items()}
     )
@@ -528,21 +564,12 @@ def main() -> int:
         script_source = Path(script).read_bytes()
     else:
         finder.served.append(os.path.realpath(script))
+    return finder, script, script_source
 
-    mode = cfg["mode"]
-    total = cfg["steps"] + (cfg.get("warmup", 0) if mode == "timing" else 0)
-    rank = int(os.environ.get("RANK", "0"))  # under torchrun (a multi-rank verify): each rank its own file
-    grads_dir = cfg.get("grads_dir") if mode == "parity" and rank == 0 else None
-    rec = Recorder(total, mode, grads_dir)
-    result: dict[str, Any] = {"schema": RESULT_SCHEMA, "mode": mode, "error": None, "dropout_patched": []}
+
+def _run_program(cfg: dict[str, Any], script: str, script_source: bytes, result: dict[str, Any]) -> int:
+    """Run the script to its end or to the recorder's stop; how it ended goes into `result`; the exit code."""
     exit_code = 0
-    seed_everything(int(cfg.get("seed", 0)))
-    if mode == "parity":
-        make_deterministic()
-        result["dropout_patched"] = neutralise_dropout()
-    install_hooks(rec)
-    if cfg.get("compile_backend"):
-        install_compile(cfg["compile_backend"], result)
     try:
         run_script(script, cfg["argv"], script_source, cfg.get("module"), cfg.get("import_root"))
         result["exit"] = "finished"
@@ -559,21 +586,6 @@ def main() -> int:
         result["exit"] = "error"
         result["error"] = traceback.format_exc(limit=-8)
         exit_code = EXIT_SCRIPT_ERROR
-    result.update(
-        steps=rec.steps,
-        grad_norm=rec.grad_norm,
-        precision=rec.precision,
-        device=rec.device,
-        stopped=len(rec.steps) >= total,
-        served=finder.served,
-        work=rec.work() if mode == "parity" else None,
-        gradients=rec.grads_dir if rec.grads_saved else None,
-        dispatch=dispatch_record(),
-    )
-    target = Path(rank_result_path(cfg["result"], rank))
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    tmp.replace(target)
     return exit_code
 
 

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 
 from opadvisor.profile.model import Annotation, Environment, Kernel, Op, Profile, Step
-from opadvisor.rules import cross_rank
+from opadvisor.ranks import cross_rank
 
 
 def gpu_profile(

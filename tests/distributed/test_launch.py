@@ -19,7 +19,8 @@ from cli_testlib import Done, opadvisor_here
 
 from opadvisor.profile.model import load_profile
 from opadvisor.profile.runs import load_run, profile_paths
-from opadvisor.rules import cross_rank, engine
+from opadvisor.ranks import cross_rank
+from opadvisor.rules import engine
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"

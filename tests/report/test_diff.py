@@ -10,7 +10,7 @@ from report_testlib import opadvisor, write_run
 from typer.testing import CliRunner
 
 from opadvisor.cli import app
-from opadvisor.rules.diff import DIFF_SCHEMA, _match_findings
+from opadvisor.report.diff import DIFF_SCHEMA, _match_findings
 from opadvisor.rules.finding import Finding
 
 

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from opadvisor.cli import app
 from opadvisor.profile.runs import load_run
 from opadvisor.report.html import build_html, short_kernel_name
+from opadvisor.report.timeline import step_timeline
 from opadvisor.rules.engine import analyse
-from opadvisor.rules.timeline import step_timeline
 
 CHROMIUM = find_chromium()
 needs_browser = pytest.mark.skipif(

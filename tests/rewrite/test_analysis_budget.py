@@ -13,8 +13,7 @@ from opadvisor.cli import app
 from opadvisor.rewrite import _budget
 from opadvisor.rewrite._bindings import Resolver, block_index
 from opadvisor.rewrite.base import Target
-from opadvisor.rewrite.check import dry_run
-from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rewrite.engine import dry_run, rewrite_source
 
 CAST_MASK = b"""import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """Two runs compared (before and after `opadvisor apply`, two commits): what got faster, what got slower.
 
-    from opadvisor.rules.diff import compare, to_json
+    from opadvisor.report.diff import compare, to_json
 
     d = compare(Side(run_a, profiles_a, report_a), Side(run_b, profiles_b, report_b))
     d.step                      # Change of the median step time (suggest's `step_ms`)
@@ -29,10 +29,9 @@ from typing import Any, Literal
 
 from opadvisor.profile.model import Profile
 from opadvisor.profile.summary import summarize
-from opadvisor.rules._breakdown import breakdown
-from opadvisor.rules._index import median_step_ms
 from opadvisor.rules.engine import Report
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.overview import breakdown, median_step_ms
 
 __all__ = ["DIFF_SCHEMA", "Change", "FindingChange", "RunDiff", "Side", "compare", "to_json"]
 

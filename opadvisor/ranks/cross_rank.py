@@ -1,6 +1,6 @@
 """Cross-rank analysis of a multi-process run: step time per rank, stragglers, and communication.
 
-    from opadvisor.rules import cross_rank
+    from opadvisor.ranks import cross_rank
 
     report = cross_rank.analyse(profiles)     # the per-rank profiles of one run, any order
     console.print(cross_rank.render(report))  # a rich renderable
@@ -57,8 +57,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from opadvisor.profile.model import Profile
-from opadvisor.rules._findings import fmt_ms, fmt_share
+from opadvisor.profile.intervals import Interval, interval_union, length, subtract
+from opadvisor.profile.model import Profile, Step
+from opadvisor.rules.overview import fmt_ms, fmt_share
 
 __all__ = [
     "Advice",
@@ -79,7 +80,6 @@ COMM_HEAVY_SHARE = 0.25  # communication this large suggests communicating less 
 _OVERLAP_LOW = 0.5
 
 Basis = Literal["gpu", "cpu", "none"]
-Interval = tuple[float, float]
 
 
 # ---- the report ---------------------------------------------------------------------------------
@@ -140,45 +140,6 @@ class CrossRankReport:
     notes: list[str] = field(default_factory=list)
 
 
-# ---- intervals ------------------------------------------------------------------------------------
-
-
-def interval_union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering the same instants (empty ones left out)."""
-    out: list[Interval] = []
-    for a, b in sorted(intervals):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def _length(intervals: Iterable[Interval]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _subtract(base: list[Interval], cut: list[Interval]) -> list[Interval]:
-    """Parts of the (unioned) `base` outside the (unioned) `cut`."""
-    out: list[Interval] = []
-    j = 0
-    for a, b in base:
-        while j < len(cut) and cut[j][1] <= a:
-            j += 1
-        k, cursor = j, a
-        while k < len(cut) and cut[k][0] < b:
-            if cut[k][0] > cursor:
-                out.append((cursor, cut[k][0]))
-            cursor = max(cursor, cut[k][1])
-            k += 1
-        if cursor < b:
-            out.append((cursor, b))
-    return out
-
-
 # ---- per rank -------------------------------------------------------------------------------------
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
@@ -227,78 +188,97 @@ def _basis(profile: Profile) -> Basis:
     return "none"
 
 
+@dataclass
+class _Intervals:
+    """A rank's intervals (us) by step index: communication, compute, per collective, and (cpu) the named
+    ranges of the training threads; the calls of each collective."""
+
+    comm: dict[int, list[Interval]] = field(default_factory=lambda: defaultdict(list))
+    compute: dict[int, list[Interval]] = field(default_factory=lambda: defaultdict(list))
+    by_name: dict[int, dict[str, list[Interval]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(list))
+    )
+    calls: dict[int, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(int)))
+    ranges: dict[int, list[Interval]] = field(default_factory=lambda: defaultdict(list))
+
+
 def _per_step(profile: Profile, basis: Basis) -> list[_StepComm]:
-    nsteps = len(profile.steps)
-    comm: dict[int, list[Interval]] = defaultdict(list)
-    compute: dict[int, list[Interval]] = defaultdict(list)
-    by_name: dict[int, dict[str, list[Interval]]] = defaultdict(lambda: defaultdict(list))
-    calls: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    ranges: dict[int, list[Interval]] = defaultdict(list)  # cpu: named ranges of the training threads
+    found = _Intervals()
     if basis == "gpu":
-        for op in profile.ops:
-            if op.step is None:
-                continue
-            for k in op.kernels:
-                iv = (k.start_us, k.start_us + k.duration_us)
-                name = _nccl_collective(k.name)
-                if name is None:
-                    compute[op.step].append(iv)
-                else:
-                    comm[op.step].append(iv)
-                    by_name[op.step][name].append(iv)
-                    calls[op.step][name] += 1
+        _gpu_intervals(profile, found)
     elif basis == "cpu":
-        comm_threads = set()
-        for a in profile.annotations:
-            if a.step is not None and a.name.startswith("gloo:"):
-                iv = (a.start_us, a.start_us + a.duration_us)
-                comm[a.step].append(iv)
-                by_name[a.step][a.name.split(":", 1)[1]].append(iv)
-                calls[a.step][a.name.split(":", 1)[1]] += 1
-                comm_threads.add(a.thread)
-        gloo_ranges = bool(comm)
-        for op in profile.ops:
-            if op.step is None:
-                continue
-            name = _c10d_collective(op.name)
-            if name is not None:
-                iv = (op.start_us, op.end_us)
-                comm[op.step].append(iv)
-                by_name[op.step][name].append(iv)
-                if not gloo_ranges:
-                    calls[op.step][name] += 1
-            elif op.parent is None and op.thread not in comm_threads:
-                compute[op.step].append((op.start_us, op.end_us))
-        for a in profile.annotations:
-            if a.step is not None and a.thread not in comm_threads:
-                ranges[a.step].append((a.start_us, a.start_us + a.duration_us))
-    out = []
-    for i in range(nsteps):
-        s = profile.steps[i]
-        comm_u = interval_union(comm.get(i, ()))
-        compute_u = (
-            _subtract(interval_union(compute.get(i, ())), comm_u)
-            if basis == "cpu"
-            else interval_union(compute.get(i, ()))
-        )
-        exposed = _length(_subtract(comm_u, compute_u))
-        step_ms = s.gpu_span_ms if basis == "gpu" and s.gpu_span_ms else s.wall_ms
-        if basis == "gpu":
-            untracked = max(step_ms * 1000.0 - _length(interval_union([*comm_u, *compute_u])), 0.0)
-        else:
-            covered = interval_union([*comm_u, *compute.get(i, ()), *ranges.get(i, ())])
-            untracked = _length(_subtract([(s.start_us, s.end_us)], covered))
-        out.append(
-            _StepComm(
-                step_ms=step_ms,
-                comm_us=_length(comm_u),
-                exposed_us=exposed,
-                collectives={n: _length(interval_union(v)) for n, v in by_name.get(i, {}).items()},
-                calls=dict(calls.get(i, {})),
-                untracked_us=untracked,
-            )
-        )
-    return out
+        _cpu_intervals(profile, found)
+    return [_step_comm(profile.steps[i], i, basis, found) for i in range(len(profile.steps))]
+
+
+def _gpu_intervals(profile: Profile, found: _Intervals) -> None:
+    """NCCL kernels are communication, every other kernel compute."""
+    for op in profile.ops:
+        if op.step is None:
+            continue
+        for k in op.kernels:
+            iv = (k.start_us, k.start_us + k.duration_us)
+            name = _nccl_collective(k.name)
+            if name is None:
+                found.compute[op.step].append(iv)
+            else:
+                found.comm[op.step].append(iv)
+                found.by_name[op.step][name].append(iv)
+                found.calls[op.step][name] += 1
+
+
+def _cpu_intervals(profile: Profile, found: _Intervals) -> None:
+    """gloo's ranges and the c10d ops are communication; the training threads' top-level ops compute."""
+    comm, by_name, calls = found.comm, found.by_name, found.calls
+    comm_threads = set()
+    for a in profile.annotations:
+        if a.step is not None and a.name.startswith("gloo:"):
+            iv = (a.start_us, a.start_us + a.duration_us)
+            comm[a.step].append(iv)
+            by_name[a.step][a.name.split(":", 1)[1]].append(iv)
+            calls[a.step][a.name.split(":", 1)[1]] += 1
+            comm_threads.add(a.thread)
+    gloo_ranges = bool(comm)
+    for op in profile.ops:
+        if op.step is None:
+            continue
+        name = _c10d_collective(op.name)
+        if name is not None:
+            iv = (op.start_us, op.end_us)
+            comm[op.step].append(iv)
+            by_name[op.step][name].append(iv)
+            if not gloo_ranges:
+                calls[op.step][name] += 1
+        elif op.parent is None and op.thread not in comm_threads:
+            found.compute[op.step].append((op.start_us, op.end_us))
+    for a in profile.annotations:
+        if a.step is not None and a.thread not in comm_threads:
+            found.ranges[a.step].append((a.start_us, a.start_us + a.duration_us))
+
+
+def _step_comm(s: Step, i: int, basis: Basis, found: _Intervals) -> _StepComm:
+    """Step `i`'s communication, exposed communication and untracked time."""
+    comm_u = interval_union(found.comm.get(i, ()))
+    compute_u = (
+        subtract(interval_union(found.compute.get(i, ())), comm_u)
+        if basis == "cpu"
+        else interval_union(found.compute.get(i, ()))
+    )
+    exposed = length(subtract(comm_u, compute_u))
+    step_ms = s.gpu_span_ms if basis == "gpu" and s.gpu_span_ms else s.wall_ms
+    if basis == "gpu":
+        untracked = max(step_ms * 1000.0 - length(interval_union([*comm_u, *compute_u])), 0.0)
+    else:
+        covered = interval_union([*comm_u, *found.compute.get(i, ()), *found.ranges.get(i, ())])
+        untracked = length(subtract([(s.start_us, s.end_us)], covered))
+    return _StepComm(
+        step_ms=step_ms,
+        comm_us=length(comm_u),
+        exposed_us=exposed,
+        collectives={n: length(interval_union(v)) for n, v in found.by_name.get(i, {}).items()},
+        calls=dict(found.calls.get(i, {})),
+        untracked_us=untracked,
+    )
 
 
 def _median(values: Sequence[float]) -> float:
@@ -512,22 +492,7 @@ def _advice(profiles: Sequence[Profile], report: CrossRankReport) -> list[Advice
     out: list[Advice] = []
     step = report.step_ms or 0.0
     if report.straggler is not None:
-        s = report.straggler
-        where = (
-            "; it spends longer in " + ", ".join(f"{n} (+{fmt_ms(ms)}/step)" for n, ms in s.differing)
-            if s.differing
-            else ""
-        )
-        out.append(
-            Advice(
-                "straggler",
-                f"rank {s.rank} is the slowest in {s.slowest_steps} of {s.steps} steps, by {fmt_ms(s.extra_ms)}/step "
-                f"({fmt_share(s.share)} of the step); the other ranks wait about {fmt_ms(s.others_wait_ms)}/step "
-                f"for it in their collectives{where}. Look at what differs on rank {s.rank}: its share of the "
-                "data (uneven batches or sequence lengths), work only it does (logging, .item(), evaluation or "
-                "checkpoints on one rank), or its host and device (CPU contention, a slower or throttled GPU).",
-            )
-        )
+        out.append(_straggler_advice(report.straggler))
     if report.basis == "none" or not step or report.comm_ms is None:
         return out
     exposed_share = (report.exposed_comm_ms or 0.0) / step
@@ -572,17 +537,38 @@ def _advice(profiles: Sequence[Profile], report: CrossRankReport) -> list[Advice
                 "same.",
             )
         )
-    for name, path, line, per_step in _loop_collectives(profiles[0])[:3]:
-        out.append(
-            Advice(
-                "loop_collective",
-                f"{name} called from the training loop {per_step:.0f}x per step (not from DDP's backward hooks): "
-                "it waits for every rank and overlaps nothing. If it only feeds a log line, do it every N steps.",
-                path=path,
-                line=line,
-            )
-        )
+    out.extend(_loop_collective_advice(profiles[0]))
     return out
+
+
+def _straggler_advice(s: Straggler) -> Advice:
+    where = (
+        "; it spends longer in " + ", ".join(f"{n} (+{fmt_ms(ms)}/step)" for n, ms in s.differing)
+        if s.differing
+        else ""
+    )
+    return Advice(
+        "straggler",
+        f"rank {s.rank} is the slowest in {s.slowest_steps} of {s.steps} steps, by {fmt_ms(s.extra_ms)}/step "
+        f"({fmt_share(s.share)} of the step); the other ranks wait about {fmt_ms(s.others_wait_ms)}/step "
+        f"for it in their collectives{where}. Look at what differs on rank {s.rank}: its share of the "
+        "data (uneven batches or sequence lengths), work only it does (logging, .item(), evaluation or "
+        "checkpoints on one rank), or its host and device (CPU contention, a slower or throttled GPU).",
+    )
+
+
+def _loop_collective_advice(profile: Profile) -> list[Advice]:
+    """Collectives called from the training loop itself (the first three), with their file:line."""
+    return [
+        Advice(
+            "loop_collective",
+            f"{name} called from the training loop {per_step:.0f}x per step (not from DDP's backward hooks): "
+            "it waits for every rank and overlaps nothing. If it only feeds a log line, do it every N steps.",
+            path=path,
+            line=line,
+        )
+        for name, path, line, per_step in _loop_collectives(profile)[:3]
+    ]
 
 
 def _backward_collectives_per_step(profiles: Sequence[Profile]) -> float | None:

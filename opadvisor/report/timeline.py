@@ -1,6 +1,6 @@
 """One recorded step laid out in time, for pictures (`opadvisor report`): what ran when, and the longest items.
 
-    from opadvisor.rules.timeline import step_timeline
+    from opadvisor.report.timeline import step_timeline
 
     tl = step_timeline(profile)          # the median step; step_timeline(profile, step=2) for another
     tl.lanes                             # [Lane(name, segments)] in display order
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from opadvisor.profile.model import Profile, Step
-from opadvisor.rules._index import median_step_ms
+from opadvisor.rules.overview import median_step_ms
 
 __all__ = ["Item", "Lane", "Segment", "StepTimeline", "step_timeline"]
 

@@ -41,3 +41,13 @@ def check_launch_keys(monkeypatch):
     from opadvisor.kernels import _launch
 
     monkeypatch.setattr(_launch, "CHECK_KEYS", True, raising=False)
+
+
+@pytest.fixture
+def reference_path(monkeypatch):
+    """The kernels' PyTorch reference for a test of a model patch (the patches' logic; each family tests
+    the interpreter's Triton runs once). Triton picks interpreting or compiling when it is first imported:
+    it is imported here while TRITON_INTERPRET=1 (above) holds, or a later interpreter test in this process
+    would find it compiling."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")

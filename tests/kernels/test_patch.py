@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
+from patch_testlib import with_replacement
 
 import opadvisor
 
@@ -239,13 +240,7 @@ def test_nothing_to_patch_and_unknown_architectures_are_said(capsys) -> None:
 
 
 def test_a_replacement_that_differs_falls_back_with_a_warning(monkeypatch) -> None:
-    wrong = [
-        P._Patcher(p.fix, p.check, lambda m, s, x: torch.nn.functional.gelu(x) * 1.5, p.main_output)
-        if p.fix.name == "hf_gelu_tanh"
-        else p
-        for p in P._PATCHERS
-    ]
-    monkeypatch.setattr(P, "_PATCHERS", tuple(wrong))
+    with_replacement(monkeypatch, "hf_gelu_tanh", lambda m, s, x: torch.nn.functional.gelu(x) * 1.5)
     model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
     act = model.transformer.h[0].mlp.act
     x = torch.randn(4, 32)
@@ -426,13 +421,7 @@ def test_16_bit_differences_are_judged_against_a_float32_run(monkeypatch) -> Non
         act(x)
     assert P.STATE in act.__dict__ and act.__dict__[P.STATE].status == "ok"
 
-    wrong = [
-        P._Patcher(p.fix, p.check, lambda m, s, x: torch.nn.functional.gelu(x) * 1.01, p.main_output)
-        if p.fix.name == "hf_gelu_tanh"
-        else p
-        for p in P._PATCHERS
-    ]
-    monkeypatch.setattr(P, "_PATCHERS", tuple(wrong))
+    with_replacement(monkeypatch, "hf_gelu_tanh", lambda m, s, x: torch.nn.functional.gelu(x) * 1.01)
     model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
     act = model.transformer.h[0].mlp.act
     with pytest.warns(RuntimeWarning, match=r"against a float32 run of the original, its output is 0\.0"):

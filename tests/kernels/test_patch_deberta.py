@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
+from patch_testlib import fixes, forwards, with_replacement
 
 import opadvisor
 from opadvisor.libraries import deberta_v2_class
@@ -79,23 +80,6 @@ def assert_same_training(original: nn.Module, patched: nn.Module, **kwargs) -> N
     assert got[2].keys() == want[2].keys()
     for name, grad in want[2].items():
         torch.testing.assert_close(got[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def fixes(model: nn.Module) -> set[str]:
-    return {fix for _, _, fix in P.patch_report(model).patched}
-
-
-def forwards(model: nn.Module) -> dict[str, object]:
-    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """The kernels' PyTorch reference (the patches' logic); the interpreter's Triton runs are tested once below."""
-    pytest.importorskip(
-        "triton"
-    )  # imported while TRITON_INTERPRET=1 (conftest) holds, as test_patch_llama does
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -229,11 +213,7 @@ def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, re
         out, weights = P._deberta_attention(module, state, hidden_states, *args, **kwargs)
         return out * 1.1, weights
 
-    patchers = [
-        P._Patcher(p.fix, p.check, wrong, p.main_output) if p.fix.name == "hf_deberta_attention" else p
-        for p in P._PATCHERS
-    ]
-    monkeypatch.setattr(P, "_PATCHERS", tuple(patchers))
+    with_replacement(monkeypatch, "hf_deberta_attention", wrong)
     original = tiny()
     model = opadvisor.patch(copy.deepcopy(original), rules=["hf_deberta_attention"], quiet=True)
     with pytest.warns(RuntimeWarning, match=r"layer\.0\.attention\.self .*keeps its original forward"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
+from patch_testlib import fixes, forwards, with_replacement
 
 import opadvisor
 from opadvisor.libraries import llama_family_classes
@@ -56,24 +57,6 @@ def assert_same_training(original: nn.Module, patched: nn.Module, rtol: float = 
     assert got_grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=rtol, atol=1e-6, msg=name)
-
-
-def fixes(model: nn.Module) -> set[str]:
-    return {fix for _, _, fix in P.patch_report(model).patched}
-
-
-def forwards(model: nn.Module) -> dict[str, object]:
-    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
-
-
-@pytest.fixture
-def reference_path(monkeypatch):
-    """The kernels' PyTorch reference (the patches' logic; the interpreter's Triton runs are tested once,
-    below, and in test_kernels_llama.py: through it a tiny Qwen3 takes 15 s)."""
-    # Triton picks interpreting or compiling when it is first imported: import it while TRITON_INTERPRET=1
-    # (conftest) holds, or a later interpreter test in this process would find it compiling.
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -173,13 +156,7 @@ def test_an_mlp_whose_activation_is_not_silu_is_left_with_the_reason(reference_p
 
 
 def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, reference_path) -> None:
-    wrong = [
-        P._Patcher(p.fix, p.check, lambda m, s, x: m.weight * x, p.main_output)
-        if p.fix.name == "hf_rms_norm"
-        else p
-        for p in P._PATCHERS
-    ]
-    monkeypatch.setattr(P, "_PATCHERS", tuple(wrong))
+    with_replacement(monkeypatch, "hf_rms_norm", lambda m, s, x: m.weight * x)
     original = tiny()
     model = opadvisor.patch(copy.deepcopy(original), rules=["hf_rms_norm"], quiet=True)
     with pytest.warns(

@@ -1,0 +1,27 @@
+"""Helpers shared by the `opadvisor.patch` tests of each model family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch.nn as nn
+from opadvisor.kernels import patch as P
+
+
+def fixes(model: nn.Module) -> set[str]:
+    """The fixes `patch` installed on the model (its report's patched entries)."""
+    return {fix for _, _, fix in P.patch_report(model).patched}
+
+
+def forwards(model: nn.Module) -> dict[str, object]:
+    """Each module's instance-level forward (None where the class's runs): what unpatch must restore."""
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def with_replacement(monkeypatch: pytest.MonkeyPatch, fix: str, forward: Callable[..., object]) -> None:
+    """The patcher of `fix` with another replacement forward (a wrong one, say), for this test only."""
+    patchers = [
+        P._Patcher(p.fix, p.check, forward, p.main_output) if p.fix.name == fix else p for p in P._PATCHERS
+    ]
+    monkeypatch.setattr(P, "_PATCHERS", tuple(patchers))

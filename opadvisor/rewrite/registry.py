@@ -31,8 +31,11 @@ LIBRARY_CODEMODS: dict[str, str] = {
 
 @cache
 def has_codemod(rule_id: str) -> bool:
-    """Whether `rule_id` has an automatic fix (a module `opadvisor.rewrite.<rule_id>`)."""
-    if not rule_id.isidentifier() or rule_id.startswith("_"):
+    """Whether `rule_id` has an automatic fix: a rule of the registry with a module
+    `opadvisor.rewrite.<rule_id>` (the package's other public modules, such as `engine`, are no rules)."""
+    from opadvisor.rules.registry import rule_ids
+
+    if rule_id not in rule_ids():
         return False
     return importlib.util.find_spec(f"{PACKAGE}.{rule_id}") is not None
 

@@ -362,6 +362,8 @@ def test_refuses_unknown_rule(project):
     assert_refused(cli("--rule", "no_such_rule"), contains="unknown rule 'no_such_rule'")
     assert_refused(cli("--rule", "no_such_rule", "model.py"), contains="unknown rule")
     assert_refused(cli("--rule", "host_sync"), contains="has no automatic fix")
+    for module in ("engine", "check", "base"):  # modules of opadvisor.rewrite that are no rules
+        assert_refused(cli("--rule", module, "model.py"), contains=f"unknown rule '{module}'")
     assert project["model"].read_bytes() == MODEL
 
 

@@ -113,7 +113,21 @@ __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
 STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
 REPORT = "_opadvisor_patch_report"
-_MISSING = object()
+class _Missing:
+    """No instance-level forward before the patch. One object, also in a deep copy of a patched model
+    (`_restore` tests it by identity: a copied sentinel would be put back as the forward)."""
+
+    def __copy__(self) -> _Missing:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Missing:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 _NOTHING_TO_GAIN = "aligned"  # what a check returns for a module it leaves without reporting it
 
 # Relative tolerance of the first-call check (max |replacement - original| / max |original|, per output
@@ -1539,7 +1553,9 @@ def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool, repor
         state.undo = functools.partial(patcher.undo, module)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _call(self, state, patcher, args, kwargs)
+        # the state is read from the instance, not closed over: a deep copy of the model (an EMA or teacher
+        # copy) has its own state, whose original forward is bound to the copy
+        return _call(self, self.__dict__[STATE], patcher, args, kwargs)
 
     module.__dict__[STATE] = state
     module.forward = types.MethodType(forward, module)

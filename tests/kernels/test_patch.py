@@ -439,3 +439,23 @@ def test_the_float32_judgement_weighs_each_tensor_by_the_originals_own_error() -
     assert P._judged_against_float32(ref, good, (exact, grads), 0.04, "differs") is None
     said = P._judged_against_float32(ref, bad, (exact, grads), 0.04, "differs")
     assert said is not None and said.startswith("differs; against a float32 run") and "output is 0.2" in said
+
+
+def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(reference_path) -> None:
+    """copy.deepcopy of a patched model (an EMA or teacher copy): the copy's patches call the copy's own
+    original forwards (the source's weights may drift), and unpatch on the copy restores the copy."""
+    base = tiny_bert()
+    expected = copy.deepcopy(base)  # the same weights, never patched
+    model = opadvisor.patch(base, quiet=True)
+    data = batch()
+    model(**data)  # the first-call checks ran on the source
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    torch.testing.assert_close(twin(**data).loss, expected(**data).loss, rtol=1e-4, atol=1e-5)
+    patched = [m for m in twin.modules() if P.STATE in m.__dict__]
+    assert patched and all(m.__dict__[P.STATE].original.__self__ is m for m in patched)
+    opadvisor.unpatch(twin)
+    assert all("forward" not in m.__dict__ for m in twin.modules())
+    torch.testing.assert_close(twin(**data).loss, expected(**data).loss)

@@ -113,6 +113,8 @@ __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
 STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
 REPORT = "_opadvisor_patch_report"
+
+
 class _Missing:
     """No instance-level forward before the patch. One object, also in a deep copy of a patched model
     (`_restore` tests it by identity: a copied sentinel would be put back as the forward)."""

@@ -1777,18 +1777,32 @@ def _bias_floor(name: str, scale_of: dict[str, float]) -> float:
 
 
 def _compare_grads(got_ref: Gradients, got_new: Gradients, tol: float) -> str | None:
-    scale_of = {n: g.detach().abs().max().item() for n, g in got_ref.items() if g is not None and g.numel()}
-    floor = 1e-3 * max(scale_of.values(), default=0.0)
-    for name, a in got_ref.items():
-        b = got_new.get(name)
-        if a is None and b is None:
-            continue
-        a = torch.zeros_like(b) if a is None else a
-        b = torch.zeros_like(a) if b is None else b
-        problem = _compare(f"gradient of {name}", a, b, tol, floor=max(floor, _bias_floor(name, scale_of)))
+    floors = _noise_floors(got_ref)
+    for name, a, b in _gradient_pairs(got_ref, got_new):
+        problem = _compare(f"gradient of {name}", a, b, tol, floor=floors[name])
         if problem is not None:
             return problem
     return None
+
+
+def _noise_floors(grads: Gradients) -> dict[str, float]:
+    """Per gradient, the scale its differences are judged against at least (`_compare`'s floor): a
+    thousandth of the largest gradient, and a bias's weight's scale (`_bias_floor`)."""
+    scale_of = {n: g.detach().abs().max().item() for n, g in grads.items() if g is not None and g.numel()}
+    floor = 1e-3 * max(scale_of.values(), default=0.0)
+    return {name: max(floor, _bias_floor(name, scale_of)) for name in grads}
+
+
+def _gradient_pairs(*runs: Gradients) -> list[tuple[str, ...]]:
+    """(name, gradient of each run) for every gradient of the first run that some run has; a run without
+    it (the parameter unused there) gives zeros: a gradient one program lost is a difference."""
+    out = []
+    for name in runs[0]:
+        got = [run.get(name) for run in runs]
+        like = next((g for g in got if g is not None), None)
+        if like is not None:
+            out.append((name, *(torch.zeros_like(like) if g is None else g for g in got)))
+    return out
 
 
 def _float32_run(
@@ -1817,15 +1831,16 @@ def _judged_against_float32(
     """The replacement differs from the original by more than 16-bit rounding explains (`problem`): it
     passes where every output and gradient of it is within twice the original's own distance from the
     float32 run (or the tolerance, whichever is larger): two 16-bit programs each rounded from the same
-    exact values may differ by the sum of their errors. Deep layers of a bf16 attention are such a case:
+    exact values may differ by the sum of their errors. Distances are relative to the float32 value's scale,
+    never below its noise floor (`_noise_floors`: a key bias's gradient, zero in exact arithmetic, is noise);
+    a gradient the replacement lost counts as zeros. Deep layers of a bf16 attention are such a case:
     the hand-written softmax rounds its scores to bf16, SDPA keeps them in float32."""
-    pairs = [("output", ref[0], new[0], exact[0])]
-    pairs += [(f"gradient of {n}", ref[1].get(n), new[1].get(n), g) for n, g in exact[1].items()]
-    for what, a, b, x in pairs:
-        if x is None or a is None or b is None:
-            continue
+    floors = {"output": 0.0, **{f"gradient of {n}": f for n, f in _noise_floors(exact[1]).items()}}
+    pairs = [("output", exact[0], ref[0], new[0])]
+    pairs += [(f"gradient of {n}", x, a, b) for n, x, a, b in _gradient_pairs(exact[1], ref[1], new[1])]
+    for what, x, a, b in pairs:
         x32 = x.detach().float()
-        scale = max(x32.abs().max().item(), 1e-12)
+        scale = max(x32.abs().max().item(), floors[what], 1e-12)
         theirs = (a.detach().float() - x32).abs().max().item() / scale
         ours = (b.detach().float() - x32).abs().max().item() / scale
         if ours > max(tol, 2.0 * theirs):

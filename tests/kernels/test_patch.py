@@ -439,6 +439,15 @@ def test_the_float32_judgement_weighs_each_tensor_by_the_originals_own_error() -
     assert P._judged_against_float32(ref, good, (exact, grads), 0.04, "differs") is None
     said = P._judged_against_float32(ref, bad, (exact, grads), 0.04, "differs")
     assert said is not None and said.startswith("differs; against a float32 run") and "output is 0.2" in said
+    lost = P._judged_against_float32(ref, (close, {"weight": None}), (exact, grads), 0.04, "differs")
+    assert lost is not None and "gradient of weight is 1" in lost  # a lost gradient is all of it away
+    # a key bias's gradient is zero in exact arithmetic: both 16-bit runs' noise is judged at the weight's scale
+    noise = {"key.weight": exact * 10, "key.bias": exact * 1e-9}
+    ref_noise = {"key.weight": original * 10, "key.bias": exact * 1e-3}
+    new_noise = {"key.weight": close * 10, "key.bias": -exact * 3e-3}
+    assert (
+        P._judged_against_float32((original, ref_noise), (close, new_noise), (exact, noise), 0.04, "") is None
+    )
 
 
 def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(reference_path) -> None:

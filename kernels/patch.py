@@ -1669,10 +1669,9 @@ def _run_and_differentiate(
     generator = torch.Generator(device=out.device).manual_seed(0)  # leaves the global RNG alone
     upstream = torch.randn(out.shape, generator=generator, device=out.device, dtype=torch.float32)
     upstream = upstream.to(upstream_dtype or out.dtype).to(out.dtype)
-    params = [p for p in module.parameters() if p.requires_grad]
-    names = [f"input {i}" for i in range(len(leaves))]
-    names += [n for n, p in module.named_parameters() if p.requires_grad]
-    got = torch.autograd.grad(out, [*leaves, *params], upstream, allow_unused=True)
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    names = [f"input {i}" for i in range(len(leaves))] + [n for n, _ in params]
+    got = torch.autograd.grad(out, [*leaves, *(p for _, p in params)], upstream, allow_unused=True)
     return out, dict(zip(names, got, strict=True))
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
 
@@ -25,3 +27,16 @@ def with_replacement(monkeypatch: pytest.MonkeyPatch, fix: str, forward: Callabl
         P._Patcher(p.fix, p.check, forward, p.main_output) if p.fix.name == fix else p for p in P._PATCHERS
     ]
     monkeypatch.setattr(P, "_PATCHERS", tuple(patchers))
+
+
+def sgd_losses(model: nn.Module, inputs: Callable[[], dict[str, Any]], steps: int = 2) -> list[float]:
+    """The losses of `steps` SGD steps (lr 0.1) of `model(**inputs())`."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        loss = model(**inputs()).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out

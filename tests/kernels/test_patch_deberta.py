@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
-from patch_testlib import fixes, forwards, with_replacement
+from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import deberta_v2_class
@@ -118,17 +118,7 @@ def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
     original = tiny(layers=1)
     model = opadvisor.patch(copy.deepcopy(original), rules=["hf_deberta_attention"], quiet=True)
     reset_dispatch_counts()
-    losses = []
-    for m in (original, model):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        steps = []
-        for _ in range(2):
-            loss = m(**batch()).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            steps.append(loss.item())
-        losses.append(steps)
+    losses = [sgd_losses(m, batch) for m in (original, model)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert dispatch_counts()["disentangled_bias"].get("kernel", 0) > 0
 

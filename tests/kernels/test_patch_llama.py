@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import patch as P
-from patch_testlib import fixes, forwards, with_replacement
+from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import llama_family_classes
@@ -84,17 +84,7 @@ def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
     original = tiny(layers=1)
     model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
     reset_dispatch_counts()
-    losses = []
-    for m in (original, model):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        run = []
-        for _ in range(2):
-            loss = m(input_ids=ids(), labels=ids()).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            run.append(loss.item())
-        losses.append(run)
+    losses = [sgd_losses(m, lambda: {"input_ids": ids(), "labels": ids()}) for m in (original, model)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     counts = dispatch_counts()
     for op in ("rms_norm", "silu_mul", "rotary_embedding", "linear_cross_entropy"):

@@ -97,6 +97,7 @@ from opadvisor.libraries import (
     HF_ATTENTION_CLASSES,
     TORCH_BLOCKS,
     LibraryFix,
+    bert_family_classes,
     block_of,
     deberta_v2_class,
     fix_by_name,
@@ -1293,10 +1294,25 @@ def _hf_switch_roots(model: nn.Module) -> frozenset[int]:
 _OWN_ATTENTION_CLASSES = frozenset({*HF_ATTENTION_CLASSES, deberta_v2_class("DisentangledSelfAttention")})
 
 
+# Own attention patches that take the masks transformers builds for SDPA (bool, or None where no token is masked)
+# as well as eager's float mask: the BERT family's in an encoder (a decoder's None would mean causal). Under them
+# the switch still pays: transformers then builds SDPA's masks, which can be built inside a CUDA graph capture;
+# the eager mask of transformers <= 5.17 cannot (`torch.tensor(0.0, device=...)`, a host-to-device copy).
+_TAKES_SDPA_MASKS = frozenset(bert_family_classes("SelfAttention"))
+
+
 def _own_attention_patch(module: nn.Module) -> str | None:
-    """The name of the first attention class under `module` that opadvisor has its own patch for, or None."""
+    """The name of the first attention class under `module` that opadvisor has its own patch for and that
+    cannot run under the switch (a causal one, or one that needs eager's float mask), or None."""
+    decoder = bool(getattr(getattr(module, "config", None), "is_decoder", False))
     return next(
-        (type(m).__name__ for m in module.modules() if _qualified(type(m)) in _OWN_ATTENTION_CLASSES), None
+        (
+            type(m).__name__
+            for m in module.modules()
+            if _qualified(type(m)) in _OWN_ATTENTION_CLASSES
+            and (decoder or _qualified(type(m)) not in _TAKES_SDPA_MASKS)
+        ),
+        None,
     )
 
 
@@ -1473,7 +1489,7 @@ def _patch_one(
         if any(p in patchers for p in candidates):
             # a patch of the root's own class (a causal-LM loss) takes its forward: the switch goes to the
             # transformers model inside (LlamaModel; it shares the config, so the attention is the same),
-            # unless opadvisor patches the attention itself (BERT, GPT-2)
+            # unless opadvisor patches an attention that cannot run under the switch (GPT-2)
             if _own_attention_patch(module) is None:
                 hf_roots.update(_inner_hf_roots(module))
         else:

@@ -98,7 +98,10 @@ def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
         before = model(**batch()).logits
     assert opadvisor.patch(model) is model
     report = capsys.readouterr().err
-    assert "patched 8 modules" in report and "BertSelfAttention x2 (hf_bert_self_attention" in report
+    assert "patched 9 modules" in report and "BertSelfAttention x2 (hf_bert_self_attention" in report
+    # the switch too: transformers then builds SDPA's masks (capturable in a CUDA graph), which the patched
+    # attention takes
+    assert "BertModel x1 (hf_attn_switch: bert)" in report
     assert (
         "BertOutput x2 (hf_bert_output" in report
         and "Linear x1 (padded_linear: cls.predictions.decoder)" in report
@@ -106,7 +109,9 @@ def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
     with torch.no_grad():
         during = model(**batch()).logits
     torch.testing.assert_close(during, before, rtol=1e-4, atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
     assert opadvisor.unpatch(model) is model
+    assert model.config._attn_implementation == "eager"
     assert _forwards(model) == forwards and all("forward" not in m.__dict__ for m in model.modules())
     assert not any(P.STATE in m.__dict__ for m in model.modules()) and P.patch_report(model) is None
     after_state = model.state_dict()

@@ -69,22 +69,54 @@ def test_the_inner_model_is_switched_with_the_outer_one_not_again() -> None:
     assert not any(path == "model" for path, _, _ in report.left)
 
 
-def test_left_alone_where_sdpa_already_runs_or_opadvisor_has_its_own_patch() -> None:
+def _bert(**extra) -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=101, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        attn_implementation="eager", **extra,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def test_left_alone_where_sdpa_already_runs_or_opadvisor_has_its_own_causal_patch() -> None:
     model = _llama("sdpa")
     opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
     (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
     assert "already runs" in left[2] and model.config._attn_implementation == "sdpa"
-    config = transformers.BertConfig(
-        vocab_size=101, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        attn_implementation="eager",
-    )  # fmt: skip
-    bert = transformers.BertForMaskedLM(config)
-    opadvisor.patch(bert, rules=["sdpa_attention"], quiet=True)
-    report = opadvisor.patch_report(bert)
-    (left,) = [e for e in report.left if e[0] == ""]
-    assert "own attention patch" in left[2]
-    assert any(fix == "hf_bert_self_attention" for _, _, fix in report.patched)
-    assert bert.config._attn_implementation == "eager"
+    config = transformers.GPT2Config(
+        vocab_size=101, n_embd=32, n_layer=1, n_head=2, n_positions=32, attn_implementation="eager"
+    )
+    # opadvisor's GPT-2 attention reads eager's causal mask: under SDPA's masks (None: causal) it would not be
+    for model in (transformers.GPT2LMHeadModel(config), _bert(is_decoder=True)):
+        opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+        report = opadvisor.patch_report(model)
+        (left,) = [e for e in report.left if e[0] == ""]
+        assert "own attention patch" in left[2]
+        assert any(fix in ("hf_gpt2_attention", "hf_bert_self_attention") for _, _, fix in report.patched)
+        assert model.config._attn_implementation == "eager"
+
+
+def test_a_bert_encoder_gets_the_switch_beside_its_own_attention_patch() -> None:
+    # BERT's patched attention takes SDPA's masks (bool, or None: no padding) as it takes eager's; the switch
+    # makes transformers build those, which a CUDA graph can capture (5.17's eager mask copies a host scalar)
+    model = _bert()
+    opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+    fixes = {(path, fix) for path, _, fix in opadvisor.patch_report(model).patched}
+    assert ("", "hf_attn_switch") in fixes and (
+        "bert.encoder.layer.0.attention.self",
+        "hf_bert_self_attention",
+    ) in fixes
+    seen = []
+    attention = model.bert.encoder.layer[0].attention.self
+    attention.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True
+    )
+    ids = torch.randint(0, 101, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask)  # the first call: checks, then the switch
+    mask[1, 11:] = 0
+    model(input_ids=ids, attention_mask=mask)
+    assert model.config._attn_implementation == "sdpa"
+    assert seen[-1] is not None and seen[-1].dtype == torch.bool  # padding: SDPA's bool mask
 
 
 def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> None:

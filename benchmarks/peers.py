@@ -270,6 +270,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     flops = step_flops(getattr(model, "_orig_mod", model), config, batch, seq)
     from opadvisor.kernels import dispatch_counts
 
+    if args.kernels and cuda:  # after the timed steps: the profiler's overhead stays out of them
+        result["kernels"] = kernel_breakdown(step, args.warmup + args.steps, args.kernels)
     return {
         **result,
         "status": "ok",
@@ -283,6 +285,33 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def kernel_breakdown(step, first: int, top: int, steps: int = 2) -> dict[str, Any]:
+    """The GPU kernels of `steps` more steps under torch.profiler: per step, the device time of all kernels
+    together (against the step's time: what the host leaves idle) and the `top` kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(first + i)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    return {
+        "device_busy_ms_per_step": busy,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "top": [
+            {
+                "name": e.key[:140],
+                "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                "count": e.count // steps,
+            }
+            for e in kernels[:top]
+        ],
+    }
+
+
 # ---- the parent: rounds of child processes --------------------------------------------------------------------
 def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str]:
     command = [sys.executable, __file__, "--child", "--model", args.model, "--program", program, "--device",
@@ -290,7 +319,7 @@ def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str
                "--compile-backend", args.compile_backend]  # fmt: skip
     if args.tiny:
         command.append("--tiny")
-    for flag in ("seq", "batch", "attn"):
+    for flag in ("seq", "batch", "attn", "kernels"):
         if getattr(args, flag):
             command += [f"--{flag}", str(getattr(args, flag))]
     return command
@@ -344,8 +373,10 @@ def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "notes": ok[0].get("notes", []),
         "dispatch": ok[0].get("dispatch", {}),
         "warnings": ok[0].get("warnings", []),
+        "kernels": ok[0].get("kernels"),
         "runs": [
-            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings")} for r in runs
+            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings", "kernels")}
+            for r in runs
         ],
     }
 
@@ -472,6 +503,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--attn",
         default=None,
         help="the attention implementation the model is built with (eager, sdpa; default: transformers' own)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="after the timed steps, profile 2 more and keep the N costliest GPU kernels in the JSON (CUDA)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny configurations: a smoke test (CPU)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")

@@ -38,7 +38,8 @@ GPU, which also stops a CUDA-graph capture), and patches the output blocks (hf_b
 `dispatch` says which path each fused op took.
 
 The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
-autocast, AdamW, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
+autocast, AdamW (opadvisor's programs: `AdamW(..., fused=True)` on CUDA, as `opadvisor apply` rewrites the
+plain construction: the fused_optimizer finding's safe fix), `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
 configurations built in code (nothing downloaded). Measured per program: step time (CUDA events around each
 step after --warmup steps; the program's time is the median over its rounds of the median step), peak memory
 (torch.cuda.max_memory_allocated over the timed steps), model FLOPs utilisation (6 x matmul parameters x
@@ -220,8 +221,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         model, notes = apply_program(model, args.program, args.model)
     except SkipProgram as exc:
         return {**result, "status": "skipped", "reason": str(exc)}
+    # opadvisor's programs construct AdamW as `opadvisor apply` rewrites the script's plain AdamW(...) (the
+    # fused_optimizer finding's safe fix); the others keep the script's optimizer as written
+    fused = args.program.startswith("opadvisor") and args.device.startswith("cuda")
+    if fused:
+        notes.append("AdamW(..., fused=True) (fused_optimizer)")
     result["notes"] = notes
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     generator = torch.Generator().manual_seed(1)
     vocab = config.vocab_size
     batches = [torch.randint(0, vocab, (batch, seq), generator=generator).to(args.device) for _ in range(4)]

@@ -1844,23 +1844,42 @@ def _judged_against_float32(
     problem: str,
 ) -> str | None:
     """The replacement differs from the original by more than 16-bit rounding explains (`problem`): it
-    passes where every output and gradient of it is within twice the original's own distance from the
-    float32 run (or the tolerance, whichever is larger): two 16-bit programs each rounded from the same
-    exact values may differ by the sum of their errors. Distances are relative to the float32 value's scale,
-    never below its noise floor (`_noise_floors`: a key bias's gradient, zero in exact arithmetic, is noise);
-    a gradient the replacement lost counts as zeros. Deep layers of a bf16 attention are such a case:
-    the hand-written softmax rounds its scores to bf16, SDPA keeps them in float32."""
+    passes where every output and gradient of it is, as a whole (relative Frobenius norm), within twice the
+    original's own distance from the float32 run or the tolerance, whichever is larger (two 16-bit programs
+    each rounded from the same exact values may differ by the sum of their errors), and no element of it is
+    further than `_ELEMENT_CEILING` tolerances (or twice the original's largest). Distances are relative to
+    the float32 value's scale, never below its noise floor (`_noise_floors`: a key bias's gradient, zero in
+    exact arithmetic, is noise); a gradient the replacement lost counts as zeros. Deep layers of a bf16
+    attention are such a case: the hand-written softmax rounds its scores to bf16, SDPA keeps them in float32,
+    and SDPA's backward cancels in bf16 where a near-uniform softmax's gradient is small."""
     floors = {"output": 0.0, **{f"gradient of {n}": f for n, f in _noise_floors(exact[1]).items()}}
     pairs = [("output", exact[0], ref[0], new[0])]
     pairs += [(f"gradient of {n}", x, a, b) for n, x, a, b in _gradient_pairs(exact[1], ref[1], new[1])]
     for what, x, a, b in pairs:
         x32 = x.detach().float()
-        scale = max(x32.abs().max().item(), floors[what], 1e-12)
-        theirs = (a.detach().float() - x32).abs().max().item() / scale
-        ours = (b.detach().float() - x32).abs().max().item() / scale
-        if ours > max(tol, 2.0 * theirs):
-            return (
-                f"{problem}; against a float32 run of the original, its {what} is {ours:.2g} of the scale "
-                f"away, the original's {theirs:.2g}"
-            )
+        theirs, ours = _distances(x32, a, floors[what]), _distances(x32, b, floors[what])
+        limits = (max(tol, 2.0 * theirs[0]), max(_ELEMENT_CEILING * tol, 2.0 * theirs[1]))
+        for i, kind in enumerate(("as a whole (norm)", "at its largest element")):
+            if ours[i] > limits[i]:
+                return (
+                    f"{problem}; against a float32 run of the original, its {what} is {ours[i]:.2g} of the "
+                    f"scale away {kind}, the original's {theirs[i]:.2g}"
+                )
     return None
+
+
+# How far one element of a 16-bit program may be from the float32 value, in tolerances, in the float32
+# judgement: fused attention's backward (every SDPA backend) leaves bf16 query/key gradients 0.02-0.06 of their
+# scale from float32 at some elements where a near-uniform softmax cancels (BERT-base, H200), while the whole
+# tensor stays within the tolerance (0.014-0.025 relative norm); a wrong formula or a wrong row moves elements by
+# the tensor's whole scale.
+_ELEMENT_CEILING = 4.0
+
+
+def _distances(exact: torch.Tensor, got: torch.Tensor, floor: float) -> tuple[float, float]:
+    """(whole-tensor, largest-element) distance of `got` from `exact`, relative to `exact`'s scale (its norm,
+    its largest magnitude), never below what `floor`, a scale of one element, gives."""
+    diff = got.detach().float() - exact
+    norm_scale = max(exact.norm().item(), floor * exact.numel() ** 0.5, 1e-12)
+    max_scale = max(exact.abs().max().item(), floor, 1e-12)
+    return diff.norm().item() / norm_scale, diff.abs().max().item() / max_scale

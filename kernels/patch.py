@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import contextvars
 import copy as copy_module
 import functools
 import hashlib
@@ -432,6 +433,8 @@ def _bert_attention(module: nn.Module, state: _State, hidden_states, *args, **kw
     if _kv_cache(args, kwargs) is not None:  # a decoder's cache: the original handles it
         return state.original(hidden_states, *args, **kwargs)
     attention_mask = _arguments(module, (hidden_states, *args), kwargs).get("attention_mask")
+    if attention_mask is not None and not torch.compiler.is_compiling() and _UNPADDED.get():
+        attention_mask = None  # all True: see _UNPADDED
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.attention_head_size)
     q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
@@ -1338,10 +1341,33 @@ def _check_hf_switch(module: nn.Module) -> str | None:
     return _no_hooks(module)
 
 
+# Set while a transformers encoder under the switch runs a call without an attention mask (no token is padded):
+# inside a CUDA-graph capture transformers still builds an all-True mask (it cannot read a mask's values there),
+# which sends SDPA from flash attention to its float32 math backend (BERT-base on an H200: 24 float32 GEMMs and
+# twelve float32 mask additions a step). opadvisor's BERT attention then drops that mask. Read only in eager
+# mode (under torch.compile transformers' mask goes to inductor like any other tensor).
+_UNPADDED: contextvars.ContextVar[bool] = contextvars.ContextVar("opadvisor_unpadded", default=False)
+
+
 def _hf_switch(module: nn.Module, state: _State, *args, **kwargs):
     if module.config._attn_implementation != "sdpa":
         module.set_attn_implementation("sdpa")  # once: transformers' attention reads it at every call
-    return state.original(*args, **kwargs)
+    if torch.compiler.is_compiling() or not _unpadded_encoder_call(module, args, kwargs):
+        return state.original(*args, **kwargs)
+    token = _UNPADDED.set(True)
+    try:
+        return state.original(*args, **kwargs)
+    finally:
+        _UNPADDED.reset(token)
+
+
+def _unpadded_encoder_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a call of an encoder (not a decoder: its mask is causal) has no attention mask at all, and no
+    encoder states to attend to (a cross-attention's mask is the encoder's)."""
+    if getattr(module.config, "is_decoder", False):
+        return False
+    arguments = _arguments(module, args, kwargs)
+    return arguments.get("attention_mask") is None and arguments.get("encoder_hidden_states") is None
 
 
 def _hf_switch_undo(module: nn.Module) -> None:

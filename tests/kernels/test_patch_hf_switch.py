@@ -137,3 +137,34 @@ def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> N
     assert model.config._attn_implementation == "eager" and "forward" not in model.__dict__
     (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
     assert "fell back at its first call" in left[2]
+
+
+def test_an_unpadded_bert_call_drops_the_all_true_mask_a_capture_makes(monkeypatch) -> None:
+    # Inside a CUDA-graph capture transformers cannot look at a mask's values, so it builds an all-True mask
+    # even for a call without attention_mask; SDPA then leaves flash attention for float32 math. Simulated on
+    # the CPU by telling transformers' mask code it is tracing.
+    import torch.nn.functional as F
+    from transformers import masking_utils
+
+    model = _bert().eval()  # no dropout: the two calls compare
+    ids = torch.randint(0, 101, (2, 16))
+    opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits  # the first call: checks, then the switch
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        assert seen == [None]  # transformers built a mask; the patched attention dropped it
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 11:] = 0
+        model(input_ids=ids, attention_mask=mask)
+    assert seen[-1] is not None and seen[-1].dtype == torch.bool  # a real padding mask is kept
+    torch.testing.assert_close(got, expected)

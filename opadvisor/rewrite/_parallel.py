@@ -34,10 +34,10 @@ def calls_to(visitor: cst.MetadataDependent, root: cst.CSTNode, names: frozenset
     return [c for c in nodes_of(root, cst.Call) if resolves_to(visitor, c.func, names)]
 
 
-def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
-    """The profile's target a `DistributedDataParallel(...)` call (an original node) answers, marked answered;
-    None for any other call, one no target names, or a codemod without targets."""
-    if codemod.targets is None or not resolves_to(codemod, node.func, DDP_NAMES):
+def targeted_call(codemod: RuleCodemod, node: cst.Call, names: frozenset[str]) -> Target | None:
+    """The profile's target a call (an original node) to one of `names` answers, marked answered; None for
+    any other call, one no target names, or a codemod without targets."""
+    if codemod.targets is None or not resolves_to(codemod, node.func, names):
         return None
     target = codemod.targeted(node)
     if target is not None:
@@ -45,4 +45,9 @@ def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
     return target
 
 
-__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "targeted_ddp_call"]
+def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
+    """`targeted_call` for a `DistributedDataParallel(...)` call."""
+    return targeted_call(codemod, node, DDP_NAMES)
+
+
+__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "targeted_call", "targeted_ddp_call"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opadvisor.profile.intervals import interval_union
@@ -21,6 +22,9 @@ from opadvisor.profile.model import Annotation, Kernel, Op, Profile
 
 _RANGE = re.compile(r"^FSDP::(?P<phase>all_gather|post_backward_reduce)(?: \((?P<unit>.*)\))?$")
 _COLLECTIVE = {"all_gather": "all_gather", "post_backward_reduce": "reduce_scatter"}
+# FSDP2 gathers a unit in backward inside these ranges (its own pre-backward, or the unit before it
+# prefetching it)
+_BACKWARD_RANGES = ("FSDP::pre_backward", "FSDP::backward_prefetch")
 _BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8, "double": 8}
 
 
@@ -37,6 +41,23 @@ class UnitComm:
 
 def unit_comm(profile: Profile) -> list[UnitComm]:
     """Every unit's collectives, most exposed first (on a CPU profile: most bytes per step first)."""
+    return _collect(profile, None)
+
+
+def backward_gathers(profile: Profile) -> list[UnitComm]:
+    """Each unit's all-gathers issued in backward: inside FSDP2's `FSDP::pre_backward (unit)` or
+    `FSDP::backward_prefetch for unit` ranges (the parameters gathered again because the unit resharded
+    after forward), most exposed first."""
+    backward: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for a in profile.annotations:
+        if a.step is not None and a.name.startswith(_BACKWARD_RANGES):
+            backward[a.thread].append((a.start_us, a.start_us + a.duration_us))
+    units = _collect(profile, lambda op: any(s <= op.start_us <= e for s, e in backward.get(op.thread, ())))
+    return [u for u in units if u.collective == "all_gather"]
+
+
+def _collect(profile: Profile, keep: Callable[[Op], bool] | None) -> list[UnitComm]:
+    """The units' collectives made of the ops `keep` accepts (None: every op)."""
     steps = max(len(profile.steps), 1)
     ranges = _ranges_by_thread(profile)
     compute = interval_union(
@@ -48,7 +69,7 @@ def unit_comm(profile: Profile) -> list[UnitComm]:
     found: dict[tuple[str, str], list[Op]] = defaultdict(list)
     nccl: dict[tuple[str, str], list[Kernel]] = defaultdict(list)
     for op in profile.ops:
-        if op.step is None:
+        if op.step is None or (keep is not None and not keep(op)):
             continue
         calls = op.name.startswith("c10d::")
         kernels = [k for k in op.kernels if k.name.lower().startswith("nccl")]
@@ -129,6 +150,11 @@ def _largest(op: Op) -> tuple[int, str] | None:
     return best
 
 
+def dtype_bytes(dtype: str | None) -> int | None:
+    """Bytes of one element of a dtype named as the profile names it ("bfloat16"); None when unknown."""
+    return _BYTES.get(dtype) if dtype is not None else None
+
+
 def _outside(start: float, end: float, covered: list[tuple[float, float]]) -> float:
     """Microseconds of [start, end) that no interval of `covered` (sorted, disjoint) holds."""
     inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in covered if b > start and a < end)
@@ -150,4 +176,4 @@ def words(units: list[UnitComm], top: int = 3) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["UnitComm", "unit_comm", "words"]
+__all__ = ["UnitComm", "backward_gathers", "dtype_bytes", "unit_comm", "words"]

@@ -1,7 +1,7 @@
 """What the profile proved about a DDP or FSDP2 wrapper (issue 34): the contract between the rules
-`ddp_find_unused`, `ddp_small_bucket`, `grad_accum_sync`, `fsdp_root_only`, `fsdp_fp32_gather` and their
-codemods (plain data, in each finding's `details`). The constructions they come from are described in
-`opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
+`ddp_find_unused`, `ddp_small_bucket`, `grad_accum_sync`, `fsdp_root_only`, `fsdp_fp32_gather`,
+`fsdp_reshard` and their codemods (plain data, in each finding's `details`). The constructions they come
+from are described in `opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
 
 from __future__ import annotations
 
@@ -83,4 +83,25 @@ class FsdpFacts(Facts):
     units: list[dict[str, Any]] = field(default_factory=list)
 
 
-__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts"]
+@dataclass
+class ReshardFacts(Facts):
+    """`fully_shard(...)` calls whose units gathered their parameters again in backward (`fsdp_reshard`).
+    construction_line: the call's line; modules: the units' module paths; root: one of them is the root
+    unit; backward_gathers_per_step: their all-gathers in backward; backward_gather_ms /
+    backward_gather_exposed_ms: the NCCL time of those and its exposed part (None on a CPU profile);
+    peak_allocated_bytes, gpu_memory_bytes: the measured peak and the GPU's memory; kept_bytes: the
+    unsharded parameters the fix keeps from forward to backward; memory_fraction: the rule's limit."""
+
+    construction_line: int | None = None
+    modules: list[str] = field(default_factory=list)
+    root: bool = False
+    backward_gathers_per_step: float = 0.0
+    backward_gather_ms: float | None = None
+    backward_gather_exposed_ms: float | None = None
+    peak_allocated_bytes: int = 0
+    gpu_memory_bytes: int = 0
+    kept_bytes: int = 0
+    memory_fraction: float = 0.85
+
+
+__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts", "ReshardFacts"]

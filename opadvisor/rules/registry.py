@@ -38,6 +38,7 @@ RULE_MODULES: tuple[str, ...] = (
     "grad_accum_sync",
     "fsdp_root_only",
     "fsdp_fp32_gather",
+    "fsdp_reshard",
 )
 
 

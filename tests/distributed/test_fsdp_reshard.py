@@ -1,0 +1,97 @@
+"""`fsdp_reshard` on hand-built profiles: two per-block units gathered again in backward (FSDP2's
+pre-backward ranges), judged against the memory the profile measured; on a profile without GPU memory
+facts the rule says it cannot judge and reports nothing. The real two-rank gloo run is in
+test_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from opadvisor.profile.model import Annotation, Construction, Environment, Kernel, Op, Profile, Step
+from opadvisor.rules import fsdp_reshard
+from opadvisor.rules.engine import NeedsGpuProfile
+
+GIB = 2**30
+NCCL = "ncclDevKernel_AllGather_RING_LL"
+PARAMS = 64 * 2**20  # parameters per block: 256 MiB in float32
+
+
+def _range(prof: Profile, name: str, start: float, length: float) -> None:
+    prof.annotations.append(Annotation(name, start, length, step=0, thread=1))
+
+
+def _gather(prof: Profile, unit: str, start: float, kernel: tuple[float, float]) -> None:
+    """FSDP2's all-gather of `unit` at `start` (its range, the c10d op, its NCCL kernel)."""
+    _range(prof, f"FSDP::all_gather ({unit})", start, 50.0)
+    op = Op(len(prof.ops), "c10d::_allgather_base_", 0, start + 5, 20.0, thread=1)
+    op.input_shapes, op.input_dtypes = [[PARAMS], [PARAMS // 2]], ["float32", "float32"]
+    op.kernels = [Kernel(NCCL, kernel[0], kernel[1] - kernel[0])]
+    prof.ops.append(op)
+
+
+def _unit(module: str, line: int, **attrs) -> Construction:
+    base = {"own_params": PARAMS, "param_dtypes": ["float32"], "mp_param_dtype": None, "root": False}
+    base["reshard_after_forward"] = None
+    return Construction(
+        "fsdp", "torch.distributed.fsdp.fully_shard", "train.py", line, "main", module, {**base, **attrs}
+    )
+
+
+def profile(gpu_memory: int | None = 80 * GIB, peak: int | None = 20 * GIB, **block_attrs) -> Profile:
+    """Two blocks (line 10, a loop) and the root (line 11); each block gathered in forward (1.0 ms, under a
+    GEMM for 0.5 ms) and again in backward (1.0 ms, nothing beside it: all of it exposed)."""
+    env = Environment(device="cuda", gpu_name="Test GPU", gpu_memory_bytes=gpu_memory)
+    prof = Profile(environment=env)
+    prof.steps.append(Step(0, 0.0, 20_000.0, 20.0, gpu_span_ms=20.0, peak_allocated_bytes=peak))
+    prof.constructions += [_unit("blocks.0", 10, **block_attrs), _unit("blocks.1", 10, **block_attrs)]
+    prof.constructions.append(_unit("", 11, own_params=1000, root=True))
+    gemm = Op(0, "aten::mm", 0, 900.0, 10.0, thread=1, kernels=[Kernel("sm90_gemm", 1000.0, 1500.0)])
+    prof.ops.append(gemm)
+    for i, unit in enumerate(("blocks.0", "blocks.1")):
+        _gather(prof, unit, 100.0 + 1000 * i, (1000.0 + 2000 * i, 2000.0 + 2000 * i))
+    _range(prof, "FSDP::pre_backward (blocks.1)", 8000.0, 500.0)
+    _gather(prof, "blocks.1", 8100.0, (9000.0, 10_000.0))
+    _range(prof, "FSDP::backward_prefetch for blocks.0", 8150.0, 300.0)  # inside blocks.1's pre-backward
+    _gather(prof, "blocks.0", 8200.0, (10_000.0, 11_000.0))
+    return prof
+
+
+def test_fires_where_memory_leaves_room_with_the_numbers() -> None:
+    (f,) = fsdp_reshard.detect(profile())
+    assert (f.path, f.line, f.fix) == ("train.py", 10, "unsafe")
+    d = f.details
+    assert sorted(d["modules"]) == ["blocks.0", "blocks.1"] and not d["root"]
+    # only the two backward gathers count: 2 ms of NCCL time, all of it exposed
+    assert d["backward_gathers_per_step"] == 2 and f.time_ms_per_step == 2.0
+    assert f.est_saving_ms_per_step == 2.0 and d["backward_gather_exposed_ms"] == 2.0
+    assert d["kept_bytes"] == 2 * PARAMS * 4 and d["peak_allocated_bytes"] == 20 * GIB
+    assert "peak 20.0 GiB + 0.50 GiB kept gathered = 20.5 GiB of 80.0 GiB (26%; limit 85%)" in f.message
+    assert "2 unit(s) of this call" in f.message
+
+
+def test_kept_bytes_in_the_gathered_dtype() -> None:
+    (f,) = fsdp_reshard.detect(profile(mp_param_dtype="bfloat16"))
+    assert f.details["kept_bytes"] == 2 * PARAMS * 2
+
+
+def test_quiet_where_memory_is_short() -> None:
+    # 67.6 GiB + 0.5 GiB > 85% of 80 GiB (68 GiB): keeping the parameters could run out of memory
+    assert fsdp_reshard.detect(profile(peak=int(67.6 * GIB))) == []
+    assert len(fsdp_reshard.detect(profile(peak=int(67.4 * GIB)))) == 1
+
+
+def test_quiet_where_the_units_keep_their_parameters() -> None:
+    assert fsdp_reshard.detect(profile(reshard_after_forward=False)) == []
+    assert fsdp_reshard.detect(profile(reshard_after_forward=2)) == []  # a smaller group: its own choice
+
+
+def test_without_gpu_memory_it_cannot_judge() -> None:
+    for prof in (profile(gpu_memory=None), profile(peak=None)):
+        with pytest.raises(NeedsGpuProfile, match="room to keep the gathered parameters"):
+            fsdp_reshard.detect(prof)
+
+
+def test_no_backward_gather_no_finding() -> None:
+    prof = profile()
+    prof.annotations = [a for a in prof.annotations if "backward" not in a.name]
+    assert fsdp_reshard.detect(prof) == []  # the gathers all ran in forward: nothing gathered again

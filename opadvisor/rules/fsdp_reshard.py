@@ -69,12 +69,14 @@ class Memory:
         return self.after <= MEMORY_FRACTION * self.device
 
     def words(self) -> str:
-        gib = 2**30
         return (
-            f"peak {self.peak / gib:.1f} GiB + {self.kept / gib:.2f} GiB kept gathered = "
-            f"{self.after / gib:.1f} GiB of {self.device / gib:.1f} GiB "
-            f"({self.after / self.device:.0%}; limit {MEMORY_FRACTION:.0%})"
+            f"peak {_size(self.peak)} + {_size(self.kept)} kept gathered = {_size(self.after)} of "
+            f"{_size(self.device)} ({self.after / self.device:.0%}; limit {MEMORY_FRACTION:.0%})"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def detect(profile: Profile) -> list[Finding]:

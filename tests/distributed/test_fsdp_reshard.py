@@ -1,15 +1,32 @@
-"""`fsdp_reshard` on hand-built profiles: two per-block units gathered again in backward (FSDP2's
-pre-backward ranges), judged against the memory the profile measured; on a profile without GPU memory
-facts the rule says it cannot judge and reports nothing. The real two-rank gloo run is in
-test_parallel.py."""
+"""`fsdp_reshard`: on hand-built GPU profiles (two per-block units gathered again in backward, judged
+against the memory the profile measured), and on a real two-rank gloo run of scripts/fsdp_blocks.py (one
+unit per block): there the rule says it cannot judge the memory; with the GPU memory facts written into
+the recorded run it finds the per-block call; `apply` writes reshard_after_forward=False, `verify` sees
+the same losses on both ranks, and the fixed program gathers each block once a step (no finding).
+
+Launches (each 10-20 s on a small machine): the script profiled on two ranks, verify (two programs on two
+ranks), the fixed script profiled on two ranks.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from cli_testlib import copy_project, opadvisor_here
 
 from opadvisor.profile.model import Annotation, Construction, Environment, Kernel, Op, Profile, Step
+from opadvisor.profile.runs import load_run
 from opadvisor.rules import fsdp_reshard
+from opadvisor.rules._units import backward_gathers, unit_comm
 from opadvisor.rules.engine import NeedsGpuProfile
+
+SCRIPT = Path(__file__).parent / "scripts" / "fsdp_blocks.py"
+TIMEOUT_S = 240
 
 GIB = 2**30
 NCCL = "ncclDevKernel_AllGather_RING_LL"
@@ -65,7 +82,7 @@ def test_fires_where_memory_leaves_room_with_the_numbers() -> None:
     assert d["backward_gathers_per_step"] == 2 and f.time_ms_per_step == 2.0
     assert f.est_saving_ms_per_step == 2.0 and d["backward_gather_exposed_ms"] == 2.0
     assert d["kept_bytes"] == 2 * PARAMS * 4 and d["peak_allocated_bytes"] == 20 * GIB
-    assert "peak 20.0 GiB + 0.50 GiB kept gathered = 20.5 GiB of 80.0 GiB (26%; limit 85%)" in f.message
+    assert "peak 20.0 GiB + 512.0 MiB kept gathered = 20.5 GiB of 80.0 GiB (26%; limit 85%)" in f.message
     assert "2 unit(s) of this call" in f.message
 
 
@@ -95,3 +112,121 @@ def test_no_backward_gather_no_finding() -> None:
     prof = profile()
     prof.annotations = [a for a in prof.annotations if "backward" not in a.name]
     assert fsdp_reshard.detect(prof) == []  # the gathers all ran in forward: nothing gathered again
+
+
+# ---- a real two-rank gloo run ----------------------------------------------------------------------------
+
+
+def profile_blocks(project: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "opadvisor",
+        "profile",
+        "--nproc-per-node",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]
+    proc = subprocess.run(cmd + [SCRIPT.name], cwd=project, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def suggest(project: Path) -> dict:
+    done = opadvisor_here(project, "suggest", "--format", "json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def set_gpu_memory(project: Path, device: int = 80 * GIB, peak: int = GIB) -> None:
+    """Write the GPU memory facts a CUDA profile records into every rank's profile of the latest run."""
+    run, _ = load_run(None, project)
+    for path in run.glob("profile.rank*.json"):
+        data = json.loads(path.read_text())
+        data["environment"]["gpu_memory_bytes"] = device
+        for step in data["steps"]:
+            step["peak_allocated_bytes"] = peak
+        path.write_text(json.dumps(data))
+
+
+def line_of(path: Path, text: str) -> int:
+    return next(i for i, t in enumerate(path.read_text().splitlines(), 1) if text in t)
+
+
+@pytest.fixture(scope="module")
+def blocks_project(made_once) -> Path:
+    def make(folder: Path) -> None:
+        (folder / "project").mkdir()
+        shutil.copy(SCRIPT, folder / "project" / SCRIPT.name)
+        profile_blocks(folder / "project")
+
+    return made_once("fsdp-blocks", make) / "project"
+
+
+@pytest.fixture(scope="module")
+def with_memory(blocks_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    project = copy_project(blocks_project, tmp_path_factory.mktemp("fsdp-reshard") / "project")
+    set_gpu_memory(project)
+    return project
+
+
+def test_a_gloo_run_cannot_judge_the_memory(blocks_project: Path) -> None:
+    report = suggest(blocks_project)
+    assert not [f for f in report["findings"] if f["rule"] == "fsdp_reshard"]
+    (note,) = [n for n in report["notes"] if n["rule"] == "fsdp_reshard"]
+    assert "room to keep the gathered parameters" in note["message"] and note["ranks"] == [0, 1]
+    assert "3 unit(s) all-gathered their parameters again in backward" in note["message"]
+    _, profiles = load_run(None, blocks_project)
+    for prof in profiles:  # forward and backward gather each block: twice a step, once of them in backward
+        gathers = {u.unit: u.calls_per_step for u in unit_comm(prof) if u.collective == "all_gather"}
+        assert gathers == {"": 1.0, "blocks.0": 2.0, "blocks.1": 2.0, "blocks.2": 2.0}
+        assert {u.unit: u.calls_per_step for u in backward_gathers(prof)} == {
+            f"blocks.{i}": 1.0 for i in range(3)
+        }
+
+
+def test_with_gpu_memory_facts_the_per_block_call_is_found(with_memory: Path) -> None:
+    (f,) = [f for f in suggest(with_memory)["findings"] if f["rule"] == "fsdp_reshard"]
+    assert (
+        f["line"] == line_of(SCRIPT, "fully_shard(block)") and f["ranks"] == [0, 1] and f["fix"] == "unsafe"
+    )
+    d = f["details"]
+    assert d["modules"] == ["blocks.0", "blocks.1", "blocks.2"] and d["backward_gathers_per_step"] == 3
+    assert d["kept_bytes"] == 3 * (64 * 64 + 64) * 4  # three float32 Linear(64, 64) kept gathered
+    assert f["time_ms_per_step"] is None  # gloo: no NCCL kernel to time
+    assert "memory allows keeping them: peak 1.0 GiB" in f["message"]
+
+
+@pytest.fixture(scope="module")
+def applied(with_memory: Path) -> Path:
+    done = opadvisor_here(with_memory, "apply", "--rule", "fsdp_reshard", "--unsafe")
+    assert done.returncode == 0, done.stderr
+    return with_memory
+
+
+def test_apply_keeps_the_blocks_gathered(applied: Path) -> None:
+    text = (applied / SCRIPT.name).read_text()
+    assert "        fully_shard(block, reshard_after_forward=False)\n    fully_shard(model)\n" in text
+
+
+def test_verify_same_losses_on_two_ranks(applied: Path) -> None:
+    (run,) = [p for p in (applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
+    done = opadvisor_here(applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+
+
+def test_the_fixed_program_gathers_once_and_is_not_found(applied: Path) -> None:
+    profile_blocks(applied)
+    set_gpu_memory(applied)
+    _, profiles = load_run(None, applied)
+    for prof in profiles:
+        gathers = {u.unit: u.calls_per_step for u in unit_comm(prof) if u.collective == "all_gather"}
+        assert gathers == {"": 1.0, "blocks.0": 1.0, "blocks.1": 1.0, "blocks.2": 1.0}
+        assert backward_gathers(prof) == []
+    report = suggest(applied)
+    assert not [f for f in report["findings"] if f["rule"] == "fsdp_reshard"]
+    assert not [n for n in report["notes"] if n["rule"] == "fsdp_reshard"]

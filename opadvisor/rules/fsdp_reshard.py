@@ -153,7 +153,8 @@ def _finding(profile: Profile, units: list[tuple[Construction, UnitComm]], memor
         profile,
         c,
         ID,
-        message=f"{where} reshard(s) after forward and gather again in backward ({calls:g} all-gather(s)/step): "
+        message=f"{where} reshard(s) after forward and gather again in backward "
+        f"({calls:g} all-gather(s)/step): "
         f"{measured}; memory allows keeping them: {memory.words()}",
         fix="unsafe",
         time_ms=time_ms,

@@ -1,7 +1,7 @@
 """What the profile proved about a DDP or FSDP2 wrapper (issue 34): the contract between the rules
-`ddp_find_unused`, `ddp_small_bucket`, `grad_accum_sync`, `fsdp_root_only`, `fsdp_fp32_gather`,
-`fsdp_reshard` and their codemods (plain data, in each finding's `details`). The constructions they come
-from are described in `opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
+`ddp_find_unused`, `ddp_small_bucket`, `ddp_bucket_view`, `grad_accum_sync`, `fsdp_root_only`,
+`fsdp_fp32_gather`, `fsdp_reshard` and their codemods (plain data, in each finding's `details`). The
+constructions they come from are described in `opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class DdpFacts(Facts):
     reduces; unused_params: the most parameters without a gradient at an optimizer step (over
     unused_checked_steps steps); post_forward_ms: DDP's measured host time after each forward (its graph
     traversal with find_unused_parameters=True); buckets: the gradient buckets at bucket_cap_mb (estimated
-    from the gradient bytes); bucket_cap_mb_fix: the size the fix writes."""
+    from the gradient bytes); bucket_cap_mb_fix: the size the fix writes; bucket_copies_per_step /
+    bucket_copy_ms: DDP's copies of reduced gradients from the buckets back into .grad, per step, and
+    their time (ms; `ddp_bucket_view`)."""
 
     construction_line: int | None = None
     find_unused_parameters: bool = False
@@ -31,6 +33,8 @@ class DdpFacts(Facts):
     post_forward_ms: float | None = None
     buckets: int | None = None
     bucket_cap_mb_fix: int = 25
+    bucket_copies_per_step: float | None = None
+    bucket_copy_ms: float | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ RULE_MODULES: tuple[str, ...] = (
     "regional_compile",
     "ddp_find_unused",
     "ddp_small_bucket",
+    "ddp_bucket_view",
     "grad_accum_sync",
     "fsdp_root_only",
     "fsdp_fp32_gather",

@@ -1,4 +1,4 @@
-"""DDP and FSDP2 on CPU (gloo), issue 34: what the profile records at the wrapper's line, the five rules on
+"""DDP and FSDP2 on CPU (gloo), issue 34: what the profile records at the wrapper's line, the rules on
 the naive examples (and quiet on fixed ones), `apply` on the examples, and the parity of the accumulation
 rewrite on two ranks.
 
@@ -27,7 +27,7 @@ PARITY = Path(__file__).parent / "scripts" / "accum_parity.py"
 TIMEOUT_S = 240
 SCRIPT_ARGS = ["--", "--size", "tiny", "--device", "cpu", "--steps", "5", "--accum", "2"]
 FSDP_RULES = {"fsdp_root_only", "fsdp_fp32_gather", "grad_accum_sync"}
-DDP_RULES = {"ddp_find_unused", "ddp_small_bucket", "grad_accum_sync"}
+DDP_RULES = {"ddp_find_unused", "ddp_small_bucket", "ddp_bucket_view", "grad_accum_sync"}
 
 
 def line_of(path: Path, text: str) -> int:
@@ -68,7 +68,8 @@ def fsdp_project(made_once) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_project(made_once) -> Path:
-    """examples/ddp_gpt_train.py (find_unused_parameters=True, 1 MB buckets, syncing micro-steps), one process."""
+    """examples/ddp_gpt_train.py (find_unused_parameters=True, 1 MB buckets, syncing micro-steps, no bucket
+    views), one process."""
     return project_with(made_once, "ddp-gpt-example", DDP_EXAMPLE)
 
 
@@ -169,7 +170,7 @@ def test_apply_on_the_ddp_example(ddp_project: Path, tmp_path: Path) -> None:
     done = opadvisor_here(project, "apply", "--rule", "all")
     assert done.returncode == 0, done.stderr
     text = (project / DDP_EXAMPLE.name).read_text()
-    assert "model = DDP(model, bucket_cap_mb=25)" in text
+    assert "model = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)" in text
     assert "with contextlib.nullcontext() if _micro_step == args.accum - 1 else model.no_sync():" in text
     assert "import contextlib" in text
     compile(text, DDP_EXAMPLE.name, "exec")

@@ -2,12 +2,12 @@
 
     python benchmarks/distributed_comm.py --out /tmp/dist --example fsdp          # 2 GPUs, GPT-2-medium size
     python benchmarks/distributed_comm.py --out /tmp/dist --example ddp
-    python benchmarks/distributed_comm.py --out /tmp/dist --example fsdp_reshard  # per-block units kept gathered
+    python benchmarks/distributed_comm.py --out /tmp/dist --example fsdp_reshard  # per-block units kept
     python benchmarks/distributed_comm.py --out /tmp/dist-cpu --device cpu --size tiny   # a CPU check (gloo)
 
 For each example (examples/fsdp_train.py: one fully_shard on the root, float32 all-gathers under bf16
 autocast, gradients reduce-scattered on every micro-step; examples/ddp_gpt_train.py: find_unused_parameters=True,
-bucket_cap_mb=1, all-reduce on every micro-step) it copies the script into OUT/<example>/ and runs what a
+bucket_cap_mb=1, all-reduce on every micro-step, no gradient_as_bucket_view) it copies the script into OUT/<example>/ and runs what a
 user would:
 
     opadvisor profile --nproc-per-node N --warmup W --steps S --out OUT/<example>/run SCRIPT -- --size ...
@@ -47,6 +47,7 @@ SCRIPTS = {"fsdp": "fsdp_train.py", "ddp": "ddp_gpt_train.py", "fsdp_reshard": "
 ISSUE_RULES = (
     "ddp_find_unused",
     "ddp_small_bucket",
+    "ddp_bucket_view",
     "grad_accum_sync",
     "fsdp_root_only",
     "fsdp_fp32_gather",

@@ -6,9 +6,9 @@
     python benchmarks/distributed_comm.py --out /tmp/dist-cpu --device cpu --size tiny   # a CPU check (gloo)
 
 For each example (examples/fsdp_train.py: one fully_shard on the root, float32 all-gathers under bf16
-autocast, gradients reduce-scattered on every micro-step; examples/ddp_gpt_train.py: find_unused_parameters=True,
-bucket_cap_mb=1, all-reduce on every micro-step, no gradient_as_bucket_view) it copies the script into OUT/<example>/ and runs what a
-user would:
+autocast, gradients reduce-scattered on every micro-step; examples/ddp_gpt_train.py:
+find_unused_parameters=True, bucket_cap_mb=1, all-reduce on every micro-step, no gradient_as_bucket_view)
+it copies the script into OUT/<example>/ and runs what a user would:
 
     opadvisor profile --nproc-per-node N --warmup W --steps S --out OUT/<example>/run SCRIPT -- --size ...
     opadvisor suggest OUT/<example>/run --format json

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
-from opadvisor.rewrite._match import nodes_of, resolves_to
+from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
+from opadvisor.rewrite._match import code, nodes_of, resolves_to
 
 if TYPE_CHECKING:
     from opadvisor.rewrite.base import RuleCodemod, Target
@@ -50,4 +51,30 @@ def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
     return targeted_call(codemod, node, DDP_NAMES)
 
 
-__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "targeted_call", "targeted_ddp_call"]
+def set_flag(
+    codemod: RuleCodemod, original: cst.Call, updated: cst.Call, name: str, value: bool, why: str
+) -> cst.Call:
+    """`updated` with `name=value`: the keyword appended, or its literal opposite flipped (a change noted with
+    `why`); left alone where it already holds `value` (`already`), where its value is some expression, and
+    where the call passes `**kwargs` without it (both skipped with the reason)."""
+    want, other = str(value), str(not value)
+    arg = keyword(original, name)
+    if arg is None:
+        star = has_star_args(original)
+        if star:
+            codemod.skip(original, f"the call passes {star}, which may set {name}: set it there")
+            return updated
+        codemod.record_change(original, f"{name}={want}: {why}")
+        return append_keywords(updated, [(name, cst.Name(want))], **layout(codemod, original))
+    given = code(arg.value)
+    if given == want:
+        codemod.already = f"{name}={want} in the call"
+        return updated
+    if given != other:
+        codemod.skip(original, f"{name}={given} is no literal: set it to {want} where that value comes from")
+        return updated
+    codemod.record_change(original, f"{name}={other} -> {want}: {why}")
+    return replace_keyword_value(updated, name, cst.Name(want))
+
+
+__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "set_flag", "targeted_call", "targeted_ddp_call"]

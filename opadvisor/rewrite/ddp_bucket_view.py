@@ -21,9 +21,8 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
 from opadvisor.rewrite._match import code, nodes_of
-from opadvisor.rewrite._parallel import targeted_ddp_call
+from opadvisor.rewrite._parallel import set_flag, targeted_ddp_call
 from opadvisor.rewrite.base import Note, RuleCodemod
 
 KEYWORD = "gradient_as_bucket_view"
@@ -54,26 +53,7 @@ class DdpBucketViewCodemod(RuleCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if targeted_ddp_call(self, original_node) is None:
             return updated_node
-        arg = keyword(original_node, KEYWORD)
-        if arg is None:
-            star = has_star_args(original_node)
-            if star:
-                self.skip(original_node, f"the call passes {star}, which may set {KEYWORD}: set it there")
-                return updated_node
-            self.record_change(original_node, f"{KEYWORD}=True: {CHANGE}")
-            true = cst.Name("True")
-            return append_keywords(updated_node, [(KEYWORD, true)], **layout(self, original_node))
-        value = code(arg.value)
-        if value == "True":
-            self.already = f"{KEYWORD}=True in the DDP call"
-            return updated_node
-        if value != "False":
-            self.skip(
-                original_node, f"{KEYWORD}={value}: is no literal: set it to True where that value comes from"
-            )
-            return updated_node
-        self.record_change(original_node, f"{KEYWORD}=False -> True: {CHANGE}")
-        return replace_keyword_value(updated_node, KEYWORD, cst.Name("True"))
+        return set_flag(self, original_node, updated_node, KEYWORD, True, CHANGE)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         self.note_unreached(lambda t: "no DistributedDataParallel(...) call on these lines")

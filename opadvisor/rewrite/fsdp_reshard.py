@@ -20,9 +20,7 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
-from opadvisor.rewrite._match import code
-from opadvisor.rewrite._parallel import FULLY_SHARD_NAMES, targeted_call
+from opadvisor.rewrite._parallel import FULLY_SHARD_NAMES, set_flag, targeted_call
 from opadvisor.rewrite.base import RuleCodemod
 
 KEYWORD = "reshard_after_forward"
@@ -42,24 +40,7 @@ class FsdpReshardCodemod(RuleCodemod):
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if targeted_call(self, original_node, FULLY_SHARD_NAMES) is None:
             return updated_node
-        arg = keyword(original_node, KEYWORD)
-        if arg is None:
-            star = has_star_args(original_node)
-            if star:
-                self.skip(original_node, f"the call passes {star}, which may set {KEYWORD}: set it there")
-                return updated_node
-            self.record_change(original_node, f"{KEYWORD}=False: {CHANGE}")
-            false = cst.Name("False")
-            return append_keywords(updated_node, [(KEYWORD, false)], **layout(self, original_node))
-        value = code(arg.value)
-        if value == "False":
-            self.already = f"{KEYWORD}=False in the fully_shard call"
-            return updated_node
-        if value != "True":
-            self.skip(original_node, f"{KEYWORD}={value}: set it to False where that value comes from")
-            return updated_node
-        self.record_change(original_node, f"{KEYWORD}=True -> False: {CHANGE}")
-        return replace_keyword_value(updated_node, KEYWORD, cst.Name("False"))
+        return set_flag(self, original_node, updated_node, KEYWORD, False, CHANGE)
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         self.note_unreached(lambda t: "no fully_shard(...) call on these lines")

@@ -9,47 +9,27 @@ two ranks), the fixed example profiled on two ranks.
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from cli_testlib import copy_project, opadvisor_here
+from parallel_testlib import profile_ranks, suggest, verify_parity
 
 from opadvisor.profile.runs import load_run
 from opadvisor.rules.ddp_bucket_view import COPY_BACK
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_gpt_train.py"
-TIMEOUT_S = 240
-ARGS = ["--", "--size", "tiny", "--device", "cpu", "--steps", "5", "--accum", "2"]
+ARGS = ["--size", "tiny", "--device", "cpu", "--steps", "5", "--accum", "2"]
 
 
 def profile(project: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "opadvisor",
-        "profile",
-        "--nproc-per-node",
-        "2",
-        "--steps",
-        "2",
-        "--warmup",
-        "2",
-    ]
-    proc = subprocess.run(
-        cmd + [EXAMPLE.name, *ARGS], cwd=project, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile_ranks(project, EXAMPLE.name, *ARGS, warmup=2)
 
 
 def found(project: Path) -> list[dict]:
-    done = opadvisor_here(project, "suggest", "--format", "json")
-    assert done.returncode == 0, done.stderr
-    return [f for f in json.loads(done.stdout)["findings"] if f["rule"] == "ddp_bucket_view"]
+    return [f for f in suggest(project)["findings"] if f["rule"] == "ddp_bucket_view"]
 
 
 def copies_per_step(project: Path) -> list[float]:
@@ -96,11 +76,7 @@ def test_apply_writes_the_flag(applied: Path) -> None:
 
 
 def test_verify_same_losses_on_two_ranks(applied: Path) -> None:
-    (run,) = [p for p in (applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
-    done = opadvisor_here(applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+    verify_parity(applied)
 
 
 def test_the_fixed_program_copies_nothing_back(applied: Path) -> None:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from cli_testlib import copy_project, opadvisor_here
+from parallel_testlib import profile_ranks, suggest, verify_parity
 
 from opadvisor.profile.model import Annotation, Construction, Environment, Kernel, Op, Profile, Step
 from opadvisor.profile.runs import load_run
@@ -26,7 +25,6 @@ from opadvisor.rules._units import backward_gathers, unit_comm
 from opadvisor.rules.engine import NeedsGpuProfile
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp_blocks.py"
-TIMEOUT_S = 240
 
 GIB = 2**30
 NCCL = "ncclDevKernel_AllGather_RING_LL"
@@ -118,26 +116,7 @@ def test_no_backward_gather_no_finding() -> None:
 
 
 def profile_blocks(project: Path) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "opadvisor",
-        "profile",
-        "--nproc-per-node",
-        "2",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-    ]
-    proc = subprocess.run(cmd + [SCRIPT.name], cwd=project, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def suggest(project: Path) -> dict:
-    done = opadvisor_here(project, "suggest", "--format", "json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    profile_ranks(project, SCRIPT.name)
 
 
 def set_gpu_memory(project: Path, device: int = 80 * GIB, peak: int = GIB) -> None:
@@ -212,11 +191,7 @@ def test_apply_keeps_the_blocks_gathered(applied: Path) -> None:
 
 
 def test_verify_same_losses_on_two_ranks(applied: Path) -> None:
-    (run,) = [p for p in (applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
-    done = opadvisor_here(applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+    verify_parity(applied)
 
 
 def test_the_fixed_program_gathers_once_and_is_not_found(applied: Path) -> None:

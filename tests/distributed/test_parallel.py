@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from cli_testlib import copy_project, opadvisor_here
+from parallel_testlib import verify_parity
 
 from opadvisor.profile.runs import load_run
 
@@ -200,11 +201,7 @@ def test_apply_on_the_fsdp_example(fsdp_applied: Path) -> None:
 
 def test_verify_runs_both_programs_on_two_ranks(fsdp_applied: Path) -> None:
     """`verify --quick` of the 2-rank run: both programs on 2 gloo ranks, every rank's losses compared."""
-    (run,) = [p for p in (fsdp_applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
-    done = opadvisor_here(fsdp_applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+    report = verify_parity(fsdp_applied)
     assert any("verify runs both programs on 2 ranks" in n for n in report["notes"])
 
 

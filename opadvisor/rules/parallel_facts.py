@@ -1,7 +1,8 @@
 """What the profile proved about a DDP or FSDP2 wrapper (issue 34): the contract between the rules
 `ddp_find_unused`, `ddp_small_bucket`, `ddp_bucket_view`, `grad_accum_sync`, `fsdp_root_only`,
-`fsdp_fp32_gather`, `fsdp_reshard` and their codemods (plain data, in each finding's `details`). The
-constructions they come from are described in `opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
+`fsdp_fp32_gather`, `fsdp_reshard`, `fsdp_prefetch` and their codemods (plain data, in each finding's
+`details`). The constructions they come from are described in `opadvisor/profile/model.py` (kinds "ddp"
+and "fsdp")."""
 
 from __future__ import annotations
 
@@ -108,4 +109,20 @@ class ReshardFacts(Facts):
     memory_fraction: float = 0.85
 
 
-__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts", "ReshardFacts"]
+@dataclass
+class PrefetchFacts(Facts):
+    """Per-block units whose forward all-gather started after the previous unit's compute
+    (`fsdp_prefetch`). construction_line: the call's line; late_units: those units; late_gathers /
+    handovers: the late gathers and the unit-to-unit hand-overs of the recorded forwards; median_gap_us:
+    how long after the previous unit's last compute kernel the gathers started; exposed_ms: their time no
+    compute overlapped, per step."""
+
+    construction_line: int | None = None
+    late_units: list[str] = field(default_factory=list)
+    late_gathers: int = 0
+    handovers: int = 0
+    median_gap_us: float = 0.0
+    exposed_ms: float = 0.0
+
+
+__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts", "PrefetchFacts", "ReshardFacts"]

@@ -40,6 +40,7 @@ RULE_MODULES: tuple[str, ...] = (
     "fsdp_root_only",
     "fsdp_fp32_gather",
     "fsdp_reshard",
+    "fsdp_prefetch",
 )
 
 

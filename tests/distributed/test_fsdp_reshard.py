@@ -157,6 +157,8 @@ def test_a_gloo_run_cannot_judge_the_memory(blocks_project: Path) -> None:
     (note,) = [n for n in report["notes"] if n["rule"] == "fsdp_reshard"]
     assert "room to keep the gathered parameters" in note["message"] and note["ranks"] == [0, 1]
     assert "3 unit(s) all-gathered their parameters again in backward" in note["message"]
+    (prefetch,) = [n for n in report["notes"] if n["rule"] == "fsdp_prefetch"]  # no kernel times on gloo
+    assert "previous unit's compute" in prefetch["message"] and prefetch["ranks"] == [0, 1]
     _, profiles = load_run(None, blocks_project)
     for prof in profiles:  # forward and backward gather each block: twice a step, once of them in backward
         gathers = {u.unit: u.calls_per_step for u in unit_comm(prof) if u.collective == "all_gather"}

@@ -2,10 +2,12 @@
 each block frees its gathered parameters after forward and gathers them again in backward).
 
     torchrun --nproc-per-node 2 tests/distributed/scripts/fsdp_blocks.py    # 2 CPU processes, gloo
+    torchrun --nproc-per-node 2 tests/distributed/scripts/fsdp_blocks.py --device cuda    # 2 GPUs, NCCL
 
 Rank 0 prints the loss of each step; every rank its own synthetic batch, the same on every run.
 """
 
+import argparse
 import os
 
 import torch
@@ -29,20 +31,27 @@ class Model(nn.Module):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    device = torch.device(parser.parse_args().device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = Model()
+    model = Model().to(device)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for step in range(STEPS):
-        x = torch.randn(BATCH, WIDTH, generator=gen)
+        x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
         loss = (model(x) - 1.0).pow(2).mean()
         loss.backward()
         optimizer.step()

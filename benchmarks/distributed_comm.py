@@ -52,6 +52,7 @@ ISSUE_RULES = (
     "fsdp_root_only",
     "fsdp_fp32_gather",
     "fsdp_reshard",
+    "fsdp_prefetch",
 )
 # the fixes each example's chain applies; fsdp_reshard's is measured alone, on the script the others made
 APPLY = {"fsdp_reshard": ["--rule", "fsdp_reshard", "--unsafe"]}

@@ -42,18 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opadvisor.rules.registry import rule_ids
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = {"fsdp": "fsdp_train.py", "ddp": "ddp_gpt_train.py", "fsdp_reshard": "fsdp_train.py"}
-ISSUE_RULES = (
-    "ddp_find_unused",
-    "ddp_small_bucket",
-    "ddp_bucket_view",
-    "grad_accum_sync",
-    "fsdp_root_only",
-    "fsdp_fp32_gather",
-    "fsdp_reshard",
-    "fsdp_prefetch",
-)
+# issue 34's rules: the data-parallel ones of the registry
+ISSUE_RULES = tuple(r for r in rule_ids() if r.startswith(("ddp_", "fsdp_")) or r == "grad_accum_sync")
 # the fixes each example's chain applies; fsdp_reshard's is measured alone, on the script the others made
 APPLY = {"fsdp_reshard": ["--rule", "fsdp_reshard", "--unsafe"]}
 PREPARE = {"fsdp_reshard": [["--rule", "fsdp_root_only"], ["--rule", "all", "--unsafe"]]}

@@ -35,9 +35,12 @@ RULE_MODULES: tuple[str, ...] = (
     "regional_compile",
     "ddp_find_unused",
     "ddp_small_bucket",
+    "ddp_bucket_view",
     "grad_accum_sync",
     "fsdp_root_only",
     "fsdp_fp32_gather",
+    "fsdp_reshard",
+    "fsdp_prefetch",
 )
 
 

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import contextvars
 import copy as copy_module
 import functools
 import hashlib
@@ -106,7 +105,7 @@ from opadvisor.libraries import (
     repeated_blocks,
 )
 
-from . import _backend
+from . import _backend, _hf_masks
 from . import dropout_add as _dropout_add
 from . import linear as _linear
 from . import region as _region
@@ -433,8 +432,6 @@ def _bert_attention(module: nn.Module, state: _State, hidden_states, *args, **kw
     if _kv_cache(args, kwargs) is not None:  # a decoder's cache: the original handles it
         return state.original(hidden_states, *args, **kwargs)
     attention_mask = _arguments(module, (hidden_states, *args), kwargs).get("attention_mask")
-    if attention_mask is not None and not torch.compiler.is_compiling() and _UNPADDED.get():
-        attention_mask = None  # all True: see _UNPADDED
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.attention_head_size)
     q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
@@ -1307,7 +1304,10 @@ _TAKES_SDPA_MASKS = frozenset(bert_family_classes("SelfAttention"))
 def _own_attention_patch(module: nn.Module) -> str | None:
     """The name of the first attention class under `module` that opadvisor has its own patch for and that
     cannot run under the switch (a causal one, or one that needs eager's float mask), or None."""
-    decoder = bool(getattr(getattr(module, "config", None), "is_decoder", False))
+    config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) != "eager":
+        return None  # opadvisor's own attention patches replace the eager attention only
+    decoder = bool(getattr(config, "is_decoder", False))
     return next(
         (
             type(m).__name__
@@ -1326,12 +1326,16 @@ def _inner_hf_roots(module: nn.Module) -> frozenset[int]:
 
 def _check_hf_switch(module: nn.Module) -> str | None:
     attn = getattr(getattr(module, "config", None), "_attn_implementation", None)
-    if attn != "eager":
-        return f'already runs attn_implementation="{attn}" (only the eager attention is switched)'
+    if attn not in _SWITCHED_FROM:
+        return f'already runs attn_implementation="{attn}" (only eager and sdpa are switched)'
     if not getattr(type(module), "_supports_sdpa", False):
         return f"{type(module).__name__} does not support attn_implementation='sdpa'"
     if not type(module)._can_set_attn_implementation():
         return "its attention does not go through transformers' attention interface (no switch at run time)"
+    if _hf_masks.register() is None:
+        return (
+            "this transformers has no attention and mask interfaces to register opadvisor's SDPA masks with"
+        )
     own = _own_attention_patch(module)
     if own is not None:
         return (
@@ -1341,38 +1345,24 @@ def _check_hf_switch(module: nn.Module) -> str | None:
     return _no_hooks(module)
 
 
-# Set while a transformers encoder under the switch runs a call without an attention mask (no token is padded):
-# inside a CUDA-graph capture transformers still builds an all-True mask (it cannot read a mask's values there),
-# which sends SDPA from flash attention to its float32 math backend (BERT-base on an H200: 24 float32 GEMMs and
-# twelve float32 mask additions a step). opadvisor's BERT attention then drops that mask. Read only in eager
-# mode (under torch.compile transformers' mask goes to inductor like any other tensor).
-_UNPADDED: contextvars.ContextVar[bool] = contextvars.ContextVar("opadvisor_unpadded", default=False)
+# The switch goes to transformers' SDPA attention under opadvisor's name (`_hf_masks`: its masks skip themselves
+# where no token is padded, under torch.compile and CUDA-graph capture too), from the eager attention or from
+# transformers' own SDPA (which builds full masks there); undone to what the model ran before.
+_SWITCHED_FROM = ("eager", "sdpa")
+_ATTN_BEFORE = "_opadvisor_attn_before"  # the module's __dict__ key of what it ran before the switch
 
 
 def _hf_switch(module: nn.Module, state: _State, *args, **kwargs):
-    if module.config._attn_implementation != "sdpa":
-        module.set_attn_implementation("sdpa")  # once: transformers' attention reads it at every call
-    if torch.compiler.is_compiling() or not _unpadded_encoder_call(module, args, kwargs):
-        return state.original(*args, **kwargs)
-    token = _UNPADDED.set(True)
-    try:
-        return state.original(*args, **kwargs)
-    finally:
-        _UNPADDED.reset(token)
-
-
-def _unpadded_encoder_call(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-    """Whether a call of an encoder (not a decoder: its mask is causal) has no attention mask at all, and no
-    encoder states to attend to (a cross-attention's mask is the encoder's)."""
-    if getattr(module.config, "is_decoder", False):
-        return False
-    arguments = _arguments(module, args, kwargs)
-    return arguments.get("attention_mask") is None and arguments.get("encoder_hidden_states") is None
+    if module.config._attn_implementation != _hf_masks.NAME:  # once: transformers reads it at every call
+        module.__dict__.setdefault(_ATTN_BEFORE, module.config._attn_implementation)
+        module.set_attn_implementation(_hf_masks.NAME)
+    return state.original(*args, **kwargs)
 
 
 def _hf_switch_undo(module: nn.Module) -> None:
-    if module.config._attn_implementation != "eager":
-        module.set_attn_implementation("eager")
+    before = module.__dict__.pop(_ATTN_BEFORE, None)
+    if before is not None and module.config._attn_implementation != before:
+        module.set_attn_implementation(before)
 
 
 def _first_tensor(out: Any) -> torch.Tensor:

@@ -109,7 +109,7 @@ def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
     with torch.no_grad():
         during = model(**batch()).logits
     torch.testing.assert_close(during, before, rtol=1e-4, atol=1e-5)
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "opadvisor_sdpa"
     assert opadvisor.unpatch(model) is model
     assert model.config._attn_implementation == "eager"
     assert _forwards(model) == forwards and all("forward" not in m.__dict__ for m in model.modules())

@@ -66,6 +66,7 @@ class DropoutAddFacts(Facts):
     inplace: the residual add ran in place (`x += ...`); dropout_inplace: the dropout did
     (`nn.Dropout(inplace=True)`), so the original also overwrote its input.
     """
+    RULES = ("fused_dropout_add",)
 
     ops: list[str] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
@@ -80,10 +81,6 @@ class DropoutAddFacts(Facts):
     inplace: bool = False
     dropout_p: float | None = None
     dropout_inplace: bool = False
-
-    def line_of(self, label: str) -> tuple[int, int] | None:
-        span = self.lines.get(label)
-        return (int(span[0]), int(span[-1])) if span else None
 
 
 def _bias(op: Op, bound: dict[str, Op]) -> bool:

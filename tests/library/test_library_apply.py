@@ -11,6 +11,7 @@ from library_testlib import assert_verify_parity, line_of, run_opadvisor
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rewrite.library import LibraryFixFacts
 
 
 def test_apply_all_writes_the_switch_and_the_patch_once(project_copy, tmp_path: Path) -> None:
@@ -55,9 +56,9 @@ def test_apply_writes_need_weights_false_at_the_call(project_copy, tmp_path: Pat
 # ---- the codemods on the forms people write (targets as the engine passes them) ---------------------------
 def _rewrite(source: str, codemod: str, line: int, **details) -> tuple[str, list[str]]:
     details.setdefault("rules", ["fused_dropout_add"])
-    new, result = rewrite_source(source.encode(), codemod, [Target(line, line, details)], "train.py")
+    new, result = rewrite_source(source.encode(), codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py")
     cst.parse_module(new)
-    again, second = rewrite_source(new, codemod, [Target(line, line, details)], "train.py")
+    again, second = rewrite_source(new, codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py")
     assert again == new, "not idempotent"
     return new.decode(), [n.message for n in result.skipped]
 

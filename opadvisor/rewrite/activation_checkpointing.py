@@ -20,11 +20,11 @@ saved before no longer load; rewriting the call changes no name, and the loop ov
 of `self.layers[i]`) is how the code people write calls its blocks.
 
 Blocks of an `nn.Sequential` that the model calls as a whole (`x = self.blocks(x)`; the finding's
-`details["form"]` is "sequential") get `torch.utils.checkpoint.checkpoint_sequential(self.blocks,
+the facts' `form` is "sequential") get `torch.utils.checkpoint.checkpoint_sequential(self.blocks,
 len(self.blocks), x, use_reentrant=False)`: one segment per block (the last runs unwrapped, as backward
 needs it first).
 
-Which calls: the finding names the blocks (`details["modules"]`: "blocks.0", "blocks.1", ... of one
+Which calls: the finding names the blocks (the facts' `modules`: "blocks.0", "blocks.1", ... of one
 ModuleList or Sequential) and the lines that call them. On those lines, a call is rewritten when its
 callee is the blocks' container seen from the caller: a loop variable over `self.<container>` (also
 through `enumerate(...)` or a slice), or `self.<container>[i]`, where `self.<container>` names the blocks'

@@ -5,7 +5,7 @@
     findings = rank_applicable(findings)
 
 Each (file, rule) is rewritten once in memory with every finding of that rule in the file as a target,
-exactly as `opadvisor apply` would (the facts in each finding's details included), and nothing is
+exactly as `opadvisor apply` would (each finding's facts included), and nothing is
 written. A finding passes when the rewrite changed lines inside its range. Otherwise its `fix` becomes
 "none" and `fix_blocked` says why: the codemod's own reason (the scale is a tensor, the weights are
 returned ...), or that it found no code it can rewrite there. Findings whose file changed since the

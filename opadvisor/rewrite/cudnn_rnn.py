@@ -16,7 +16,7 @@ once when they are packed already (and does nothing on the CPU). Where a weight'
 where something replaces them at every step (a weight drop, DataParallel replicas), each call still packs
 them once (flatten_parameters instead of cuDNN) and the saving is small: the finding's estimate says so.
 
-Which calls: the findings whose `details["problems"]` include "not_flat"; on their lines, a statement
+Which calls: the findings whose facts' `problems` include "not_flat"; on their lines, a statement
 calling `<...>.<name>(...)` where `<name>` is the last part of the profiled module's path (`self.lstm` for
 "encoder.lstm"). A statement that `<...>.<name>.flatten_parameters()` already precedes is left as it is.
 Findings about float32 or cuDNN being off are display only (no change). Without a profile (static mode)

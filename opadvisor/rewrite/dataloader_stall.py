@@ -29,7 +29,7 @@ same file, is an IterableDataset that never calls `get_worker_info()`, or makes 
 
 Targets: a target may name the DataLoader construction, the `for` line of a loop over it (or the
 `next(...)` line that takes a batch), or a copy line; naming any of them rewrites the construction and
-the copies in its loops. Finding details used: `copies` (the host-to-device copies the profile measured,
+the copies in its loops. Facts used (`DataLoaderFacts`): `copies` (the host-to-device copies the profile measured,
 each with `path`, `line`, `end_line`): the `.to(...)`/`.cuda(...)` calls on those lines of this file (the
 engine's `CodemodContext.filename`) get `non_blocking=True` even when their loop cannot be tied to a
 loader by reading the code (the loader built in another file, say).
@@ -155,7 +155,7 @@ class _Copies(Visitor):
 
 
 class DataLoaderCodemod(RuleCodemod):
-    """Workers, pinned memory and asynchronous copies for DataLoaders (details used: `copies`)."""
+    """Workers, pinned memory and asynchronous copies for DataLoaders (facts used: `copies`)."""
 
     RULE: ClassVar[str] = "dataloader_stall"
     FACTS = DataLoaderFacts

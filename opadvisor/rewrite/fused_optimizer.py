@@ -10,7 +10,7 @@ fused step computes the same update (on CPU in torch 2.13 it matched the for-loo
 on torch 2.13: `fused=True` works for CUDA and CPU parameters of Adam, AdamW and SGD (CPU kernels since
 torch 2.4; older torch raised on CPU); it raises at the first `step()` for complex or integer parameters,
 for SGD with sparse gradients (`nn.Embedding(sparse=True)`), and at construction with `differentiable=True`
-or `foreach=True`. In profile mode the finding's details say where the parameters live
+or `foreach=True`. In profile mode the finding's facts (`FusedOptimizerFacts`) say where the parameters live
 (`param_devices`, `param_dtypes`, recorded when the optimizer was built); in static mode nothing is known,
 and a display-only note (`notes`) says the fix needs floating-point parameters on CUDA (or CPU).
 
@@ -57,7 +57,7 @@ SPARSE_EMBEDDINGS = frozenset(
 
 
 class FusedOptimizerCodemod(RuleCodemod):
-    """Add `fused=True` to Adam/AdamW/SGD constructions (details used: param_devices, param_dtypes)."""
+    """Add `fused=True` to Adam/AdamW/SGD constructions (facts used: param_devices, param_dtypes)."""
 
     RULE: ClassVar[str] = "fused_optimizer"
     FACTS = FusedOptimizerFacts

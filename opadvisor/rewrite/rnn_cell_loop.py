@@ -29,7 +29,7 @@ What is rewritten (anything else is left alone, with the reason):
   `hx[0]` is the hidden state), `h = CELL(x[t], h)` for a GRU or RNN cell, where `x[t]` is `x[t]` / `x[t, :]`
   (time on dimension 0) or `x[:, t]` / `x[:, t, :]` (dimension 1), matching N's dimension (or the loop
   variable itself for the `for x_t in ...` forms); then optionally `outputs.append(h)`.
-- the cell: in profile mode, the module the finding names (`details["module"]`'s last part is the
+- the cell: in profile mode, the module the finding names (the facts' `module`, whose last part is the
   attribute called, its `kind` decides the state's form); in static mode, a `self.<attr>` that the class's
   `__init__` builds as `nn.LSTMCell(...)`, `nn.GRUCell(...)` or `nn.RNNCell(...)`.
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, TypeVar
 
 from opadvisor.profile.model import Op
+from opadvisor.rules import registry
 
 __all__ = ["Facts", "FactsError", "Operand", "TENSOR_KINDS", "absent_as", "facts_class", "operand", "operand_kind"]
 
@@ -167,8 +168,10 @@ class Facts:
 
 
 def facts_class(rule: str) -> type[Facts] | None:
-    """The facts class of `rule`'s findings (the one whose RULES name it; its module is loaded once the
-    rule ran); None for a rule whose findings carry none."""
+    """The facts class of `rule`'s findings (the one whose RULES name it); None for a rule whose findings
+    carry none."""
+    if rule in registry.rule_ids():
+        registry.get_rule(rule)  # its module, which defines or imports its facts class
     found = [c for c in _subclasses(Facts) if rule in c.RULES]
     if len(found) > 1:
         raise FactsError(f"{rule}: two facts classes claim its findings: {', '.join(c.__name__ for c in found)}")
@@ -231,6 +234,9 @@ def _convert(value: Any, hint: Any, who: str, where: str, partial: bool) -> Any:
 def _union(value: Any, args: tuple, who: str, where: str, partial: bool) -> Any:
     if value is None and type(None) in args:
         return None
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) == 1:  # `X | None`: X's own error, which names the nested field
+        return _convert(value, kinds[0], who, where, partial)
     for arg in args:
         if arg is type(None):
             continue

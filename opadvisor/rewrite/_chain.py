@@ -1195,9 +1195,7 @@ class SoftmaxChainRewriter(BlockRewriter):
             "(in one branch of an if/else, inside a function or module called there, or a form it does not know)"
         )
 
-    def _is_profiled_softmax(
-        self, stmts: Sequence[cst.BaseStatement], index: int, target: Target
-    ) -> bool:
+    def _is_profiled_softmax(self, stmts: Sequence[cst.BaseStatement], index: int, target: Target) -> bool:
         """Whether the softmax of statement `index` is the one the facts describe (by its line)."""
         profiled = target.step_line("softmax")
         if profiled is None:

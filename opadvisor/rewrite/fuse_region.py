@@ -167,11 +167,7 @@ class FuseRegionCodemod(BlockRewriter):
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():
             i = self._function_targeted(name)
-            if (
-                i is not None
-                and self.targets is not None
-                and self._chain(self.targets[i]) == "dropout"
-            ):
+            if i is not None and self.targets is not None and self._chain(self.targets[i]) == "dropout":
                 self.served.add(i)
                 if not fn.calls:
                     line = self.plan.class_lines[name][0]

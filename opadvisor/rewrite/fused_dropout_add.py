@@ -295,9 +295,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
         return self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top, indent)
 
     # ---- the facts of the site ------------------------------------------------------------------------
-    def _is_profiled_site(
-        self, stmts: Sequence[cst.BaseStatement], first: int, target: Target
-    ) -> bool:
+    def _is_profiled_site(self, stmts: Sequence[cst.BaseStatement], first: int, target: Target) -> bool:
         """Whether the dropout of statement `first` is the one profiled (a call: its line is exact; the
         residual add is found from it, and the profile may place an operator's line a little early)."""
         profiled = target.step_line("dropout")

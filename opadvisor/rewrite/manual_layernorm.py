@@ -598,7 +598,12 @@ class ManualLayerNormCodemod(RuleCodemod):
         target = next((t for k in sorted(mt.used) if (t := self.targeted(stmts[k])) is not None), None)
         facts = self.facts_of(target) if target is not None else None
         trailing = list(range(-mt.dims, 0)) if mt.dims is not None else None
-        if facts is None or not facts.reduce_dims or trailing is None or sorted(facts.reduce_dims) == trailing:
+        if (
+            facts is None
+            or not facts.reduce_dims
+            or trailing is None
+            or sorted(facts.reduce_dims) == trailing
+        ):
             return None
         return (
             f"the profile saw statistics over dims {facts.reduce_dims} here, the source takes them over "

@@ -76,6 +76,7 @@ HF_SWITCH = 'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
 class CheckpointFacts(Facts):
     """What the profile proved about the blocks (the finding's `details`; the codemod reads `modules` and
     `form`). Bytes are per step; None where the profile could not tell (no CUDA: no peaks)."""
+
     RULES = ("activation_checkpointing",)
 
     modules: list[str] = field(default_factory=list)  # the blocks' paths: "blocks.0", "blocks.1", ...

@@ -41,6 +41,7 @@ class GraphBreakFacts(Facts):
     `torch.compile(...)` call (or `module.compile(...)`) that compiled the frame, when the profile recorded
     it (None otherwise).
     """
+
     RULES = ("graph_break",)
 
     kind: str = "other"
@@ -69,6 +70,7 @@ class RecompileFacts(Facts):
     the `torch.compile(...)` call (or `module.compile(...)`) that compiled it, when the profile recorded it;
     compile_kwargs: the keyword arguments given there (`{"dynamic": "None", "fullgraph": "False"}`).
     """
+
     RULES = ("recompile",)
 
     kind: str = "other"
@@ -102,6 +104,7 @@ class RegionalCompileFacts(Facts):
     compile_file / compile_line: the `torch.compile(...)` (or `model.compile(...)`) call; compile_kwargs:
     its keyword arguments as written (`{"mode": "'max-autotune'"}`), passed on to each block's compile.
     """
+
     RULES = ("regional_compile",)
 
     model: str = ""

@@ -62,6 +62,7 @@ COPY_OPS = frozenset({"aten::copy_", "aten::zero_", "aten::fill_", "aten::cat", 
 class CudnnRnnFacts(Facts):
     """What the profile saw of the layer's calls (the finding's `details`; the codemod inserts
     flatten_parameters() only where `problems` holds "not_flat", before a call of `module`'s last part)."""
+
     RULES = ("cudnn_rnn",)
 
     kind: str = ""  # "LSTM", "GRU" or "RNN"

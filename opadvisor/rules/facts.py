@@ -43,7 +43,16 @@ from typing import Any, ClassVar, Literal, TypeVar
 from opadvisor.profile.model import Op
 from opadvisor.rules import registry
 
-__all__ = ["Facts", "FactsError", "Operand", "TENSOR_KINDS", "absent_as", "facts_class", "operand", "operand_kind"]
+__all__ = [
+    "Facts",
+    "FactsError",
+    "Operand",
+    "TENSOR_KINDS",
+    "absent_as",
+    "facts_class",
+    "operand",
+    "operand_kind",
+]
 
 F = TypeVar("F", bound="Facts")
 
@@ -155,7 +164,9 @@ class Facts:
         what they assert); a finding's facts always carry every field (`to_details`)."""
         who = rule or cls.__name__
         if rule is not None and rule not in cls.RULES:
-            raise FactsError(f"{rule}: its finding's facts are read as {cls.__name__}, the facts of {_rules(cls)}")
+            raise FactsError(
+                f"{rule}: its finding's facts are read as {cls.__name__}, the facts of {_rules(cls)}"
+            )
         if not isinstance(details, Mapping):
             raise FactsError(f"{who}: facts {cls.__name__} expected a mapping, found {details!r}")
         return _build(cls, details, who, cls.__name__, partial)
@@ -174,7 +185,9 @@ def facts_class(rule: str) -> type[Facts] | None:
         registry.get_rule(rule)  # its module, which defines or imports its facts class
     found = [c for c in _subclasses(Facts) if rule in c.RULES]
     if len(found) > 1:
-        raise FactsError(f"{rule}: two facts classes claim its findings: {', '.join(c.__name__ for c in found)}")
+        raise FactsError(
+            f"{rule}: two facts classes claim its findings: {', '.join(c.__name__ for c in found)}"
+        )
     return found[0] if found else None
 
 

@@ -121,7 +121,9 @@ class FuseRegionFacts(Facts):
     def unwritten(self) -> frozenset[str]:
         if self.block is not None:
             return frozenset({"bytes_per_run", "runs_per_step", "copy_bandwidth_gbps", "floor_ms_per_step"})
-        return frozenset({"module", "block"} | ({"floor_ms_per_step"} if self.floor_ms_per_step is None else set()))
+        return frozenset(
+            {"module", "block"} | ({"floor_ms_per_step"} if self.floor_ms_per_step is None else set())
+        )
 
 
 MIN_KERNELS = 3  # a region of unnamed ops needs at least this many kernels (ops on a CPU profile) forward

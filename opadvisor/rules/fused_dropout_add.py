@@ -66,6 +66,7 @@ class DropoutAddFacts(Facts):
     inplace: the residual add ran in place (`x += ...`); dropout_inplace: the dropout did
     (`nn.Dropout(inplace=True)`), so the original also overwrote its input.
     """
+
     RULES = ("fused_dropout_add",)
 
     ops: list[str] = field(default_factory=list)

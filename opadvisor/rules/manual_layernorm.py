@@ -52,6 +52,7 @@ class LayerNormFacts(Facts):
     and the dims reduced (counted from the end), how the variance was taken ("var" / "std", "_unbiased"),
     where eps went ("none", "inside_sqrt", "outside_sqrt"), rsqrt, whether a weight and a bias were
     applied, whether it is the same function as F.layer_norm (and why not), the input dtype."""
+
     RULES = ("manual_layernorm",)
 
     normalized_shape: list[int] | None = None

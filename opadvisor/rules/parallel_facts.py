@@ -19,6 +19,7 @@ class DdpFacts(Facts):
     unused_checked_steps steps); post_forward_ms: DDP's measured host time after each forward (its graph
     traversal with find_unused_parameters=True); buckets: the gradient buckets at bucket_cap_mb (estimated
     from the gradient bytes); bucket_cap_mb_fix: the size the fix writes."""
+
     RULES = ("ddp_small_bucket",)
 
     construction_line: int | None = None
@@ -43,6 +44,7 @@ class GradSyncFacts(Facts):
     called; step_file / step_line: where the optimizer stepped (the accumulation loop holds both); lines:
     {"forward": [line, line], "step": [line, line]} the same lines, in the form the rewrite engine moves
     when an earlier fix of the same apply shifted them."""
+
     RULES = ("grad_accum_sync",)
 
     wrapper: str = "ddp"
@@ -67,6 +69,7 @@ class FsdpFacts(Facts):
     keywords passed to the call (each block's call gets the same ones); units: the collectives of every unit
     (`rules/_units.py`: unit, collective, calls_per_step, mib_per_call, dtype, ms_per_step and
     exposed_ms_per_step on a GPU profile), most exposed first."""
+
     RULES = ("fsdp_fp32_gather", "fsdp_root_only")
 
     construction_line: int | None = None

@@ -58,6 +58,7 @@ FUSED_LAYER = {"LSTMCell": "nn.LSTM", "GRUCell": "nn.GRU", "RNNCell": "nn.RNN"}
 class CellLoopFacts(Facts):
     """The cell the profile saw stepped in the loop (the finding's `details`; the codemod checks the
     loop's cell against `module` and the state's form against `kind`)."""
+
     RULES = ("rnn_cell_loop",)
 
     kind: str = ""  # "LSTMCell", "GRUCell" or "RNNCell"

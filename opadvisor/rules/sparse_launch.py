@@ -404,7 +404,12 @@ def _finding(
         est_saving_ms_per_step=ms,
         advice="; ".join(remedies),
         details=SparseLaunchFacts(
-            step_rows, tiny_per_step, kernels_per_step, remedies, not cal.calibrated, profiled_ms,
+            step_rows,
+            tiny_per_step,
+            kernels_per_step,
+            remedies,
+            not cal.calibrated,
+            profiled_ms,
             *((graph_facts.blockers, graph_facts.lines) if fix != "none" else ()),
         ).to_details(),
     )

@@ -56,7 +56,9 @@ def test_apply_writes_need_weights_false_at_the_call(project_copy, tmp_path: Pat
 # ---- the codemods on the forms people write (targets as the engine passes them) ---------------------------
 def _rewrite(source: str, codemod: str, line: int, **details) -> tuple[str, list[str]]:
     details.setdefault("rules", ["fused_dropout_add"])
-    new, result = rewrite_source(source.encode(), codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py")
+    new, result = rewrite_source(
+        source.encode(), codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py"
+    )
     cst.parse_module(new)
     again, second = rewrite_source(new, codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py")
     assert again == new, "not idempotent"

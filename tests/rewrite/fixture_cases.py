@@ -46,7 +46,9 @@ def fixture_target(rule: str, line: int, end_line: int, facts: dict | None = Non
     """A target written by hand: `facts` names only what the case asserts, the other fields take the facts
     class's defaults (a finding's facts always carry all of them); none (or {}): a target without facts."""
     cls = get_codemod(rule).FACTS
-    return Target(line, end_line, cls.from_details(facts, partial=True) if facts and cls is not None else None)
+    return Target(
+        line, end_line, cls.from_details(facts, partial=True) if facts and cls is not None else None
+    )
 
 
 def options(source: str, rule: str) -> Options:

@@ -175,7 +175,9 @@ def test_scalar_read_kept_as_tensor(tmp_path: Path, read: str, use: str, kept: s
         {use}
 """
     )
-    after = _rewrite("graph_break", before, [_target("graph_break", before, "v = ", kind="scalar_read", **FWD)])
+    after = _rewrite(
+        "graph_break", before, [_target("graph_break", before, "v = ", kind="scalar_read", **FWD)]
+    )
     assert kept in after and "capture_scalar_outputs" not in after
     _check_fix(tmp_path, before, after, torch.randn(4, 8), fullgraph_raised=False)
 
@@ -190,7 +192,9 @@ def test_scalar_read_captured(tmp_path: Path) -> None:
         return y / peak
 """
     )
-    after = _rewrite("graph_break", before, [_target("graph_break", before, "peak = ", kind="scalar_read", **FWD)])
+    after = _rewrite(
+        "graph_break", before, [_target("graph_break", before, "peak = ", kind="scalar_read", **FWD)]
+    )
     assert "torch._dynamo.config.capture_scalar_outputs = True" in after
     _check_fix(tmp_path, before, after, torch.randn(4, 8), fullgraph_raised=False)
 
@@ -247,7 +251,8 @@ def tag(t):
 """
     )
     target = _target(
-        "graph_break", before,
+        "graph_break",
+        before,
         "pid = os.getpid()",
         kind="unsupported_call",
         function="tag",
@@ -304,7 +309,9 @@ def build(backend):
 
     return scaled, torch.compile(scaled, backend=backend)
 """
-    target = _target("recompile", before, "torch.compile(", kind="scalar", input="temperature", values=["0.5", "0.6"])
+    target = _target(
+        "recompile", before, "torch.compile(", kind="scalar", input="temperature", values=["0.5", "0.6"]
+    )
     after = _rewrite("recompile", before, [target])
     assert "torch.compile(scaled, backend=backend, dynamic=True)" in after
     counts = []

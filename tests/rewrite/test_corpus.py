@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 from fixture_cases import FIXTURES, fixture_target, run
 
-from opadvisor.rewrite.base import Target
-
 CORPUS = Path(__file__).parent / "corpus"
 
 

@@ -38,9 +38,15 @@ def _raw_reads(tree: ast.AST) -> list[int]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr == "details":
             lines.append(node.lineno)
-        elif isinstance(node, ast.Subscript) and _named_details(node.value) and isinstance(node.ctx, ast.Load):
+        elif (
+            isinstance(node, ast.Subscript) and _named_details(node.value) and isinstance(node.ctx, ast.Load)
+        ):
             lines.append(node.lineno)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _named_details(node.func.value):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and _named_details(node.func.value)
+        ):
             lines.append(node.lineno)
         elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in {"getattr", "hasattr"}:
             if any(isinstance(a, ast.Constant) and a.value == "details" for a in node.args[1:2]):
@@ -63,19 +69,25 @@ def test_no_raw_details_read_outside_the_facts_module():
 
 
 def test_the_checker_sees_each_form_of_raw_read():
-    source = "a = f.details\nb = details['x']\nc = details.get('x')\nd = getattr(t, 'details')\ne = g(details=1)\n"
+    source = (
+        "a = f.details\nb = details['x']\nc = details.get('x')\nd = getattr(t, 'details')\ne = g(details=1)\n"
+    )
     assert _raw_reads(ast.parse(source)) == [1, 2, 3, 4]
 
 
 # ---- a mismatch is an error that says so -----------------------------------------------------------------
 def _attention() -> dict:
-    return AttentionFacts(ops=["softmax"], lines={"softmax": [3, 3]}, scale=Operand(kind="number")).to_details()
+    return AttentionFacts(
+        ops=["softmax"], lines={"softmax": [3, 3]}, scale=Operand(kind="number")
+    ).to_details()
 
 
 def test_a_missing_field_names_the_rule_and_the_field():
     details = _attention()
     del details["mask_kind"]
-    with pytest.raises(FactsError, match=r"fused_softmax: facts AttentionFacts: field 'mask_kind' is missing"):
+    with pytest.raises(
+        FactsError, match=r"fused_softmax: facts AttentionFacts: field 'mask_kind' is missing"
+    ):
         AttentionFacts.from_details(details, rule="fused_softmax")
 
 
@@ -93,7 +105,9 @@ def test_a_value_of_the_wrong_type_names_the_field_and_what_was_found():
 
 def test_another_rules_finding_is_refused():
     finding = _finding("fused_dropout_add", _attention())
-    with pytest.raises(FactsError, match=r"fused_dropout_add: its finding's facts are read as AttentionFacts"):
+    with pytest.raises(
+        FactsError, match=r"fused_dropout_add: its finding's facts are read as AttentionFacts"
+    ):
         finding.facts(AttentionFacts)
 
 
@@ -147,7 +161,9 @@ def test_each_facts_class_names_its_rules_and_each_fix_reads_its_rules_facts():
         assert get_codemod(name).FACTS is not None and get_codemod(name).FACTS.RULES == ()
 
 
-@pytest.mark.parametrize("name", sorted(p.name.removesuffix(".profile.json") for p in DATA.glob("*.profile.json")))
+@pytest.mark.parametrize(
+    "name", sorted(p.name.removesuffix(".profile.json") for p in DATA.glob("*.profile.json"))
+)
 def test_every_finding_carries_its_rules_facts_exactly(name: str):
     """On the recorded GPU profiles: each finding's details are its rule's facts dataclass, read strictly and
     written back unchanged (so the suggest JSON is what the dataclass says)."""

@@ -42,7 +42,10 @@ def _out(case: Path) -> Path:
 
 
 def _targets(raw: list) -> list[Target]:
-    return [Target(a, b, FuseRegionFacts.from_details(d[0], partial=True) if d and d[0] else None) for a, b, *d in raw]
+    return [
+        Target(a, b, FuseRegionFacts.from_details(d[0], partial=True) if d and d[0] else None)
+        for a, b, *d in raw
+    ]
 
 
 def _options(source: str) -> tuple[list[Target] | None, list[Target] | None, list[str]]:

@@ -17,7 +17,15 @@ from opadvisor.cli import app
 from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import mark_latest
 from opadvisor.rewrite import engine
+from opadvisor.rules.attention import AttentionFacts
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.fused_dropout_add import DropoutAddFacts
+from opadvisor.rules.gemm_align import GemmAlignFacts
+
+# the facts of findings whose profile saw the steps and told nothing more (the other fields at their
+# defaults: the codemods read the rest from the source)
+SOFTMAX_FACTS = AttentionFacts(ops=["scale", "mask", "softmax", "dropout"]).to_details()
+DROPOUT_ADD_FACTS = DropoutAddFacts(ops=["dropout", "residual"]).to_details()
 
 MODEL = b"""import math
 
@@ -65,8 +73,23 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     )
     mark_latest(run_dir)
     findings: list[Finding] = [
-        Finding("fused_softmax", str(model), *SOFTMAX_LINES, "masked_fill -> softmax", "safe"),
-        Finding("fused_dropout_add", str(model), DROPOUT_ADD_LINE, DROPOUT_ADD_LINE, "dropout + add", "safe"),
+        Finding(
+            "fused_softmax",
+            str(model),
+            *SOFTMAX_LINES,
+            "masked_fill -> softmax",
+            "safe",
+            details=SOFTMAX_FACTS,
+        ),
+        Finding(
+            "fused_dropout_add",
+            str(model),
+            DROPOUT_ADD_LINE,
+            DROPOUT_ADD_LINE,
+            "dropout + add",
+            "safe",
+            details=DROPOUT_ADD_FACTS,
+        ),
         Finding(
             "gemm_align",
             str(model),
@@ -74,7 +97,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             LINEAR_LINE,
             "30522 not a multiple of 8",
             "safe",
-            details={"kind": "linear", "in_features": 64, "out_features": 30522, "pad_to": 8},
+            details=GemmAlignFacts(kind="linear", in_features=64, out_features=30522, pad_to=8).to_details(),
         ),
     ]
 
@@ -234,7 +257,9 @@ def test_undo_refuses_a_file_edited_since(project):
 
 
 def test_unmatched_finding_is_reported(project):
-    project["findings"].append(Finding("fused_softmax", str(project["model"]), 3, 4, "elsewhere", "safe"))
+    project["findings"].append(
+        Finding("fused_softmax", str(project["model"]), 3, 4, "elsewhere", "safe", details=SOFTMAX_FACTS)
+    )
     result = cli("--rule", "fused_softmax")
     assert result.exit_code == 0
     # named by its lines as profiled, with the verdict suggest shows (the dry run's, issue 30)
@@ -306,7 +331,9 @@ def test_refuses_stale_hash_unless_forced(project):
 def test_refuses_file_outside_project(project, tmp_path_factory):
     outside = tmp_path_factory.mktemp("elsewhere") / "other.py"
     outside.write_bytes(MODEL)
-    project["findings"][:] = [Finding("fused_softmax", str(outside), *SOFTMAX_LINES, "m", "safe")]
+    project["findings"][:] = [
+        Finding("fused_softmax", str(outside), *SOFTMAX_LINES, "m", "safe", details=SOFTMAX_FACTS)
+    ]
     assert_refused(cli("--rule", "fused_softmax"), contains="outside the project")
     assert outside.read_bytes() == MODEL
     # static mode too

@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from test_apply import DROPOUT_ADD_FACTS, DROPOUT_ADD_LINE, MODEL, SOFTMAX_FACTS, SOFTMAX_LINES, cli
+from test_apply import MODEL, attention_findings, cli
 
 from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import keep_sources, mark_latest
@@ -47,23 +47,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     mark_latest(run_dir)
     graphs = SparseLaunchFacts(blockers=[], lines={}).to_details()
     findings = [
-        Finding(
-            "fused_softmax",
-            str(model),
-            *SOFTMAX_LINES,
-            "masked_fill -> softmax",
-            "safe",
-            details=SOFTMAX_FACTS,
-        ),
-        Finding(
-            "fused_dropout_add",
-            str(model),
-            DROPOUT_ADD_LINE,
-            DROPOUT_ADD_LINE,
-            "dropout + add",
-            "safe",
-            details=DROPOUT_ADD_FACTS,
-        ),
+        *attention_findings(model),
         Finding("sparse_launch", str(model), *FORWARD_LINES, "idle", "unsafe", details=graphs),
         Finding("sparse_launch", str(model), *MAIN_LINES, "idle", "unsafe", details=graphs),
     ]

@@ -250,9 +250,7 @@ def _union(value: Any, args: tuple, who: str, where: str, partial: bool) -> Any:
     kinds = [a for a in args if a is not type(None)]
     if len(kinds) == 1:  # `X | None`: X's own error, which names the nested field
         return _convert(value, kinds[0], who, where, partial)
-    for arg in args:
-        if arg is type(None):
-            continue
+    for arg in kinds:
         try:
             return _convert(value, arg, who, where, partial)
         except FactsError:

@@ -43,7 +43,7 @@ class Alternative:
     bigger_win: bool  # this finding's fix saves more than the other's
 
     def names(self, f: Finding) -> bool:
-        """Whether `f` is the finding this names (its rule, file and first line; `path` is the namer's)."""
+        """Whether `f` is the finding this names by its rule and first line (the caller compares files)."""
         return f.rule == self.rule and f.line == self.line
 
 

@@ -21,7 +21,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 from opadvisor.rewrite._args import keyword, replace_keyword_value
 from opadvisor.rewrite._match import code, number_value
 from opadvisor.rewrite._parallel import targeted_ddp_call
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target, target_facts
 from opadvisor.rules.parallel_facts import DdpFacts
 
 KEYWORD = "bucket_cap_mb"
@@ -32,6 +32,7 @@ class DdpSmallBucketCodemod(RuleCodemod):
     """A small literal `bucket_cap_mb=` of the targeted DDP(...) calls set to the finding's size."""
 
     RULE: ClassVar[str] = "ddp_small_bucket"
+    FACTS = DdpFacts
     SAFETY: ClassVar[str] = "safe"
     STATIC_MODE: ClassVar[bool] = False
     COMPOSES: ClassVar[bool] = True  # ddp_find_unused edits the same call
@@ -63,5 +64,5 @@ class DdpSmallBucketCodemod(RuleCodemod):
 
 
 def _fix_size(target: Target) -> int:
-    facts = DdpFacts.from_details(target.details)
+    facts = target_facts(target, DdpFacts)
     return facts.bucket_cap_mb_fix if facts is not None else DdpFacts.bucket_cap_mb_fix

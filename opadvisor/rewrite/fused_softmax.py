@@ -49,6 +49,7 @@ from opadvisor.rewrite._chain import (
     guarded,
     upcast_problem,
 )
+from opadvisor.rules.attention import AttentionFacts
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
@@ -74,6 +75,7 @@ def describe(chain: Chain) -> str:
 
 class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     RULE = "fused_softmax"
+    FACTS = AttentionFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a softmax call or module
     KERNEL_OP = "masked_softmax"
     SAFETY = "safe"

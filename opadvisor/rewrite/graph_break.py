@@ -80,7 +80,7 @@ from opadvisor.rewrite._compile_edits import (
     where_call,
 )
 from opadvisor.rewrite._match import code, nodes_of, number_value, parent, qualified
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rules.compile_facts import GraphBreakFacts
 
 SCALAR_SETTING = "torch._dynamo.config.capture_scalar_outputs"
@@ -112,7 +112,7 @@ SCALAR_COMMENT = "# torch.compile traces .item() reads instead of breaking the g
 
 
 def facts_of(target: Target) -> GraphBreakFacts | None:
-    return GraphBreakFacts.from_details(target.details)
+    return target_facts(target, GraphBreakFacts)
 
 
 def _break_line(target: Target, facts: GraphBreakFacts) -> int:
@@ -127,6 +127,7 @@ class GraphBreakCodemod(RuleCodemod):
     """Per break kind: a reorderable print, a kept 0-d tensor or scalar capture, torch.where, a disabled helper."""
 
     RULE: ClassVar[str] = "graph_break"
+    FACTS = GraphBreakFacts
     STATIC_MODE: ClassVar[bool] = False  # the breaks are what dynamo reported while the script ran
     SAFETY: ClassVar[str] = "safe"
     NO_KERNEL_OP: ClassVar[str] = (

@@ -34,7 +34,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 from opadvisor.rewrite._args import append_keywords, keyword, layout
 from opadvisor.rewrite._compile_edits import imported_names
 from opadvisor.rewrite._match import code, parent, qualified
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rules.compile_facts import RecompileFacts
 
 COMPILES = frozenset({"torch.compile"})
@@ -42,7 +42,7 @@ DYNAMIC_KINDS = frozenset({"shape", "scalar"})  # the recompiles `dynamic=True` 
 
 
 def facts_of(target: Target) -> RecompileFacts | None:
-    return RecompileFacts.from_details(target.details)
+    return target_facts(target, RecompileFacts)
 
 
 def advice(facts: RecompileFacts) -> str:
@@ -71,6 +71,7 @@ class RecompileCodemod(RuleCodemod):
     """`dynamic=True` on the torch.compile call (or decorator) whose function recompiled for new sizes."""
 
     RULE: ClassVar[str] = "recompile"
+    FACTS = RecompileFacts
     STATIC_MODE: ClassVar[bool] = False  # the recompiles are what dynamo reported while the script ran
     SAFETY: ClassVar[str] = "safe"
     COMPOSES: ClassVar[bool] = True  # adds a keyword to the call: another rule may have rewritten the line

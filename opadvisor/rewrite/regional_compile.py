@@ -37,7 +37,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 
 from opadvisor.rewrite._compile_edits import imported_names
 from opadvisor.rewrite._match import code, nodes_of, parent, qualified
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
 COMPILES = frozenset({"torch.compile"})
@@ -45,7 +45,7 @@ LOOP_NAME = "block"
 
 
 def facts_of(target: Target) -> RegionalCompileFacts | None:
-    return RegionalCompileFacts.from_details(target.details)
+    return target_facts(target, RegionalCompileFacts)
 
 
 def block_iterable(model: str, facts: RegionalCompileFacts) -> str | None:
@@ -77,6 +77,7 @@ class RegionalCompileCodemod(RuleCodemod):
     """A loop compiling each repeated block in place of the statement that compiled the model whole."""
 
     RULE: ClassVar[str] = "regional_compile"
+    FACTS = RegionalCompileFacts
     STATIC_MODE: ClassVar[bool] = False  # the blocks are what the profile recorded at the compile call
     SAFETY: ClassVar[str] = "safe"
     COMPOSES: ClassVar[bool] = True  # recompile's `dynamic=True` on the same call is passed on to the blocks

@@ -63,6 +63,7 @@ from opadvisor.rewrite._chain import (
     guarded,
     upcast_problem,
 )
+from opadvisor.rules.attention import AttentionFacts
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
@@ -83,6 +84,7 @@ _PEELABLE_METHODS = {
 
 class SdpaAttentionCodemod(SoftmaxChainRewriter):
     RULE = "sdpa_attention"
+    FACTS = AttentionFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a hand-written attention has its softmax
     NO_KERNEL_OP = "F.scaled_dot_product_attention is PyTorch's own fused attention"
     SAFETY = "safe"

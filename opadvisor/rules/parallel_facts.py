@@ -23,6 +23,8 @@ class DdpFacts(Facts):
     bucket_copy_ms: DDP's copies of reduced gradients from the buckets back into .grad, per step, and
     their time (ms; `ddp_bucket_view`)."""
 
+    RULES = ("ddp_small_bucket",)
+
     construction_line: int | None = None
     find_unused_parameters: bool = False
     bucket_cap_mb: float | None = None
@@ -48,6 +50,8 @@ class GradSyncFacts(Facts):
     {"forward": [line, line], "step": [line, line]} the same lines, in the form the rewrite engine moves
     when an earlier fix of the same apply shifted them."""
 
+    RULES = ("grad_accum_sync",)
+
     wrapper: str = "ddp"
     construction_line: int | None = None
     backward_per_step: float = 0.0
@@ -70,6 +74,8 @@ class FsdpFacts(Facts):
     keywords passed to the call (each block's call gets the same ones); units: the collectives of every unit
     (`rules/_units.py`: unit, collective, calls_per_step, mib_per_call, dtype, ms_per_step and
     exposed_ms_per_step on a GPU profile), most exposed first."""
+
+    RULES = ("fsdp_fp32_gather", "fsdp_root_only")
 
     construction_line: int | None = None
     module: str | None = None

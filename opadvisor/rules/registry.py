@@ -1,4 +1,9 @@
-"""The rule registry: every rule module, in the order `opadvisor rules` lists them.
+"""The rule registry: every rule, one line each, in the order `opadvisor rules` lists them.
+
+A line names the rule's detect module below `opadvisor.rules`: `"<family>.<rule id>"` for a rule of a family
+package (`opadvisor/rules/<family>/<rule id>.py`, its fix beside it as `<rule id>_fix.py`: see
+docs/ADDING_A_RULE.md), or `"<rule id>"` for a rule not yet moved into its family (its module
+`opadvisor/rules/<rule id>.py`, its fix `opadvisor/rewrite/<rule id>.py`). The rule's id is the last part.
 
 A rule module has: a docstring in four parts (What it finds / Why it is slow / Example / Fix and its
 safety), `ID` (str), `TITLE` (str, a few words), `FIX` ("safe" | "unsafe" | "none": the safety of its
@@ -41,14 +46,42 @@ RULE_MODULES: tuple[str, ...] = (
 )
 
 
+PACKAGE = "opadvisor.rules"
+# the fix of a family's rule R is the module `R_fix` beside R's detect module
+FIX_SUFFIX = "_fix"
+# the fixes of the rules not yet moved into a family package: `opadvisor.rewrite.<rule id>`
+FLAT_FIX_PACKAGE = "opadvisor.rewrite"
+
+# rule id -> its line of RULE_MODULES
+_LINES: dict[str, str] = {line.rpartition(".")[2]: line for line in RULE_MODULES}
+
+
 def rule_ids() -> list[str]:
-    return list(RULE_MODULES)
+    return list(_LINES)
+
+
+def _line(rule_id: str) -> str:
+    if rule_id not in _LINES:
+        raise UserError(f"unknown rule {rule_id!r}; known rules: {', '.join(_LINES)}")
+    return _LINES[rule_id]
+
+
+def module_name(rule_id: str) -> str:
+    """The dotted name of the rule's detect module ("opadvisor.rules.optimizer.fused_optimizer")."""
+    return f"{PACKAGE}.{_line(rule_id)}"
+
+
+def fix_module_name(rule_id: str) -> str:
+    """The dotted name the rule's fix (its codemod) has where it has one: `<detect module>_fix` in a family
+    package; `opadvisor.rewrite.<rule id>` for a rule not yet moved into one."""
+    line = _line(rule_id)
+    if "." in line:
+        return f"{PACKAGE}.{line}{FIX_SUFFIX}"
+    return f"{FLAT_FIX_PACKAGE}.{rule_id}"
 
 
 def get_rule(rule_id: str) -> ModuleType:
-    if rule_id not in RULE_MODULES:
-        raise UserError(f"unknown rule {rule_id!r}; known rules: {', '.join(RULE_MODULES)}")
-    return importlib.import_module(f"opadvisor.rules.{rule_id}")
+    return importlib.import_module(module_name(rule_id))
 
 
 def fix_safety(rule: ModuleType) -> str:
@@ -58,4 +91,4 @@ def fix_safety(rule: ModuleType) -> str:
 
 
 def all_rules() -> list[ModuleType]:
-    return [get_rule(r) for r in RULE_MODULES]
+    return [get_rule(r) for r in rule_ids()]

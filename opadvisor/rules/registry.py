@@ -30,7 +30,7 @@ RULE_MODULES: tuple[str, ...] = (
     "dataloader_stall",
     "fp32_gemm",
     "manual_layernorm",
-    "fused_optimizer",
+    "optimizer.fused_optimizer",
     "activation_checkpointing",
     "rnn_cell_loop",
     "cudnn_rnn",

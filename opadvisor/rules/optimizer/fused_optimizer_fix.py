@@ -30,9 +30,8 @@ import libcst.matchers as m
 from libcst.codemod import CodemodContext
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout
-from opadvisor.rewrite._match import code, qualified
 from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.toolkit import append_keywords, code, has_star_args, keyword, layout, qualified
 
 OPTIMIZERS: dict[str, str] = {
     "torch.optim.Adam": "Adam",

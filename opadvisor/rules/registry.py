@@ -31,6 +31,7 @@ RULE_MODULES: tuple[str, ...] = (
     "fp32_gemm",
     "manual_layernorm",
     "optimizer.fused_optimizer",
+    "optimizer.zero_grad_set_to_none",
     "activation_checkpointing",
     "rnn_cell_loop",
     "cudnn_rnn",

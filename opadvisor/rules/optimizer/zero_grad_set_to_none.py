@@ -1,0 +1,178 @@
+"""zero_grad(set_to_none=False): every gradient filled with zeros each step instead of dropped.
+
+What it finds
+    A call `optimizer.zero_grad(set_to_none=False)` or `model.zero_grad(False)` (any spelling that passes
+    False) that the profile saw zeroing gradients: one `aten::zero_` per parameter (or an
+    `aten::_foreach_zero_` per device and dtype when the optimizer was built with foreach=True or
+    fused=True) at the call's line, every step. The finding is at that line, with the measured time of
+    the zeroing ops.
+
+Why it is slow
+    Zeroing writes every gradient in full (as many bytes as the model's parameters) and, on a GPU, launches
+    a fill kernel per parameter tensor; the next backward then adds its gradient into the zeros instead of
+    storing it. With `set_to_none=True` (PyTorch's default since 2.0) the gradients are dropped: no kernel,
+    no write, and backward assigns each gradient as it comes. The saving counted here is the zeroing alone
+    (the accumulation into zeros is not).
+
+Example
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=False)
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+Fix and its safety
+    `opadvisor apply --rule zero_grad_set_to_none` removes `set_to_none=False` (or the positional False),
+    leaving PyTorch's default, True. A variable (`set_to_none=flag`) is left alone, with the reason. Safe
+    where every zeroed gradient gets a new one in the next backward (the profile checks it: each zeroed
+    gradient's shape is among the gradients accumulated in the same step): the step then sees the same
+    gradients. Unsafe, and rewritten only with --unsafe, where (a) some zeroed gradient got none (an
+    unused parameter: its `.grad` becomes None, and optimizers skip a parameter without a gradient where
+    they would have stepped it on zeros, momentum and weight decay included), (b) the profile cannot tell
+    which gradients were zeroed (an optimizer built with foreach=True or fused=True zeroes them in one
+    multi-tensor kernel on the GPU), or (c) the code uses `.grad` between zero_grad and backward (in the
+    loop, after the call, before the next `.backward()`): it would see None where it saw zeros.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+from opadvisor.profile.model import Op, Profile
+from opadvisor.rules._findings import build_finding
+from opadvisor.rules._index import ProfileIndex, index_of
+from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules.facts import Facts
+from opadvisor.rules.finding import Finding
+
+ID = "zero_grad_set_to_none"
+TITLE = "zero_grad(set_to_none=False) zeroes every gradient"
+FIX = "safe"
+FIX_CAVEAT = "unsafe where a zeroed gradient got no new one (an unused parameter) or the profile cannot tell"
+
+ZERO_OPS = ("aten::zero_", "aten::_foreach_zero_")
+ACCUMULATE = "torch::autograd::AccumulateGrad"
+OPTIMIZER_RANGE = "Optimizer.zero_grad#"  # the range torch's Optimizer.zero_grad records
+
+
+@dataclass
+class ZeroGradFacts(Facts):
+    """What the profile saw at one zero_grad call (the finding's `details`)."""
+
+    call_line: int = 0
+    zeroed_per_step: int = (
+        0  # gradient tensors zeroed at this call per step (0 where the profile cannot tell)
+    )
+    # zeroed gradients per step whose shape no gradient accumulated in the same step had: parameters that
+    # got no gradient (their .grad would become None: the fix is unsafe there); None where the profile
+    # cannot tell which gradients were zeroed (a foreach zeroing on the GPU is one multi-tensor kernel)
+    without_gradient: int | None = 0
+
+
+def detect(profile: Profile) -> list[Finding]:
+    ix = index_of(profile)
+    sites: dict[tuple[str, int], list[Op]] = defaultdict(list)
+    for op in ix.forward_roots(ZERO_OPS):
+        if op.file is not None and op.line is not None:
+            sites[(op.file, op.line)].append(op)
+    accumulated = _accumulated(ix) if sites else {}
+    found = []
+    for (path, line), ops in sites.items():
+        span = _zero_grad_call(profile, path, line)
+        if span is not None:
+            found.append(_finding(ix, path, span, ops, accumulated))
+    return found
+
+
+def _zero_grad_call(profile: Profile, path: str, line: int) -> tuple[int, int] | None:
+    """The statement lines of the zero_grad call at `line`, None where the line calls none: the source
+    says so, or (the file changed since) torch's Optimizer.zero_grad range recorded at that line."""
+    src = load_profiled_source(profile, path)
+    if src is not None:
+        first, last = src.statement_span(line)
+        return (first, last) if src.calls_named(first, last, "zero_grad") else None
+    ranges = [a for a in profile.annotations if a.name.startswith(OPTIMIZER_RANGE)]
+    return (line, line) if any(a.file == path and a.line == line for a in ranges) else None
+
+
+def _finding(
+    ix: ProfileIndex,
+    path: str,
+    span: tuple[int, int],
+    ops: list[Op],
+    accumulated: dict[int | None, Counter],
+) -> Finding:
+    by_step: dict[int | None, list[Op]] = defaultdict(list)
+    for op in ops:
+        by_step[op.step].append(op)
+    facts = _facts(ix, span[0], by_step, accumulated)
+    total_ms = ix.per_step_ms(ix.site_cost_us(ops, backward=False))
+    unsafe = facts.without_gradient != 0
+    notes = [f"{facts.zeroed_per_step} gradient tensors zeroed per step"] if facts.zeroed_per_step else []
+    if facts.without_gradient is None:
+        notes.append("the profile cannot tell which gradients were zeroed (one foreach kernel): unsafe")
+    elif unsafe:
+        notes.append(
+            f"{facts.without_gradient} zeroed gradient(s) per step got no new gradient (unused parameters): "
+            "with set_to_none their .grad becomes None and the optimizer skips them"
+        )
+    return build_finding(
+        ix,
+        rule=ID,
+        fix="unsafe" if unsafe else "safe",
+        path=path,
+        line=span[0],
+        end_line=span[1],
+        occurrences=list(by_step.values()),
+        head="zero_grad(set_to_none=False) fills every gradient with zeros",
+        function=ops[0].function,
+        fused_kernels=None,
+        est_saving_ms=total_ms,
+        advice="call zero_grad() with its default set_to_none=True: gradients are dropped, not zeroed",
+        details=facts.to_details(),
+        notes=notes,
+        backward=False,
+    )
+
+
+def _accumulated(ix: ProfileIndex) -> dict[int | None, Counter]:
+    """Per step, the shapes of the gradients backward accumulated into parameters (a multiset)."""
+    found: dict[int | None, Counter] = defaultdict(Counter)
+    for op in ix.profile.ops:
+        if op.name == ACCUMULATE and op.is_backward and ix.in_window(op):
+            found[op.step][_shape(op)] += 1
+    return found
+
+
+def _facts(
+    ix: ProfileIndex, line: int, by_step: dict[int | None, list[Op]], accumulated: dict[int | None, Counter]
+) -> ZeroGradFacts:
+    """The call's facts: how many gradients it zeroed a step, and how many of them got no new one in the
+    same step (a multiset difference of shapes: two unused [64, 64] weights beside one used count as one)."""
+    zeroed: dict[int | None, Counter] = {}
+    for step, ops in by_step.items():
+        shapes = [_zeroed_shapes(ix, op) for op in ops]
+        if any(s is None for s in shapes):
+            return ZeroGradFacts(call_line=line, zeroed_per_step=0, without_gradient=None)
+        zeroed[step] = Counter(shape for some in shapes for shape in some or ())
+    return ZeroGradFacts(
+        call_line=line,
+        zeroed_per_step=round(sum(c.total() for c in zeroed.values()) / ix.steps_recorded),
+        without_gradient=max((c - accumulated.get(step, Counter())).total() for step, c in zeroed.items()),
+    )
+
+
+def _zeroed_shapes(ix: ProfileIndex, op: Op) -> list[tuple[int, ...] | None] | None:
+    """The shapes of the gradients one zeroing op zeroed; None where the profile cannot tell: a foreach
+    zeroing records its per-tensor `zero_` ops on the CPU, on the GPU one multi-tensor kernel."""
+    if op.name == "aten::zero_":
+        return [_shape(op)]
+    return [_shape(d) for d in ix.descendants(op) if d.name == "aten::zero_"] or None
+
+
+def _shape(op: Op) -> tuple[int, ...] | None:
+    first = op.input_shapes[0] if op.input_shapes else None
+    return tuple(first) if isinstance(first, list) else None
+
+
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "ZeroGradFacts", "detect"]

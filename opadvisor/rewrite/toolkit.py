@@ -18,6 +18,22 @@ from opadvisor.rewrite._args import (
     remove_keyword,
     replace_keyword_value,
 )
+from opadvisor.rewrite._bindings import block_index
+from opadvisor.rewrite._budget import check as check_budget
+from opadvisor.rewrite._compile_edits import (
+    after_docstring_and_imports,
+    after_imports,
+    assignment,
+    block_statements,
+    branch_value,
+    comments_of,
+    config_block,
+    imported_names,
+    kept_tensor,
+    scalar_read,
+    torch_binding,
+    where_call,
+)
 from opadvisor.rewrite._match import (
     bind_args,
     code,
@@ -30,16 +46,31 @@ from opadvisor.rewrite._match import (
     unparen,
 )
 from opadvisor.rewrite._names import reference
+from opadvisor.rewrite._parallel import DDP_NAMES, FULLY_SHARD_NAMES, calls_to, targeted_ddp_call
 from opadvisor.rewrite._walk import Transformer, Visitor
 
 __all__ = [
+    "DDP_NAMES",
+    "FULLY_SHARD_NAMES",
     "Transformer",
     "Visitor",
+    "after_docstring_and_imports",
+    "after_imports",
     "append_keywords",
+    "assignment",
     "bind_args",
+    "block_index",
+    "block_statements",
+    "branch_value",
+    "calls_to",
+    "check_budget",
     "code",
+    "comments_of",
+    "config_block",
     "has_star_args",
+    "imported_names",
     "is_method",
+    "kept_tensor",
     "keyword",
     "layout",
     "nodes_of",
@@ -51,5 +82,9 @@ __all__ = [
     "remove_keyword",
     "replace_keyword_value",
     "resolves_to",
+    "scalar_read",
+    "targeted_ddp_call",
+    "torch_binding",
     "unparen",
+    "where_call",
 ]

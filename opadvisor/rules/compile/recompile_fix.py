@@ -31,10 +31,16 @@ import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import append_keywords, keyword, layout
-from opadvisor.rewrite._compile_edits import imported_names
-from opadvisor.rewrite._match import code, parent, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
+    append_keywords,
+    code,
+    imported_names,
+    keyword,
+    layout,
+    parent,
+    qualified,
+)
 from opadvisor.rules.compile_facts import RecompileFacts
 
 COMPILES = frozenset({"torch.compile"})

@@ -35,9 +35,8 @@ import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._compile_edits import imported_names
-from opadvisor.rewrite._match import code, nodes_of, parent, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.toolkit import code, imported_names, nodes_of, parent, qualified
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
 COMPILES = frozenset({"torch.compile"})

@@ -64,23 +64,27 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from opadvisor.rewrite import _budget
-from opadvisor.rewrite._bindings import block_index
-from opadvisor.rewrite._compile_edits import (
+from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
     after_imports,
     assignment,
+    block_index,
     block_statements,
     branch_value,
+    check_budget,
+    code,
     comments_of,
     config_block,
     imported_names,
     kept_tensor,
+    nodes_of,
+    number_value,
+    parent,
+    qualified,
     scalar_read,
     torch_binding,
     where_call,
 )
-from opadvisor.rewrite._match import code, nodes_of, number_value, parent, qualified
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
 from opadvisor.rules.compile_facts import GraphBreakFacts
 
 SCALAR_SETTING = "torch._dynamo.config.capture_scalar_outputs"
@@ -398,7 +402,7 @@ class GraphBreakCodemod(RuleCodemod):
         if binding is None:
             return "its binding is not known"
         for access in binding.references:
-            _budget.check()
+            check_budget()
             if access.scope is not scope:
                 return f"{name.value} is read in a nested function or comprehension"
             if not self._feeds_tensors(access.node):
@@ -518,7 +522,7 @@ class GraphBreakCodemod(RuleCodemod):
         child: cst.CSTNode = node
         above = parent(self, child)
         while above is not None and not isinstance(above, cst.Module):
-            _budget.check()
+            check_budget()
             if isinstance(above, cst.IndentedBlock):
                 index = next((i for i, s in enumerate(above.body) if s is child), None)
                 if index is not None and block_index(above.body).lookup(name, before=index) is not None:

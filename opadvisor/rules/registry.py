@@ -39,11 +39,11 @@ RULE_MODULES: tuple[str, ...] = (
     "compile.graph_break",
     "compile.recompile",
     "compile.regional_compile",
-    "ddp_find_unused",
-    "ddp_small_bucket",
-    "grad_accum_sync",
-    "fsdp_root_only",
-    "fsdp_fp32_gather",
+    "distributed.ddp_find_unused",
+    "distributed.ddp_small_bucket",
+    "distributed.grad_accum_sync",
+    "distributed.fsdp_root_only",
+    "distributed.fsdp_fp32_gather",
 )
 
 

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import Comm, comm_of, finding_at, forward_wrapper, per_step_median
+from opadvisor.rules.distributed._parallel import Comm, comm_of, finding_at, forward_wrapper, per_step_median
+from opadvisor.rules.distributed.parallel_facts import GradSyncFacts
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.parallel_facts import GradSyncFacts
 
 ID = "grad_accum_sync"
 TITLE = "gradients synchronised on every accumulation micro-step"

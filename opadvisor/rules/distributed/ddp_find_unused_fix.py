@@ -20,10 +20,8 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import has_star_args, keyword, remove_keyword
-from opadvisor.rewrite._match import code
-from opadvisor.rewrite._parallel import targeted_ddp_call
 from opadvisor.rewrite.base import RuleCodemod
+from opadvisor.rewrite.toolkit import code, has_star_args, keyword, remove_keyword, targeted_ddp_call
 
 KEYWORD = "find_unused_parameters"
 

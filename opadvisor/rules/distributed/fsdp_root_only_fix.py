@@ -23,13 +23,11 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import has_star_args
-from opadvisor.rewrite._match import code, nodes_of, resolves_to
-from opadvisor.rewrite._parallel import FULLY_SHARD_NAMES, calls_to
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.toolkit import FULLY_SHARD_NAMES, calls_to, code, has_star_args, nodes_of, resolves_to
 from opadvisor.rules.compile.regional_compile_fix import block_iterable
 from opadvisor.rules.compile_facts import RegionalCompileFacts
-from opadvisor.rules.parallel_facts import FsdpFacts
+from opadvisor.rules.distributed.parallel_facts import FsdpFacts
 
 LOOP_NAME = "block"
 

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at, per_step_median
+from opadvisor.rules.distributed._parallel import comm_of, constructions, finding_at, per_step_median
+from opadvisor.rules.distributed.parallel_facts import DdpFacts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.parallel_facts import DdpFacts
 
 ID = "ddp_find_unused"
 TITLE = "DDP's find_unused_parameters=True with no unused parameter"

@@ -18,14 +18,12 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import keyword, replace_keyword_value
-from opadvisor.rewrite._match import code, number_value
-from opadvisor.rewrite._parallel import targeted_ddp_call
 from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rules.parallel_facts import DdpFacts
+from opadvisor.rewrite.toolkit import code, keyword, number_value, replace_keyword_value, targeted_ddp_call
+from opadvisor.rules.distributed.parallel_facts import DdpFacts
 
 KEYWORD = "bucket_cap_mb"
-SMALL_MB = 4.0  # the rule's threshold (rules/ddp_small_bucket.py SMALL_BUCKET_MB)
+SMALL_MB = 4.0  # the rule's threshold (ddp_small_bucket.py SMALL_BUCKET_MB)
 
 
 class DdpSmallBucketCodemod(RuleCodemod):

@@ -40,10 +40,9 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import code, nodes_of, resolves_to
-from opadvisor.rewrite._parallel import DDP_NAMES, FULLY_SHARD_NAMES
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
-from opadvisor.rules.parallel_facts import GradSyncFacts
+from opadvisor.rewrite.toolkit import DDP_NAMES, FULLY_SHARD_NAMES, code, nodes_of, resolves_to
+from opadvisor.rules.distributed.parallel_facts import GradSyncFacts
 
 PURE_CALLS = frozenset({"len", "min", "max", "int"})
 COMMENT = (

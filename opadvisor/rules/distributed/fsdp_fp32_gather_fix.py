@@ -23,12 +23,17 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout
-from opadvisor.rewrite._compile_edits import torch_binding
-from opadvisor.rewrite._match import resolves_to
-from opadvisor.rewrite._parallel import FULLY_SHARD_NAMES
 from opadvisor.rewrite.base import Note, RuleCodemod
-from opadvisor.rules.parallel_facts import FsdpFacts
+from opadvisor.rewrite.toolkit import (
+    FULLY_SHARD_NAMES,
+    append_keywords,
+    has_star_args,
+    keyword,
+    layout,
+    resolves_to,
+    torch_binding,
+)
+from opadvisor.rules.distributed.parallel_facts import FsdpFacts
 
 HALF = ("bfloat16", "float16")
 POLICY_MODULE = "torch.distributed.fsdp"

@@ -31,9 +31,15 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at, forward_wrapper, unit_notes
+from opadvisor.rules.distributed._parallel import (
+    comm_of,
+    constructions,
+    finding_at,
+    forward_wrapper,
+    unit_notes,
+)
+from opadvisor.rules.distributed.parallel_facts import FsdpFacts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.parallel_facts import FsdpFacts
 
 ID = "fsdp_fp32_gather"
 TITLE = "FSDP all-gathers float32 parameters under 16-bit autocast"

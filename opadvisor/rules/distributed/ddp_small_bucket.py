@@ -28,9 +28,9 @@ import math
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at
+from opadvisor.rules.distributed._parallel import comm_of, constructions, finding_at
+from opadvisor.rules.distributed.parallel_facts import DdpFacts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.parallel_facts import DdpFacts
 
 ID = "ddp_small_bucket"
 TITLE = "DDP gradient buckets too small"

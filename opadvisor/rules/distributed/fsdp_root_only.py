@@ -41,9 +41,9 @@ from __future__ import annotations
 
 from opadvisor.profile.model import Construction, Profile
 from opadvisor.rules._findings import fmt_ms
-from opadvisor.rules._parallel import comm_of, constructions, finding_at, unit_notes
+from opadvisor.rules.distributed._parallel import comm_of, constructions, finding_at, unit_notes
+from opadvisor.rules.distributed.parallel_facts import FsdpFacts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.parallel_facts import FsdpFacts
 
 ID = "fsdp_root_only"
 TITLE = "one FSDP unit for a model of repeated blocks"

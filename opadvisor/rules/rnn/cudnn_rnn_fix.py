@@ -33,9 +33,9 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
-from opadvisor.rewrite._match import code
 from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rules.cudnn_rnn import CudnnRnnFacts
+from opadvisor.rewrite.toolkit import code
+from opadvisor.rules.rnn.cudnn_rnn import CudnnRnnFacts
 
 
 class CudnnRnnCodemod(RuleCodemod):

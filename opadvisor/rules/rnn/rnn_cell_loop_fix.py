@@ -47,7 +47,9 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import (
+from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
+    Visitor,
     class_info,
     code,
     enclosing_class,
@@ -55,12 +57,10 @@ from opadvisor.rewrite._match import (
     names_in,
     parent,
     qualified,
+    reference,
     self_attr,
 )
-from opadvisor.rewrite._names import reference
-from opadvisor.rewrite._walk import Visitor
-from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rules.rnn_cell_loop import CellLoopFacts
+from opadvisor.rules.rnn.rnn_cell_loop import CellLoopFacts
 
 KERNEL = "opadvisor.kernels.cell_sequence"
 CELL_CLASSES = {

@@ -18,7 +18,7 @@ from opadvisor.rewrite._args import (
     remove_keyword,
     replace_keyword_value,
 )
-from opadvisor.rewrite._bindings import block_index
+from opadvisor.rewrite._bindings import block_index, nearest_before
 from opadvisor.rewrite._budget import check as check_budget
 from opadvisor.rewrite._compile_edits import (
     after_docstring_and_imports,
@@ -82,6 +82,7 @@ __all__ = [
     "keyword",
     "layout",
     "names_in",
+    "nearest_before",
     "nodes_of",
     "number_value",
     "parent",

@@ -29,7 +29,7 @@ RULE_MODULES: tuple[str, ...] = (
     "host_sync",
     "dataloader_stall",
     "fp32_gemm",
-    "manual_layernorm",
+    "layernorm.manual_layernorm",
     "optimizer.fused_optimizer",
     "optimizer.zero_grad_set_to_none",
     "activation_checkpointing",

@@ -44,18 +44,18 @@ from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider, ScopeProvider
 from libcst.metadata.scope_provider import ClassScope, FunctionScope, Scope
 
-from opadvisor.rewrite._bindings import nearest_before
-from opadvisor.rewrite._match import (
+from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
     bind_args,
     class_info,
     code,
     enclosing_class,
+    nearest_before,
     number_value,
     qualified,
+    reference,
     self_attr,
 )
-from opadvisor.rewrite._names import reference
-from opadvisor.rewrite.base import RuleCodemod, Target
 
 # Per statistic: the positional parameters of the tensor method; the torch function takes `input` first.
 _SIGNATURES = {

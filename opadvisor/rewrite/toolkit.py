@@ -35,6 +35,8 @@ from opadvisor.rewrite._compile_edits import (
     where_call,
 )
 from opadvisor.rewrite._match import (
+    EMBEDDING_CLASSES,
+    LINEAR_CLASSES,
     bind_args,
     class_info,
     code,
@@ -50,13 +52,16 @@ from opadvisor.rewrite._match import (
     self_attr,
     unparen,
 )
+from opadvisor.rewrite._metadata import text_naming
 from opadvisor.rewrite._names import reference
 from opadvisor.rewrite._parallel import DDP_NAMES, FULLY_SHARD_NAMES, calls_to, targeted_ddp_call
 from opadvisor.rewrite._walk import Transformer, Visitor
 
 __all__ = [
     "DDP_NAMES",
+    "EMBEDDING_CLASSES",
     "FULLY_SHARD_NAMES",
+    "LINEAR_CLASSES",
     "Transformer",
     "Visitor",
     "after_docstring_and_imports",
@@ -95,6 +100,7 @@ __all__ = [
     "scalar_read",
     "self_attr",
     "targeted_ddp_call",
+    "text_naming",
     "torch_binding",
     "unparen",
     "where_call",

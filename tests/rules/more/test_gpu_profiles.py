@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from opadvisor.rules import dataloader_stall, fp32_gemm, host_sync
+from opadvisor.rules import dataloader_stall, host_sync
 from opadvisor.rules.engine import analyse
+from opadvisor.rules.gemm import fp32_gemm
 from opadvisor.rules.layernorm import manual_layernorm
 from opadvisor.rules.optimizer import fused_optimizer
 

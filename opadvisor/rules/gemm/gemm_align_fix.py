@@ -29,9 +29,9 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._names import reference
+from opadvisor.rewrite import toolkit as mt
 from opadvisor.rewrite.base import RuleCodemod
+from opadvisor.rewrite.toolkit import reference
 
 KERNEL = "opadvisor.kernels.PaddedLinear"
 ALIGN = 8

@@ -36,10 +36,16 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite import _metadata
-from opadvisor.rewrite._compile_edits import after_docstring_and_imports, config_block, torch_binding
-from opadvisor.rewrite._match import code, nodes_of, qualified
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
+    after_docstring_and_imports,
+    code,
+    config_block,
+    nodes_of,
+    qualified,
+    text_naming,
+    torch_binding,
+)
 
 MODES = ("tf32", "autocast")
 # the last part of every setting's name below: no setting where the text names none
@@ -178,7 +184,7 @@ class Fp32GemmCodemod(RuleCodemod):
         """The assignments and calls that may set TF32, found once per pass: none without a setting's name
         in the text (a walk of a 5,000-line file with matchers takes seconds)."""
         if self._found is None:
-            if _SETTING_WORDS.search(_metadata.text_naming(module).decode("utf-8", "replace")) is None:
+            if _SETTING_WORDS.search(text_naming(module).decode("utf-8", "replace")) is None:
                 self._found = ((), ())
             else:
                 found = nodes_of(module, (cst.Assign, cst.Call))  # one walk for both

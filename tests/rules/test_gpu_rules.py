@@ -43,7 +43,7 @@ def test_sparse_launch_finds_the_tiny_kernel_function():
     assert top.rule == "sparse_launch" and top.function == "activation"
     fn_line = expected_lines(SCRIPTS / "tiny_kernels.py", "sparse_launch function")[0]
     assert fn_line <= top.line <= top.end_line <= fn_line + 5
-    assert top.fix == "unsafe" and top.evidence.time_basis == "gpu"  # CUDA graphs (rewrite/sparse_launch)
+    assert top.fix == "unsafe" and top.evidence.time_basis == "gpu"  # CUDA graphs (launch/sparse_launch_fix)
     steps = top.details["steps"]
     assert len(steps) == 3 and all(s["idle_share"] > 0.5 for s in steps)
     assert top.details["tiny_kernels_per_step"] > 1000
@@ -139,7 +139,6 @@ def test_suggest_table_says_why_a_fix_claims_no_saving(tmp_path, monkeypatch):
 
 def test_rule_threshold_is_the_kernels_dispatch_size():
     from opadvisor.kernels import dropout_add
-
     from opadvisor.rules import fused_dropout_add
 
     assert fused_dropout_add.KERNEL_MIN_NUMEL == dropout_add.SMALL_NUMEL

@@ -16,9 +16,10 @@ from opadvisor.profile.model import (
     Step,
     SyncEvent,
 )
-from opadvisor.rules import dataloader_stall, host_sync
+from opadvisor.rules import dataloader_stall
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.gemm import fp32_gemm
+from opadvisor.rules.launch import host_sync
 from opadvisor.rules.layernorm import manual_layernorm
 from opadvisor.rules.optimizer import fused_optimizer
 

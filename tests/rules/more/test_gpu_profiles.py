@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from opadvisor.rules import dataloader_stall, host_sync
+from opadvisor.rules import dataloader_stall
 from opadvisor.rules.engine import analyse
 from opadvisor.rules.gemm import fp32_gemm
+from opadvisor.rules.launch import host_sync
 from opadvisor.rules.layernorm import manual_layernorm
 from opadvisor.rules.optimizer import fused_optimizer
 

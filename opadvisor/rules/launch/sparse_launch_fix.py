@@ -17,7 +17,7 @@ four extra forward/backward passes per new input shape. `cuda_graphed` itself ru
 wherever graphing cannot be right (no gradients, non-tensor or keyword arguments, hooks, changed
 parameters, a second forward before the first backward, a capture that fails: it warns once).
 
-Capture blockers first. The finding's facts (`GraphFacts`, opadvisor/rules/sparse_launch.py) list the ops
+Capture blockers first. The finding's facts (`GraphFacts`, opadvisor/rules/launch/sparse_launch.py) list the ops
 of the model's forward that a capture cannot take, from the profile. A Python number copied to the device
 is rewritten at its line into the capture-safe form of the same value and dtype (exact):
 
@@ -50,11 +50,9 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import nodes_of, qualified
-from opadvisor.rewrite._names import reference
-from opadvisor.rewrite._parallel import DDP_NAMES
 from opadvisor.rewrite.base import RuleCodemod
-from opadvisor.rules.sparse_launch import SCALAR_TENSOR, CaptureBlocker, GraphFacts
+from opadvisor.rewrite.toolkit import DDP_NAMES, nodes_of, qualified, reference
+from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, CaptureBlocker, GraphFacts
 
 KERNEL = "opadvisor.kernels.cuda_graphed"
 KERNEL_NAMES = frozenset({KERNEL, "opadvisor.kernels.graphs.cuda_graphed"})

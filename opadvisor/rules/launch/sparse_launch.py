@@ -26,7 +26,7 @@ Fix and its safety
     sparse_launch --unsafe` wraps the module the optimizer trains in `opadvisor.kernels.cuda_graphed`, which
     captures its forward and backward once per input shape and replays them: the same values, but outputs
     are overwritten by the next call and Python side effects in forward run only at capture; see
-    opadvisor/rewrite/sparse_launch.py). When the tiny kernels are an optimizer's, the fix is
+    opadvisor/rules/launch/sparse_launch_fix.py). When the tiny kernels are an optimizer's, the fix is
     `fused_optimizer`'s and this finding has none; `torch.compile` (mode="reduce-overhead") is the other
     remedy the advice names.
 

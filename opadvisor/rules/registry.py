@@ -32,7 +32,7 @@ RULE_MODULES: tuple[str, ...] = (
     "layernorm.manual_layernorm",
     "optimizer.fused_optimizer",
     "optimizer.zero_grad_set_to_none",
-    "activation_checkpointing",
+    "memory.activation_checkpointing",
     "rnn.rnn_cell_loop",
     "rnn.cudnn_rnn",
     "fuse_region",

@@ -46,11 +46,9 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._args import keyword
-from opadvisor.rewrite._match import code, parent
-from opadvisor.rewrite._names import reference
 from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rules.activation_checkpointing import CheckpointFacts
+from opadvisor.rewrite.toolkit import code, keyword, parent, reference
+from opadvisor.rules.memory.activation_checkpointing import CheckpointFacts
 
 CHECKPOINT = "torch.utils.checkpoint.checkpoint"
 CHECKPOINT_SEQUENTIAL = "torch.utils.checkpoint.checkpoint_sequential"

@@ -27,7 +27,7 @@ RULE_MODULES: tuple[str, ...] = (
     "gemm.gemm_align",
     "launch.sparse_launch",
     "launch.host_sync",
-    "dataloader_stall",
+    "data.dataloader_stall",
     "gemm.fp32_gemm",
     "layernorm.manual_layernorm",
     "optimizer.fused_optimizer",

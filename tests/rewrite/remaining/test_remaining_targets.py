@@ -151,7 +151,7 @@ def test_dataloader_copies_the_profile_measured(tmp_path) -> None:
     import libcst as cst
     from libcst.codemod import CodemodContext
 
-    from opadvisor.rewrite.dataloader_stall import DataLoaderCodemod
+    from opadvisor.rules.data.dataloader_stall_fix import DataLoaderCodemod
 
     source = textwrap.dedent(
         """\

@@ -16,7 +16,7 @@ from opadvisor.profile.model import (
     Step,
     SyncEvent,
 )
-from opadvisor.rules import dataloader_stall
+from opadvisor.rules.data import dataloader_stall
 from opadvisor.rules.engine import NotApplicable
 from opadvisor.rules.gemm import fp32_gemm
 from opadvisor.rules.launch import host_sync

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from opadvisor.rules import dataloader_stall
+from opadvisor.rules.data import dataloader_stall
 from opadvisor.rules.engine import analyse
 from opadvisor.rules.gemm import fp32_gemm
 from opadvisor.rules.launch import host_sync

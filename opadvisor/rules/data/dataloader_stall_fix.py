@@ -47,17 +47,18 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider, ScopeProvider
 
-from opadvisor.rewrite._args import (
+from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.toolkit import (
+    Visitor,
     append_keywords,
+    code,
     has_star_args,
     keyword,
     layout,
     positional_count,
+    qualified,
     replace_keyword_value,
 )
-from opadvisor.rewrite._match import code, qualified
-from opadvisor.rewrite._walk import Visitor
-from opadvisor.rewrite.base import RuleCodemod, Target
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 ITERABLE_DATASETS = frozenset(

@@ -23,7 +23,7 @@ RULE_MODULES: tuple[str, ...] = (
     "fused_softmax",
     "sdpa_attention",
     "fused_dropout_add",
-    "fused_cross_entropy",
+    "loss.fused_cross_entropy",
     "gemm.gemm_align",
     "launch.sparse_launch",
     "launch.host_sync",

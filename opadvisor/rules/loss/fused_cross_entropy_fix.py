@@ -31,9 +31,8 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite._match import resolves_to
-from opadvisor.rewrite._names import reference
 from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.toolkit import reference, resolves_to
 
 KERNEL = "opadvisor.kernels.cross_entropy"
 CROSS_ENTROPY_FUNCS = frozenset({"torch.nn.functional.cross_entropy"})

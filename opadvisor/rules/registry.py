@@ -20,8 +20,8 @@ from types import ModuleType
 from opadvisor.errors import UserError
 
 RULE_MODULES: tuple[str, ...] = (
-    "fused_softmax",
-    "sdpa_attention",
+    "attention.fused_softmax",
+    "attention.sdpa_attention",
     "fused_dropout_add",
     "loss.fused_cross_entropy",
     "gemm.gemm_align",

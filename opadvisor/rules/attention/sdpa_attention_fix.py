@@ -49,19 +49,23 @@ from typing import ClassVar
 import libcst as cst
 import libcst.matchers as m
 
-from opadvisor.rewrite import _edit as ed
-from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._blocks import BlockEdit
-from opadvisor.rewrite._chain import (
+from opadvisor.rewrite import toolkit as ed
+from opadvisor.rewrite import toolkit as mt
+from opadvisor.rewrite.toolkit import (
+    BlockEdit,
     Chain,
     ChainFinder,
     SoftmaxChainRewriter,
     Step,
-    _assign_name,
-    _small,
     cast_problem,
     guarded,
     upcast_problem,
+)
+from opadvisor.rewrite.toolkit import (
+    assign_name as _assign_name,
+)
+from opadvisor.rewrite.toolkit import (
+    small_statement as _small,
 )
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"

@@ -1,4 +1,6 @@
-"""The facts of an attention site, shared by `fused_softmax` and `sdpa_attention` and read by both codemods.
+"""The attention family (fused_softmax, sdpa_attention: a detect module `<rule>.py` and its fix
+`<rule>_fix.py` each; see docs/ADDING_A_RULE.md), and here the facts of an attention site, shared by both
+rules and read by both codemods (and by the shared source matcher, `rewrite/_chain.py`).
 
 `AttentionFacts` is what a finding of either rule carries in its `details` (see `opadvisor.rules.facts`):
 

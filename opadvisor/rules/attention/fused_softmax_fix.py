@@ -35,19 +35,21 @@ from typing import ClassVar
 
 import libcst as cst
 
-from opadvisor.rewrite import _edit as ed
-from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._blocks import BlockEdit
-from opadvisor.rewrite._chain import (
+from opadvisor.rewrite import toolkit as ed
+from opadvisor.rewrite import toolkit as mt
+from opadvisor.rewrite.toolkit import (
+    BlockEdit,
     Chain,
     ChainFinder,
     Segment,
     SoftmaxChainRewriter,
     Step,
-    _small,
     cast_problem,
     guarded,
     upcast_problem,
+)
+from opadvisor.rewrite.toolkit import (
+    small_statement as _small,
 )
 
 KERNEL = "opadvisor.kernels.masked_softmax"

@@ -22,7 +22,7 @@ from opadvisor.errors import UserError
 RULE_MODULES: tuple[str, ...] = (
     "attention.fused_softmax",
     "attention.sdpa_attention",
-    "fused_dropout_add",
+    "dropout_add.fused_dropout_add",
     "loss.fused_cross_entropy",
     "gemm.gemm_align",
     "launch.sparse_launch",

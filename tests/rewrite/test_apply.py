@@ -350,7 +350,7 @@ def test_refuses_unsafe_without_flag(project, monkeypatch):
     assert model.read_bytes() == MODEL
     assert cli("--rule", "fused_softmax", "--unsafe").exit_code == 0
     # a codemod whose fix is unsafe as a whole, in static mode
-    from opadvisor.rewrite.fused_dropout_add import FusedDropoutAddCodemod
+    from opadvisor.rules.dropout_add.fused_dropout_add_fix import FusedDropoutAddCodemod
 
     monkeypatch.setattr(FusedDropoutAddCodemod, "SAFETY", "unsafe")
     before = model.read_bytes()

@@ -31,11 +31,12 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
-from opadvisor.rewrite import _match as mt
-from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
-from opadvisor.rewrite._chain import Chain, ChainFinder, Segment, Step, _assign_name, _small
+from opadvisor.rewrite import toolkit as mt
 from opadvisor.rewrite.base import Target
-from opadvisor.rules.fused_dropout_add import DropoutAddFacts
+from opadvisor.rewrite.toolkit import BlockEdit, BlockRewriter, Chain, ChainFinder, Segment, Step
+from opadvisor.rewrite.toolkit import assign_name as _assign_name
+from opadvisor.rewrite.toolkit import small_statement as _small
+from opadvisor.rules.dropout_add.fused_dropout_add import DropoutAddFacts
 
 KERNEL = "opadvisor.kernels.bias_dropout_add"
 PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
@@ -66,7 +67,7 @@ def _dropout_keywords(drop: Step, carried: list[cst.CSTNode]) -> list[tuple[str,
     read is added to `carried`."""
     module = drop.params.get("module")
     if module is not None:
-        from opadvisor.rewrite._edit import template
+        from opadvisor.rewrite.toolkit import template
 
         carried.append(module)
         return [

@@ -9,6 +9,7 @@ name, in the same change.
 
 from __future__ import annotations
 
+from opadvisor.rewrite._algebra import Converter, activation_of
 from opadvisor.rewrite._args import (
     append_keywords,
     has_star_args,
@@ -18,8 +19,9 @@ from opadvisor.rewrite._args import (
     remove_keyword,
     replace_keyword_value,
 )
-from opadvisor.rewrite._bindings import block_index, nearest_before
+from opadvisor.rewrite._bindings import Resolver, block_index, nearest_before, simple_binding
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
+from opadvisor.rewrite._budget import analysing
 from opadvisor.rewrite._budget import check as check_budget
 from opadvisor.rewrite._chain import (
     Chain,
@@ -47,6 +49,7 @@ from opadvisor.rewrite._compile_edits import (
     torch_binding,
     where_call,
 )
+from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
 from opadvisor.rewrite._edit import atomic, invert, reciprocal, template
 from opadvisor.rewrite._match import (
     EMBEDDING_CLASSES,
@@ -84,11 +87,15 @@ __all__ = [
     "BlockRewriter",
     "Chain",
     "ChainFinder",
+    "Converter",
     "DDP_NAMES",
+    "DropoutMatch",
+    "DropoutMatcher",
     "EMBEDDING_CLASSES",
     "FULLY_SHARD_NAMES",
     "LINEAR_CLASSES",
     "ONES_FUNCS",
+    "Resolver",
     "Segment",
     "SoftmaxChainRewriter",
     "Step",
@@ -96,8 +103,10 @@ __all__ = [
     "TRIU_FUNCS",
     "Transformer",
     "Visitor",
+    "activation_of",
     "after_docstring_and_imports",
     "after_imports",
+    "analysing",
     "append_keywords",
     "assign_name",
     "assignment",
@@ -142,6 +151,7 @@ __all__ = [
     "resolves_to",
     "scalar_read",
     "self_attr",
+    "simple_binding",
     "small_statement",
     "targeted_ddp_call",
     "template",

@@ -35,7 +35,7 @@ RULE_MODULES: tuple[str, ...] = (
     "memory.activation_checkpointing",
     "rnn.rnn_cell_loop",
     "rnn.cudnn_rnn",
-    "fuse_region",
+    "regions.fuse_region",
     "compile.graph_break",
     "compile.recompile",
     "compile.regional_compile",

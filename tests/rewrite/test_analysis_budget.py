@@ -157,7 +157,7 @@ def g(y):
 def test_profile_mode_analyses_only_the_targeted_blocks():
     from opadvisor.rewrite import _bindings
     from opadvisor.rewrite.engine import _parse, _run_once
-    from opadvisor.rewrite.fuse_region import FuseRegionCodemod
+    from opadvisor.rules.regions.fuse_region_fix import FuseRegionCodemod
 
     _bindings._INDEXES.clear()
     module = _parse(TWO_FUNCTIONS, "m.py")

@@ -39,14 +39,26 @@ from typing import ClassVar
 import libcst as cst
 from libcst.codemod import CodemodContext
 
-from opadvisor.rewrite import _budget
-from opadvisor.rewrite._algebra import Converter, activation_of
-from opadvisor.rewrite._bindings import Resolver, block_index, simple_binding
-from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
-from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
-from opadvisor.rewrite._match import code, names_in, nodes_of, parent, qualified
-from opadvisor.rewrite._walk import Transformer, Visitor
 from opadvisor.rewrite.base import Note, Target
+from opadvisor.rewrite.toolkit import (
+    BlockEdit,
+    BlockRewriter,
+    Converter,
+    DropoutMatch,
+    DropoutMatcher,
+    Resolver,
+    Transformer,
+    Visitor,
+    activation_of,
+    analysing,
+    block_index,
+    code,
+    names_in,
+    nodes_of,
+    parent,
+    qualified,
+    simple_binding,
+)
 
 KERNELS = "opadvisor.kernels"
 COMPILE_REGION = f"{KERNELS}.compile_region"
@@ -221,7 +233,7 @@ class FuseRegionCodemod(BlockRewriter):
         forward, backward = methods.get("forward"), methods.get("backward")
         if forward is None or backward is None:
             return
-        with _budget.analysing(name, "forward"):  # read before the traversal reaches the class
+        with analysing(name, "forward"):  # read before the traversal reaches the class
             found = _verify_dropout_function(self, forward, backward)
         if isinstance(found, str):
             self.plan.refused[name] = found
@@ -501,7 +513,7 @@ class FuseRegionCodemod(BlockRewriter):
         return None
 
     def _class_of(self, fn: cst.FunctionDef) -> cst.ClassDef | None:
-        from opadvisor.rewrite._match import enclosing_class
+        from opadvisor.rewrite.toolkit import enclosing_class
 
         try:
             return enclosing_class(self, fn)
@@ -744,7 +756,7 @@ def _gather_of(codemod: FuseRegionCodemod, value: cst.BaseExpression):
         value, transposed = value.func.value, True
     if not (isinstance(value, cst.Call) and "torch.gather" in qualified(codemod, value.func)):
         return None
-    from opadvisor.rewrite._match import bind_args, int_value
+    from opadvisor.rewrite.toolkit import bind_args, int_value
 
     args = bind_args(value, ("input", "dim", "index"), required=3)
     if args is None or int_value(args["dim"].value) != -1:

@@ -1,6 +1,6 @@
 """Which codemod fixes which rule, found by name: the codemod of rule R is the `RuleCodemod` subclass whose
-`RULE == "R"` in R's fix module, `opadvisor.rules.<family>.R_fix` beside its detect module (or
-`opadvisor.rewrite.R` for a rule not yet moved into a family package): `rules.registry.fix_module_name`.
+`RULE == "R"` in R's fix module, `opadvisor.rules.<family>.R_fix` beside its detect module
+(`rules.registry.fix_module_name`).
 
 There is no list to keep in step: a rule is listed once, in `opadvisor/rules/registry.py`, and it has an
 automatic fix exactly when its fix module exists. Modules are imported only when needed (`has_codemod`

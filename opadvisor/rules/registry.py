@@ -1,9 +1,8 @@
 """The rule registry: every rule, one line each, in the order `opadvisor rules` lists them.
 
-A line names the rule's detect module below `opadvisor.rules`: `"<family>.<rule id>"` for a rule of a family
-package (`opadvisor/rules/<family>/<rule id>.py`, its fix beside it as `<rule id>_fix.py`: see
-docs/ADDING_A_RULE.md), or `"<rule id>"` for a rule not yet moved into its family (its module
-`opadvisor/rules/<rule id>.py`, its fix `opadvisor/rewrite/<rule id>.py`). The rule's id is the last part.
+A line `"<family>.<rule id>"` names the rule's detect module below `opadvisor.rules`: the module
+`opadvisor/rules/<family>/<rule id>.py` of its family package, its fix beside it as `<rule id>_fix.py`
+where it has one (see docs/ADDING_A_RULE.md). The rule's id is the last part.
 
 A rule module has: a docstring in four parts (What it finds / Why it is slow / Example / Fix and its
 safety), `ID` (str), `TITLE` (str, a few words), `FIX` ("safe" | "unsafe" | "none": the safety of its
@@ -50,8 +49,6 @@ RULE_MODULES: tuple[str, ...] = (
 PACKAGE = "opadvisor.rules"
 # the fix of a family's rule R is the module `R_fix` beside R's detect module
 FIX_SUFFIX = "_fix"
-# the fixes of the rules not yet moved into a family package: `opadvisor.rewrite.<rule id>`
-FLAT_FIX_PACKAGE = "opadvisor.rewrite"
 
 # rule id -> its line of RULE_MODULES
 _LINES: dict[str, str] = {line.rpartition(".")[2]: line for line in RULE_MODULES}
@@ -73,12 +70,9 @@ def module_name(rule_id: str) -> str:
 
 
 def fix_module_name(rule_id: str) -> str:
-    """The dotted name the rule's fix (its codemod) has where it has one: `<detect module>_fix` in a family
-    package; `opadvisor.rewrite.<rule id>` for a rule not yet moved into one."""
-    line = _line(rule_id)
-    if "." in line:
-        return f"{PACKAGE}.{line}{FIX_SUFFIX}"
-    return f"{FLAT_FIX_PACKAGE}.{rule_id}"
+    """The dotted name the rule's fix (its codemod) has where it has one: `<detect module>_fix`, beside it in
+    its family package."""
+    return f"{module_name(rule_id)}{FIX_SUFFIX}"
 
 
 def get_rule(rule_id: str) -> ModuleType:

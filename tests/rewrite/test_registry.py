@@ -26,11 +26,11 @@ def _dotted(path: Path) -> str:
 
 def test_every_codemod_module_is_a_listed_rules_and_found_by_its_id():
     modules = {p.stem for p in Path(rewrite_package.__file__).parent.glob("*.py")}
-    flat = {m for m in modules if not m.startswith("_") and m not in ENGINE}
+    stray = {m for m in modules if not m.startswith("_") and m not in ENGINE}
+    assert not stray, f"a rule's fix belongs beside its detect module in its family package: {stray}"
     # a family's fixes: opadvisor/rules/<family>/<rule>_fix.py, beside the rule's detect module
     in_families = {p.stem.removesuffix(FIX_SUFFIX): _dotted(p) for p in RULES.glob(f"*/*{FIX_SUFFIX}.py")}
-    assert not flat & set(in_families), "a rule with a fix in both layouts"
-    codemods = flat | set(in_families)
+    codemods = set(in_families)
     assert codemods <= set(rule_ids()), "a codemod module without a rule in opadvisor/rules/registry.py"
     for rule, dotted in in_families.items():
         assert fix_module_name(rule) == dotted and module_name(rule) == dotted.removesuffix(FIX_SUFFIX)
@@ -50,6 +50,13 @@ def test_a_rule_without_a_codemod_says_so():
     with pytest.raises(UserError, match="has no automatic fix"):
         registry.get_codemod(without[0])
     assert not registry.has_codemod("../engine") and not registry.has_codemod("_chain")
+
+
+def test_every_rule_is_in_a_family_package():
+    for rule in rule_ids():
+        family = module_name(rule).split(".")[2:-1]
+        assert len(family) == 1, f'{rule}: its registry line names no family package ("<family>.{rule}")'
+        assert (RULES / family[0] / f"{rule}.py").is_file()
 
 
 def test_every_rule_module_of_a_family_is_listed():

@@ -35,24 +35,30 @@ Fix and its safety
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import ProfileIndex, index_of
-from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules._source import SourceFile, load_profiled_source
 from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Finding
 
 ID = "zero_grad_set_to_none"
 TITLE = "zero_grad(set_to_none=False) zeroes every gradient"
 FIX = "safe"
-FIX_CAVEAT = "unsafe where a zeroed gradient got no new one (an unused parameter) or the profile cannot tell"
+FIX_CAVEAT = (
+    "unsafe where a zeroed gradient got no new one (an unused parameter) or the profile cannot tell, or where "
+    ".grad is used between zero_grad and the next backward"
+)
 
 ZERO_OPS = ("aten::zero_", "aten::_foreach_zero_")
 ACCUMULATE = "torch::autograd::AccumulateGrad"
 OPTIMIZER_RANGE = "Optimizer.zero_grad#"  # the range torch's Optimizer.zero_grad records
+GRAD_USE = re.compile(r"\.grad\b")  # `p.grad`, not `p.grad_fn` (the fix sees the same as attributes)
 
 
 @dataclass
@@ -60,13 +66,15 @@ class ZeroGradFacts(Facts):
     """What the profile saw at one zero_grad call (the finding's `details`)."""
 
     call_line: int = 0
-    zeroed_per_step: int = (
-        0  # gradient tensors zeroed at this call per step (0 where the profile cannot tell)
-    )
+    # gradient tensors zeroed at this call per step (0 where the profile cannot tell)
+    zeroed_per_step: int = 0
     # zeroed gradients per step whose shape no gradient accumulated in the same step had: parameters that
     # got no gradient (their .grad would become None: the fix is unsafe there); None where the profile
     # cannot tell which gradients were zeroed (a foreach zeroing on the GPU is one multi-tensor kernel)
     without_gradient: int | None = 0
+    # the first line using `.grad` after the call and before the next backward (None: none does): it would
+    # read None there instead of zeros (the fix is unsafe there)
+    grad_used_line: int | None = None
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -78,16 +86,17 @@ def detect(profile: Profile) -> list[Finding]:
     accumulated = _accumulated(ix) if sites else {}
     found = []
     for (path, line), ops in sites.items():
-        span = _zero_grad_call(profile, path, line)
+        src = load_profiled_source(profile, path)
+        span = _zero_grad_call(profile, src, path, line)
         if span is not None:
-            found.append(_finding(ix, path, span, ops, accumulated))
+            grad_line = _grad_use(src, span) if src is not None else None
+            found.append(_finding(ix, path, span, ops, accumulated, grad_line))
     return found
 
 
-def _zero_grad_call(profile: Profile, path: str, line: int) -> tuple[int, int] | None:
+def _zero_grad_call(profile: Profile, src: SourceFile | None, path: str, line: int) -> tuple[int, int] | None:
     """The statement lines of the zero_grad call at `line`, None where the line calls none: the source
     says so, or (the file changed since) torch's Optimizer.zero_grad range recorded at that line."""
-    src = load_profiled_source(profile, path)
     if src is not None:
         first, last = src.statement_span(line)
         return (first, last) if src.calls_named(first, last, "zero_grad") else None
@@ -101,13 +110,15 @@ def _finding(
     span: tuple[int, int],
     ops: list[Op],
     accumulated: dict[int | None, Counter],
+    grad_line: int | None,
 ) -> Finding:
     by_step: dict[int | None, list[Op]] = defaultdict(list)
     for op in ops:
         by_step[op.step].append(op)
     facts = _facts(ix, span[0], by_step, accumulated)
+    facts.grad_used_line = grad_line
     total_ms = ix.per_step_ms(ix.site_cost_us(ops, backward=False))
-    unsafe = facts.without_gradient != 0
+    unsafe = facts.without_gradient != 0 or grad_line is not None
     notes = [f"{facts.zeroed_per_step} gradient tensors zeroed per step"] if facts.zeroed_per_step else []
     if facts.without_gradient is None:
         notes.append("the profile cannot tell which gradients were zeroed (one foreach kernel): unsafe")
@@ -115,6 +126,10 @@ def _finding(
         notes.append(
             f"{facts.without_gradient} zeroed gradient(s) per step got no new gradient (unused parameters): "
             "with set_to_none their .grad becomes None and the optimizer skips them"
+        )
+    if grad_line is not None:
+        notes.append(
+            f"line {grad_line} uses .grad before the next backward: it would read None there, not zeros"
         )
     return build_finding(
         ix,
@@ -133,6 +148,34 @@ def _finding(
         notes=notes,
         backward=False,
     )
+
+
+def _grad_use(src: SourceFile, span: tuple[int, int]) -> int | None:
+    """The first line using `.grad` after the call at `span` and before the next backward, in the call's
+    innermost loop (else its function, else the file): `grad_use_before_backward` on the source's lines."""
+    loop = src.enclosing_loop(span[0])
+    function = src.enclosing_function(span[0])
+    first, last = loop or ((function.line, function.end_line) if function else (1, len(src.lines)))
+    backwards = [c.line for c in src.calls(first, last) if c.attr == "backward"]
+    grads = [i for i in range(first, last + 1) if GRAD_USE.search(src.line_text(i).partition("#")[0])]
+    return grad_use_before_backward(span[1], loop is not None, backwards, grads)
+
+
+def grad_use_before_backward(
+    here: int, loop: bool, backwards: Sequence[int], grads: Sequence[int]
+) -> int | None:
+    """The first of the lines `grads` (lines using `.grad`) that runs after line `here` (the zero_grad call)
+    and before the next of the lines `backwards` (`.backward(...)` calls); in a loop the body wraps round
+    to its start. None when there is none. The rule and its fix both decide with this."""
+    grads = sorted(grads)
+    after = sorted(b for b in backwards if b > here)
+    if after:
+        return next((g for g in grads if here < g < after[0]), None)
+    later = [g for g in grads if g > here]
+    if later or not loop:
+        return later[0] if later else None
+    stop = min(backwards) if backwards else here  # the loop's next pass, up to its first backward
+    return next((g for g in grads if g < stop), None)
 
 
 def _accumulated(ix: ProfileIndex) -> dict[int | None, Counter]:
@@ -175,4 +218,4 @@ def _shape(op: Op) -> tuple[int, ...] | None:
     return tuple(first) if isinstance(first, list) else None
 
 
-__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "ZeroGradFacts", "detect"]
+__all__ = ["FIX", "FIX_CAVEAT", "ID", "TITLE", "ZeroGradFacts", "detect", "grad_use_before_backward"]

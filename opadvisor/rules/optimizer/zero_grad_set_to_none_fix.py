@@ -21,7 +21,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider
 
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rewrite.toolkit import code, keyword, nodes_of, parent, positional_count, remove_keyword
-from opadvisor.rules.optimizer.zero_grad_set_to_none import ID, ZeroGradFacts
+from opadvisor.rules.optimizer.zero_grad_set_to_none import ID, ZeroGradFacts, grad_use_before_backward
 
 KEYWORD = "set_to_none"
 
@@ -91,19 +91,10 @@ class ZeroGradSetToNoneCodemod(RuleCodemod):
         innermost loop holding the call runs its body (wrapping round to the body's start); without a loop,
         to the end of the enclosing function or module. None when there is none."""
         scope = self._scope(call)
-        here = self.lines_of(call)[1]
-        backwards = sorted(
-            self.lines_of(c)[0] for c in nodes_of(scope, cst.Call) if _attr(c.func) == "backward"
-        )
-        grads = sorted(self.lines_of(a)[0] for a in nodes_of(scope, cst.Attribute) if a.attr.value == "grad")
-        after = [b for b in backwards if b > here]
-        if after:
-            return next((g for g in grads if here < g < after[0]), None)
-        later = [g for g in grads if g > here]
-        if later or not isinstance(scope, cst.For | cst.While):
-            return later[0] if later else None
-        stop = backwards[0] if backwards else here  # the loop's next pass, up to its first backward
-        return next((g for g in grads if g < stop), None)
+        backwards = [self.lines_of(c)[0] for c in nodes_of(scope, cst.Call) if _attr(c.func) == "backward"]
+        grads = [self.lines_of(a)[0] for a in nodes_of(scope, cst.Attribute) if a.attr.value == "grad"]
+        loop = isinstance(scope, cst.For | cst.While)
+        return grad_use_before_backward(self.lines_of(call)[1], loop, backwards, grads)
 
     def _scope(self, node: cst.CSTNode) -> cst.CSTNode:
         """The innermost loop holding `node`, else its function, else the module."""

@@ -59,6 +59,15 @@ def test_unsafe_where_a_zeroed_gradient_gets_no_new_one(rules_profile) -> None:
     assert facts is not None and facts.zeroed_per_step == 4 and facts.without_gradient == 2  # the head's
 
 
+def test_unsafe_where_the_loop_uses_grad_before_backward(rules_profile) -> None:
+    (finding,) = _found(rules_profile, "zero_grad_reads_grad")
+    script = SCRIPTS / "zero_grad_reads_grad.py"
+    assert finding.fix == "unsafe"
+    facts = ZeroGradFacts.from_details(finding.details)
+    assert facts is not None and facts.without_gradient == 0
+    assert facts.grad_used_line == expected_lines(script, "grad_use")[0]
+
+
 def test_the_fix_computes_the_same_training(tmp_path: Path) -> None:
     """Profile, suggest, apply in a copy; the rewritten loop gives the same losses, gradients and
     parameters, bit for bit (a gradient accumulated into zeros is the gradient)."""

@@ -2,17 +2,25 @@
 
     python benchmarks/distributed_comm.py --out /tmp/dist --example fsdp          # 2 GPUs, GPT-2-medium size
     python benchmarks/distributed_comm.py --out /tmp/dist --example ddp
+    python benchmarks/distributed_comm.py --out /tmp/dist --example fsdp_reshard  # per-block units kept
     python benchmarks/distributed_comm.py --out /tmp/dist-cpu --device cpu --size tiny   # a CPU check (gloo)
 
 For each example (examples/fsdp_train.py: one fully_shard on the root, float32 all-gathers under bf16
-autocast, gradients reduce-scattered on every micro-step; examples/ddp_gpt_train.py: find_unused_parameters=True,
-bucket_cap_mb=1, all-reduce on every micro-step) it copies the script into OUT/<example>/ and runs what a
-user would:
+autocast, gradients reduce-scattered on every micro-step; examples/ddp_gpt_train.py:
+find_unused_parameters=True, bucket_cap_mb=1, all-reduce on every micro-step, no gradient_as_bucket_view)
+it copies the script into OUT/<example>/ and runs what a user would:
 
     opadvisor profile --nproc-per-node N --warmup W --steps S --out OUT/<example>/run SCRIPT -- --size ...
     opadvisor suggest OUT/<example>/run --format json
     opadvisor apply --rule all --unsafe OUT/<example>/run       # fsdp_fp32_gather's fix is unsafe
     opadvisor verify OUT/<example>/run --format json            # both programs on N ranks: losses, step times
+
+`--example fsdp_reshard` measures `fsdp_reshard` alone: the FSDP example is first brought to one unit per
+block with 16-bit gathers and no sync on accumulation micro-steps (`apply --rule fsdp_root_only`, then
+`apply --rule all --unsafe`, on a first profile kept in OUT/fsdp_reshard/prepare); that script is the
+original the chain above profiles, and apply runs `--rule fsdp_reshard --unsafe` alone, so verify times
+per-block units resharding after forward (FSDP2's default) against `reshard_after_forward=False` (measured
+by hand on 2 H200s at --size medium: 617 -> 442 ms/step).
 
 Everything each command printed is kept beside its JSON; OUT/<example>/summary.json holds the findings
 (rule, line, measured time, estimated saving), what apply rewrote, the parity verdict and the step times
@@ -34,9 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from opadvisor.rules.registry import rule_ids
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SCRIPTS = {"fsdp": "fsdp_train.py", "ddp": "ddp_gpt_train.py"}
-ISSUE_RULES = ("ddp_find_unused", "ddp_small_bucket", "grad_accum_sync", "fsdp_root_only", "fsdp_fp32_gather")
+SCRIPTS = {"fsdp": "fsdp_train.py", "ddp": "ddp_gpt_train.py", "fsdp_reshard": "fsdp_train.py"}
+# issue 34's rules: the data-parallel ones of the registry
+ISSUE_RULES = tuple(r for r in rule_ids() if r.startswith(("ddp_", "fsdp_")) or r == "grad_accum_sync")
+# the fixes each example's chain applies; fsdp_reshard's is measured alone, on the script the others made
+APPLY = {"fsdp_reshard": ["--rule", "fsdp_reshard", "--unsafe"]}
+PREPARE = {"fsdp_reshard": [["--rule", "fsdp_root_only"], ["--rule", "all", "--unsafe"]]}
 
 
 def run(cmd: list[str], cwd: Path, log: Path, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -63,6 +77,7 @@ def example(name: str, ns: argparse.Namespace) -> dict[str, Any]:
     script = SCRIPTS[name]
     shutil.copy(EXAMPLES / script, folder / script)
     run_dir = folder / "run"
+    out: dict[str, Any] = {"example": name, "script": script}
     script_args = [
         "--size",
         ns.size,
@@ -73,7 +88,7 @@ def example(name: str, ns: argparse.Namespace) -> dict[str, Any]:
         "--steps",
         str(ns.script_steps),
     ]
-    out: dict[str, Any] = {"example": name, "script": script, "script_args": script_args}
+    out["script_args"] = script_args
     profile = [
         "profile",
         "--nproc-per-node",
@@ -83,6 +98,17 @@ def example(name: str, ns: argparse.Namespace) -> dict[str, Any]:
         "--steps",
         str(ns.steps),
     ]
+    for i, rules in enumerate(PREPARE.get(name, [])):
+        prepared = folder / "prepare"
+        if i == 0:
+            proc = opadvisor(
+                [*profile, "--out", str(prepared), script, "--", *script_args], folder, prepared, ns.timeout
+            )
+            if proc.returncode != 0:
+                return {**out, "error": f"profile to prepare failed: {_last(proc.stderr)}"}
+        proc = opadvisor(["apply", *rules, str(prepared)], folder, folder / f"prepare-apply{i}", ns.timeout)
+        if proc.returncode != 0:
+            return {**out, "error": f"apply to prepare failed: {_last(proc.stderr)}"}
     proc = opadvisor(
         [*profile, "--out", str(run_dir), script, "--", *script_args], folder, folder / "profile", ns.timeout
     )
@@ -100,9 +126,8 @@ def example(name: str, ns: argparse.Namespace) -> dict[str, Any]:
         for k in ("step_ms", "comm_ms", "exposed_comm_ms", "overlap", "basis")
     }
     original = (folder / script).read_text()
-    proc = opadvisor(
-        ["apply", "--rule", "all", "--unsafe", str(run_dir)], folder, folder / "apply", ns.timeout
-    )
+    fixes = APPLY.get(name, ["--rule", "all", "--unsafe"])
+    proc = opadvisor(["apply", *fixes, str(run_dir)], folder, folder / "apply", ns.timeout)
     if proc.returncode != 0:
         return {**out, "error": f"apply failed: {_last(proc.stderr)}"}
     out["rewritten"] = (folder / script).read_text() != original
@@ -166,7 +191,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True, help="folder for everything it writes")
-    parser.add_argument("--example", choices=["fsdp", "ddp", "all"], default="all")
+    parser.add_argument("--example", choices=[*SCRIPTS, "all"], default="all")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per run")
     parser.add_argument("--size", default="medium", help="the examples' --size: tiny, small, medium")
     parser.add_argument("--device", default="cuda")

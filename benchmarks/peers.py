@@ -38,7 +38,8 @@ GPU, which also stops a CUDA-graph capture), and patches the output blocks (hf_b
 `dispatch` says which path each fused op took.
 
 The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
-autocast, AdamW, `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
+autocast, AdamW (opadvisor's programs: `AdamW(..., fused=True)` on CUDA, as `opadvisor apply` rewrites the
+plain construction: the fused_optimizer finding's safe fix), `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
 configurations built in code (nothing downloaded). Measured per program: step time (CUDA events around each
 step after --warmup steps; the program's time is the median over its rounds of the median step), peak memory
 (torch.cuda.max_memory_allocated over the timed steps), model FLOPs utilisation (6 x matmul parameters x
@@ -220,8 +221,13 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         model, notes = apply_program(model, args.program, args.model)
     except SkipProgram as exc:
         return {**result, "status": "skipped", "reason": str(exc)}
+    # opadvisor's programs construct AdamW as `opadvisor apply` rewrites the script's plain AdamW(...) (the
+    # fused_optimizer finding's safe fix); the others keep the script's optimizer as written
+    fused = args.program.startswith("opadvisor") and args.device.startswith("cuda")
+    if fused:
+        notes.append("AdamW(..., fused=True) (fused_optimizer)")
     result["notes"] = notes
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     generator = torch.Generator().manual_seed(1)
     vocab = config.vocab_size
     batches = [torch.randint(0, vocab, (batch, seq), generator=generator).to(args.device) for _ in range(4)]
@@ -270,6 +276,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     flops = step_flops(getattr(model, "_orig_mod", model), config, batch, seq)
     from opadvisor.kernels import dispatch_counts
 
+    if args.kernels and cuda:  # after the timed steps: the profiler's overhead stays out of them
+        result["kernels"] = kernel_breakdown(step, args.warmup + args.steps, args.kernels)
     return {
         **result,
         "status": "ok",
@@ -283,6 +291,33 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def kernel_breakdown(step, first: int, top: int, steps: int = 2) -> dict[str, Any]:
+    """The GPU kernels of `steps` more steps under torch.profiler: per step, the device time of all kernels
+    together (against the step's time: what the host leaves idle) and the `top` kernels by device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(first + i)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    return {
+        "device_busy_ms_per_step": busy,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "top": [
+            {
+                "name": e.key[:140],
+                "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                "count": e.count // steps,
+            }
+            for e in kernels[:top]
+        ],
+    }
+
+
 # ---- the parent: rounds of child processes --------------------------------------------------------------------
 def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str]:
     command = [sys.executable, __file__, "--child", "--model", args.model, "--program", program, "--device",
@@ -290,7 +325,7 @@ def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str
                "--compile-backend", args.compile_backend]  # fmt: skip
     if args.tiny:
         command.append("--tiny")
-    for flag in ("seq", "batch", "attn"):
+    for flag in ("seq", "batch", "attn", "kernels"):
         if getattr(args, flag):
             command += [f"--{flag}", str(getattr(args, flag))]
     return command
@@ -344,8 +379,10 @@ def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "notes": ok[0].get("notes", []),
         "dispatch": ok[0].get("dispatch", {}),
         "warnings": ok[0].get("warnings", []),
+        "kernels": ok[0].get("kernels"),
         "runs": [
-            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings")} for r in runs
+            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings", "kernels")}
+            for r in runs
         ],
     }
 
@@ -472,6 +509,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--attn",
         default=None,
         help="the attention implementation the model is built with (eager, sdpa; default: transformers' own)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="after the timed steps, profile 2 more and keep the N costliest GPU kernels in the JSON (CUDA)",
     )
     parser.add_argument("--tiny", action="store_true", help="tiny configurations: a smoke test (CPU)")
     parser.add_argument("--timeout", type=int, default=420, help="seconds per run")

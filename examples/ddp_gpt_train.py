@@ -9,7 +9,8 @@ What is naive about it (what `opadvisor suggest` finds): `find_unused_parameters
 parameter gets a gradient (DDP then traverses the autograd graph after every forward), a 1 MB gradient
 bucket (`bucket_cap_mb=1`: many small all-reduces where 25 MB buckets would send a few), and gradients
 accumulated over `--accum` micro-batches while every micro-batch's backward all-reduces them (no
-`no_sync()`). `--size medium` is GPT-2-medium-sized (24 layers, 1024 wide, 16 heads, 1024 tokens);
+`no_sync()`), and gradients kept beside DDP's buckets (no `gradient_as_bucket_view=True`: each reduced
+gradient is copied back into `.grad`). `--size medium` is GPT-2-medium-sized (24 layers, 1024 wide, 16 heads, 1024 tokens);
 `--size tiny` runs on a laptop CPU. Synthetic tokens, the same on every run; rank 0 prints the loss of
 each optimizer step.
 """

@@ -241,9 +241,10 @@ FIXES: tuple[LibraryFix, ...] = (
         (HF_ANY,),
         ATTENTION_RULES,
         "safe",
-        "transformers' own switch to its SDPA attention, set per model instance at run time by "
-        'opadvisor.patch (for a model built with a computed attn_implementation that ran "eager"): '
-        "checked against the eager attention on the first call, undone by unpatch",
+        "transformers' own switch to its SDPA attention (registered as opadvisor_sdpa: masks that skip "
+        "themselves where no token is padded, under torch.compile and CUDA-graph capture too), set per model "
+        'instance at run time by opadvisor.patch (for a model that ran "eager" or "sdpa"): checked against '
+        "the attention it ran on the first call, undone by unpatch",
     ),
     LibraryFix(
         "hf_gelu_tanh",

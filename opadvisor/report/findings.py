@@ -91,7 +91,7 @@ def finding_entry(f) -> dict[str, Any]:
             "occurrences": f.evidence.occurrences,
             "notes": f.evidence.notes,
         },
-        "details": f.details,
+        "details": f.details_json(),
         "library": library_entry(f.library),
         "fix_blocked": f.fix_blocked,
     }

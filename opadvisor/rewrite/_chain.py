@@ -32,7 +32,7 @@ from libcst.metadata import PositionProvider, ScopeProvider
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
-from opadvisor.rewrite.base import Target
+from opadvisor.rewrite.base import Target, target_facts
 from opadvisor.rules.attention import AttentionFacts
 
 PRE_FUSED = ("mask", "scale")  # inward from the softmax
@@ -1160,9 +1160,9 @@ class SoftmaxChainRewriter(BlockRewriter):
                 target = self.target_for_lines(start, end)
                 if target is None:
                     continue
-                facts = AttentionFacts.from_details(target.details)
+                facts = target_facts(target, AttentionFacts)
                 if facts is not None:
-                    if not self._is_profiled_softmax(stmts, index, facts):
+                    if not self._is_profiled_softmax(stmts, index, target):
                         continue  # another softmax in the finding's lines: not the chain the profile saw
                     finder.with_facts(facts)
                     chain = finder.chain_at(index, softmax, lower, link)
@@ -1186,8 +1186,7 @@ class SoftmaxChainRewriter(BlockRewriter):
     def unmatched_reason(
         self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
     ) -> str | None:
-        facts = AttentionFacts.from_details(target.details)
-        softmax = facts.line_of("softmax") if facts is not None else None
+        softmax = target.step_line("softmax")
         if softmax is None:
             return None
         text = lines[softmax[0] - 1].strip() if 0 < softmax[0] <= len(lines) else ""
@@ -1196,11 +1195,9 @@ class SoftmaxChainRewriter(BlockRewriter):
             "(in one branch of an if/else, inside a function or module called there, or a form it does not know)"
         )
 
-    def _is_profiled_softmax(
-        self, stmts: Sequence[cst.BaseStatement], index: int, facts: AttentionFacts
-    ) -> bool:
+    def _is_profiled_softmax(self, stmts: Sequence[cst.BaseStatement], index: int, target: Target) -> bool:
         """Whether the softmax of statement `index` is the one the facts describe (by its line)."""
-        profiled = facts.line_of("softmax")
+        profiled = target.step_line("softmax")
         if profiled is None:
             return True
         start, end = self.stmt_lines(stmts, index, index)

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import libcst as cst
 
-from opadvisor.rewrite._match import nodes_of, resolves_to
+from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
+from opadvisor.rewrite._match import code, nodes_of, resolves_to
 
 if TYPE_CHECKING:
     from opadvisor.rewrite.base import RuleCodemod, Target
@@ -34,10 +35,10 @@ def calls_to(visitor: cst.MetadataDependent, root: cst.CSTNode, names: frozenset
     return [c for c in nodes_of(root, cst.Call) if resolves_to(visitor, c.func, names)]
 
 
-def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
-    """The profile's target a `DistributedDataParallel(...)` call (an original node) answers, marked answered;
-    None for any other call, one no target names, or a codemod without targets."""
-    if codemod.targets is None or not resolves_to(codemod, node.func, DDP_NAMES):
+def targeted_call(codemod: RuleCodemod, node: cst.Call, names: frozenset[str]) -> Target | None:
+    """The profile's target a call (an original node) to one of `names` answers, marked answered; None for
+    any other call, one no target names, or a codemod without targets."""
+    if codemod.targets is None or not resolves_to(codemod, node.func, names):
         return None
     target = codemod.targeted(node)
     if target is not None:
@@ -45,4 +46,35 @@ def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
     return target
 
 
-__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "targeted_ddp_call"]
+def targeted_ddp_call(codemod: RuleCodemod, node: cst.Call) -> Target | None:
+    """`targeted_call` for a `DistributedDataParallel(...)` call."""
+    return targeted_call(codemod, node, DDP_NAMES)
+
+
+def set_flag(
+    codemod: RuleCodemod, original: cst.Call, updated: cst.Call, name: str, value: bool, why: str
+) -> cst.Call:
+    """`updated` with `name=value`: the keyword appended, or its literal opposite flipped (a change noted with
+    `why`); left alone where it already holds `value` (`already`), where its value is some expression, and
+    where the call passes `**kwargs` without it (both skipped with the reason)."""
+    want, other = str(value), str(not value)
+    arg = keyword(original, name)
+    if arg is None:
+        star = has_star_args(original)
+        if star:
+            codemod.skip(original, f"the call passes {star}, which may set {name}: set it there")
+            return updated
+        codemod.record_change(original, f"{name}={want}: {why}")
+        return append_keywords(updated, [(name, cst.Name(want))], **layout(codemod, original))
+    given = code(arg.value)
+    if given == want:
+        codemod.already = f"{name}={want} in the call"
+        return updated
+    if given != other:
+        codemod.skip(original, f"{name}={given} is no literal: set it to {want} where that value comes from")
+        return updated
+    codemod.record_change(original, f"{name}={other} -> {want}: {why}")
+    return replace_keyword_value(updated, name, cst.Name(want))
+
+
+__all__ = ["DDP_NAMES", "FULLY_SHARD_NAMES", "calls_to", "set_flag", "targeted_call", "targeted_ddp_call"]

@@ -1,7 +1,7 @@
 """The base every rule codemod builds on (libcst codemod commands).
 
 A codemod rewrites the sites of one rule. In profile mode the engine passes `targets` (the line ranges
-and details of the findings), and the codemod changes only matches that overlap a target; in static mode
+and typed facts of the findings), and the codemod changes only matches that overlap a target; in static mode
 (`opadvisor apply --rule R FILE...`) `targets` is None and every match is rewritten. A match that cannot
 be rewritten safely is left alone and reported with `self.skip(node, reason)`; a rewrite is recorded with
 `self.record_change(node, description)`. Imports go through `AddImportsVisitor.add_needed_import`.
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import libcst as cst
 from libcst.codemod import Codemod, CodemodContext, VisitorBasedCodemodCommand
@@ -20,18 +20,54 @@ from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider
 
 from opadvisor.rewrite import _budget, _metadata, _relevance
+from opadvisor.rules.facts import Facts, FactsError
+
+F = TypeVar("F", bound=Facts)
 
 
 @dataclass(frozen=True)
 class Target:
-    """A place the profile says the rule applies: 1-based inclusive lines, and the finding's details."""
+    """A place the profile says the rule applies: 1-based inclusive lines, and the finding's facts, typed
+    (the codemod's `FACTS`; None for a target that carries none: a codemod without facts, a test's bare
+    lines). Build one from a finding with `finding_target`, which checks its facts."""
 
     line: int
     end_line: int
-    details: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    facts: Facts | None = field(default=None, hash=False, compare=False)
     # the rule of the finding this target fixes, where the codemod is another (a library fix's
     # `library_patch`, `hf_attn_implementation`, ...): messages speak of the rule users know (issue 30)
     finding_rule: str | None = field(default=None, compare=False)
+    # engine bookkeeping, no fact: the facts' per-step lines (label -> [first, last]) mapped onto the text
+    # earlier rewrites left, as `line`/`end_line` are; None: as the facts have them
+    moved_lines: dict[str, list[int]] | None = field(default=None, hash=False, compare=False)
+
+    def step_lines(self) -> dict[str, list[int]]:
+        """Where each step of the pattern is in the text being rewritten (label -> [first, last])."""
+        if self.moved_lines is not None:
+            return self.moved_lines
+        return self.facts.step_lines() if self.facts is not None else {}
+
+    def step_line(self, label: str) -> tuple[int, int] | None:
+        span = self.step_lines().get(label)
+        return (span[0], span[-1]) if span else None
+
+
+def target_facts(target: Target, cls: type[F]) -> F | None:
+    """The target's facts as `cls`; None for a target that carries none (a test's bare lines: a finding's
+    target always carries its facts, `finding_target`); a FactsError for facts of another class."""
+    if target.facts is None or isinstance(target.facts, cls):
+        return target.facts
+    raise FactsError(
+        f"{target.finding_rule or 'a target'}: its facts are {type(target.facts).__name__}, "
+        f"read as {cls.__name__}"
+    )
+
+
+def finding_target(finding: Any, facts_type: type[Facts] | None) -> Target:
+    """The target of a finding whose fix reads facts of `facts_type` (None: reads none): a FactsError
+    naming the rule and the field when the finding's facts do not fit."""
+    facts = finding.facts(facts_type) if facts_type is not None else None
+    return Target(finding.line, finding.end_line, facts)
 
 
 @dataclass(frozen=True)
@@ -62,6 +98,9 @@ class RuleCodemod(VisitorBasedCodemodCommand):
     KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = None
     NO_KERNEL_OP: ClassVar[str] = ""
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider,)
+    # the facts its rule's findings carry (opadvisor.rules.facts), which the engine hands in on each target;
+    # None for a codemod that reads none
+    FACTS: ClassVar[type[Facts] | None] = None
     # Regular expressions (case-insensitive), one of which every match this codemod rewrites or notes names
     # in the source ("softmax" covers F.softmax, nn.Softmax, XSoftmax): its passes skip the top-level
     # classes and functions that cannot hold a match, and static mode skips a file naming none of them
@@ -198,6 +237,10 @@ class RuleCodemod(VisitorBasedCodemodCommand):
             default=None,
         )
 
+    def facts_of(self, target: Target) -> Any:
+        """The target's facts, of this codemod's `FACTS` class (see `target_facts`)."""
+        return target_facts(target, self.FACTS) if self.FACTS is not None else target.facts
+
     def note_unreached(self, why: Callable[[Target], str | None]) -> None:
         """In profile mode, a skip for every target that no rewrite answered (`answered`), saying `why` it
         was left (None: nothing to say)."""
@@ -212,14 +255,8 @@ class RuleCodemod(VisitorBasedCodemodCommand):
 
 
 def _facts_name(target: Target, start: int, end: int) -> bool:
-    """Whether the target's facts place one of their ops on lines start..end (`details["lines"]`)."""
-    lines = target.details.get("lines") if isinstance(target.details, dict) else None
-    if not isinstance(lines, dict):
-        return False
-    return any(
-        isinstance(span, list | tuple) and len(span) == 2 and start <= span[1] and span[0] <= end
-        for span in lines.values()
-    )
+    """Whether the target's facts place one of their ops on lines start..end (its `step_lines`)."""
+    return any(start <= span[-1] and span[0] <= end for span in target.step_lines().values())
 
 
 _PLACEHOLDER = "__opadvisor_definition_{}__"

@@ -5,7 +5,7 @@
     findings = rank_applicable(findings)
 
 Each (file, rule) is rewritten once in memory with every finding of that rule in the file as a target,
-exactly as `opadvisor apply` would (the facts in each finding's details included), and nothing is
+exactly as `opadvisor apply` would (each finding's facts included), and nothing is
 written. A finding passes when the rewrite changed lines inside its range. Otherwise its `fix` becomes
 "none" and `fix_blocked` says why: the codemod's own reason (the scale is a tensor, the weights are
 returned ...), or that it found no code it can rewrite there. Findings whose file changed since the
@@ -28,7 +28,7 @@ from typing import Any
 
 from opadvisor.errors import UserError
 from opadvisor.rewrite import registry
-from opadvisor.rewrite.base import Target
+from opadvisor.rewrite.base import finding_target
 from opadvisor.rewrite.engine import (
     ApplyResult,
     apply_findings,
@@ -155,7 +155,8 @@ def check_fixes(findings: Sequence[Any], source_of: Callable[[str], bytes | None
         source = source_of(path) if source_of is not None else None
         if source_of is not None and source is None:
             continue  # the file as profiled is not at hand: apply judges it (or refuses it)
-        targets = [Target(f.line, f.end_line, dict(f.details)) for f in group]
+        facts_type = registry.get_codemod(rule).FACTS
+        targets = [finding_target(f, facts_type) for f in group]
         for f, reason in zip(group, dry_run(Path(path), rule, targets, source), strict=True):
             if reason is not None:
                 block(f, reason)
@@ -170,12 +171,8 @@ def check_fixes(findings: Sequence[Any], source_of: Callable[[str], bytes | None
 
 def _names(f: Any, g: Any) -> bool:
     """Whether finding f names g as its alternative."""
-    alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
-    return (
-        isinstance(alternative, dict)
-        and alternative.get("rule") == g.rule
-        and alternative.get("line") == g.line
-    )
+    alternative = getattr(f, "alternative", None)
+    return alternative is not None and alternative.names(g)
 
 
 def block(finding: Any, reason: str) -> None:
@@ -196,16 +193,10 @@ def rank_applicable(findings: list[Any]) -> list[Any]:
 
 
 def _displaced(f: Any, findings: list[Any]) -> Any:
-    alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
-    if not getattr(f, "fix_blocked", None) or not isinstance(alternative, dict):
+    alternative = getattr(f, "alternative", None)
+    if not getattr(f, "fix_blocked", None) or alternative is None:
         return None
     for g in findings:
-        if (
-            g is not f
-            and g.rule == alternative.get("rule")
-            and g.path == f.path
-            and g.line == alternative.get("line")
-            and g.fix != "none"
-        ):
+        if g is not f and alternative.names(g) and g.path == f.path and g.fix != "none":
             return g
     return None

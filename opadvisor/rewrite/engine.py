@@ -56,7 +56,8 @@ from opadvisor.errors import UserError
 from opadvisor.files import atomic_write
 from opadvisor.profile.runs import profiled_source
 from opadvisor.rewrite import _budget, _merge, _metadata, _relevance, base, registry
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, finding_target
+from opadvisor.rewrite.library import LibraryFixFacts
 
 APPLIED_FILE = "applied.json"
 APPLIED_SCHEMA = 1
@@ -347,7 +348,8 @@ def _memo_key(source, rule, targets, path, allow_unsafe, options) -> tuple | Non
             None
             if targets is None
             else json.dumps(
-                [(t.line, t.end_line, t.details, t.finding_rule) for t in targets], sort_keys=True
+                [(t.line, t.end_line, _facts_key(t), t.moved_lines, t.finding_rule) for t in targets],
+                sort_keys=True,
             )
         )
         extra = json.dumps(options, sort_keys=True) if options else ""
@@ -502,27 +504,38 @@ def _sentence(reason: str) -> str:
     return reason
 
 
+def _facts_key(target: Target) -> dict[str, Any] | None:
+    """The target's facts as plain data (a memo key), with their class: two classes may share fields."""
+    if target.facts is None:
+        return None
+    return {"class": type(target.facts).__qualname__, **target.facts.to_details()}
+
+
 def _map_target(target: Target, maps: Sequence[tuple[str, LineMap]]) -> tuple[Target, str | None]:
     """The target on the current text, and the rule that already rewrote its lines (if one did).
 
-    The per-step lines a finding's facts carry (`details["lines"]`: label -> [first, last]) move too.
+    The per-step lines a finding's facts carry (`Target.step_lines`: label -> [first, last]) move too.
     """
     start, end, touched_by = target.line, target.end_line, None
     for rule, line_map in maps:
         start, end, touched = line_map.map(start, end)
         if touched and touched_by is None:
             touched_by = rule
-    details = target.details
-    lines = details.get("lines") if isinstance(details, dict) else None
-    if maps and isinstance(lines, dict):
+    moved = target.moved_lines
+    if maps and target.step_lines():
         moved = {}
-        for label, span in lines.items():
-            a, b = int(span[0]), int(span[-1])
+        for label, span in target.step_lines().items():
+            a, b = span[0], span[-1]
             for _, line_map in maps:
                 a, b, _ = line_map.map(a, b)
             moved[label] = [a, b]
-        details = {**details, "lines": moved}
-    return Target(start, end, details), touched_by
+    return Target(start, end, target.facts, moved_lines=moved), touched_by
+
+
+def _own_target(f: Any) -> Target:
+    """The target of a finding for its rule's own codemod (its facts checked against the codemod's)."""
+    target = finding_target(f, registry.get_codemod(f.rule).FACTS)
+    return replace(target, finding_rule=f.rule)
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
@@ -1028,7 +1041,7 @@ def _applicable(
         if getattr(f, "fix_blocked", None):
             messages.append(f"{_where(f, root)}: {f.rule}: not applied: {f.verdict()}")
             continue
-        if f.fix == "none" and not (f.rule == explicit_rule and f.details.get("on_request")):
+        if f.fix == "none" and not (f.rule == explicit_rule and getattr(f, "on_request", False)):
             advice = f" ({f.advice})" if getattr(f, "advice", "") else ""
             messages.append(f"{_where(f, root)}: {f.rule}: note: no automatic fix for this one{advice}")
             continue
@@ -1059,7 +1072,7 @@ def _targets_by_path(
         if routed is None and getattr(f, "library", None) is not None:
             messages.append(f"{_where(f, root)}: {f.rule}: not applied: {f.advice}")
             continue
-        key, where, target = routed or (f.rule, f.path, Target(f.line, f.end_line, dict(f.details), f.rule))
+        key, where, target = routed or (f.rule, f.path, _own_target(f))
         path = Path(where).resolve()
         problem = location_problem(path, root)
         if problem is not None:
@@ -1165,30 +1178,24 @@ def library_target(f: Any) -> tuple[str, str, Target] | None:
     if not known or not site or not site.get("path") or not site.get("line"):
         return None
     rules = [fix.get("select") or f.rule]  # an opt-in patch (compile_blocks) is asked for by its name
-    details = {"rules": rules, "unsafe": fix.get("safety") == "unsafe", "fix": fix.get("name")}
-    return key, site["path"], Target(site["line"], site["line"], details, f.rule)
+    if fix.get("kind") == "rule":  # the rule's own fix, which reads the finding's facts
+        facts = _own_target(f).facts
+    else:
+        facts = LibraryFixFacts(rules, fix.get("safety") == "unsafe", fix.get("name"))
+    return key, site["path"], Target(site["line"], site["line"], facts, f.rule)
 
 
 def _resolve_alternatives(
     findings: list[Any], messages: list[str], root: Path, run_dir: Path, sources: dict[str, str]
 ) -> list[Any]:
-    """Of two findings whose fixes rewrite the same lines another way (`details["alternative"]`), keep
+    """Of two findings whose fixes rewrite the same lines another way (`Finding.alternative`), keep
     the bigger win when a dry run shows its codemod can rewrite the site, else the other one."""
     dropped: set[int] = set()
     for f in findings:
-        alternative = f.details.get("alternative") if isinstance(f.details, dict) else None
-        if id(f) in dropped or not isinstance(alternative, dict) or not alternative.get("bigger_win"):
+        alternative = getattr(f, "alternative", None)
+        if id(f) in dropped or alternative is None or not alternative.bigger_win:
             continue
-        other = next(
-            (
-                g
-                for g in findings
-                if g.rule == alternative.get("rule")
-                and g.path == f.path
-                and g.line == alternative.get("line")
-            ),
-            None,
-        )
+        other = next((g for g in findings if alternative.names(g) and g.path == f.path), None)
         if other is None or id(other) in dropped:
             continue
         path = Path(f.path).resolve()
@@ -1197,7 +1204,7 @@ def _resolve_alternatives(
         if reason is None and path.is_file() and not library and f.source_status != "ok":
             # the file changed since (apply --force): judged on the source as profiled, where its lines are
             kept = profiled_source(run_dir, sources.get(f.path))
-            reason = dry_run(path, f.rule, [Target(f.line, f.end_line, dict(f.details))], kept)[0]
+            reason = dry_run(path, f.rule, [finding_target(f, registry.get_codemod(f.rule).FACTS)], kept)[0]
         if reason is None:
             dropped.add(id(other))
             messages.append(

@@ -42,6 +42,7 @@ add a keyword, and a line another rule rewrote (`fused=True` on an optimizer) st
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import libcst as cst
@@ -53,18 +54,25 @@ from opadvisor.libraries import LOADERS
 from opadvisor.rewrite._args import append_keywords, has_star_args, keyword, layout, replace_keyword_value
 from opadvisor.rewrite._match import code, qualified
 from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rules.facts import Facts
 
 PATCH_NAMES = frozenset({"opadvisor.patch", "opadvisor.kernels.patch.patch"})
 
 
-def _rules_of(targets: Sequence[Target]) -> list[str]:
-    """The rules the targets ask the patch for, in a stable order."""
-    rules: list[str] = []
-    for t in targets:
-        for r in t.details.get("rules", []):
-            if r not in rules:
-                rules.append(r)
-    return sorted(rules)
+@dataclass
+class LibraryFixFacts(Facts):
+    """What the engine hands a library fix's target (built from the finding's `library` block, not read
+    from its facts): the rules the fix serves, whether it is unsafe, and the fix's name
+    (opadvisor/libraries.py)."""
+
+    rules: list[str] = field(default_factory=list)
+    unsafe: bool = False
+    fix: str | None = None
+
+
+def _rules_of(facts: Sequence[LibraryFixFacts | None]) -> list[str]:
+    """The rules the targets' facts ask the patch for, in a stable order."""
+    return sorted({r for f in facts if f is not None for r in f.rules})
 
 
 def _string_list(values: Sequence[str]) -> cst.List:
@@ -100,6 +108,7 @@ class _AtStatement(RuleCodemod):
 
     COMPOSES: ClassVar[bool] = True
     METADATA_DEPENDENCIES: ClassVar[tuple] = (PositionProvider, QualifiedNameProvider)
+    FACTS: ClassVar[type[Facts] | None] = LibraryFixFacts
     previous: cst.BaseStatement | None = None  # the statement before the one `statement` is handling
 
     def _targets_at(self, node: cst.CSTNode) -> list[Target]:
@@ -156,8 +165,9 @@ class LibraryPatchCodemod(_AtStatement):
     SAFETY: ClassVar[str] = "safe"
 
     def statement(self, original, updated, rest, targets):
-        rules = _rules_of(targets)
-        unsafe = any(t.details.get("unsafe") for t in targets)
+        facts = [self.facts_of(t) for t in targets]
+        rules = _rules_of(facts)
+        unsafe = any(f is not None and f.unsafe for f in facts)
         stmt = original.body[0] if len(original.body) == 1 else None
         if not (isinstance(stmt, cst.Assign) and len(stmt.targets) == 1):
             return [self._wrap_call(original, updated, rules, unsafe)], {}

@@ -79,7 +79,14 @@ from opadvisor.rewrite._match import (
 )
 from opadvisor.rewrite._metadata import text_naming
 from opadvisor.rewrite._names import reference
-from opadvisor.rewrite._parallel import DDP_NAMES, FULLY_SHARD_NAMES, calls_to, targeted_ddp_call
+from opadvisor.rewrite._parallel import (
+    DDP_NAMES,
+    FULLY_SHARD_NAMES,
+    calls_to,
+    set_flag,
+    targeted_call,
+    targeted_ddp_call,
+)
 from opadvisor.rewrite._walk import Transformer, Visitor
 
 __all__ = [
@@ -151,8 +158,10 @@ __all__ = [
     "resolves_to",
     "scalar_read",
     "self_attr",
+    "set_flag",
     "simple_binding",
     "small_statement",
+    "targeted_call",
     "targeted_ddp_call",
     "template",
     "text_naming",

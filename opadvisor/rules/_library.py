@@ -39,6 +39,7 @@ from opadvisor.libraries import (
 )
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._source import load_source
+from opadvisor.rules.facts import facts_class
 from opadvisor.rules.finding import Finding
 
 __all__ = ["describe_library", "library_path", "library_view_path", "pattern_view"]
@@ -233,7 +234,9 @@ def describe_library(finding: Finding, view: Profile) -> None:
 
 
 def _module_path(finding: Finding) -> str | None:
-    module = finding.details.get("module") if isinstance(finding.details, dict) else None
+    """The module the pattern ran in: the one its facts name (a block's, a cell's), else the finding's."""
+    facts_type = facts_class(finding.rule)
+    module = getattr(finding.facts(facts_type), "module", None) if facts_type is not None else None
     return module if isinstance(module, str) else finding.module
 
 

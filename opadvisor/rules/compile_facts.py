@@ -42,6 +42,8 @@ class GraphBreakFacts(Facts):
     it (None otherwise).
     """
 
+    RULES = ("graph_break",)
+
     kind: str = "other"
     reason: str = ""
     line: int | None = None
@@ -68,6 +70,8 @@ class RecompileFacts(Facts):
     the `torch.compile(...)` call (or `module.compile(...)`) that compiled it, when the profile recorded it;
     compile_kwargs: the keyword arguments given there (`{"dynamic": "None", "fullgraph": "False"}`).
     """
+
+    RULES = ("recompile",)
 
     kind: str = "other"
     reasons: list[str] = field(default_factory=list)
@@ -100,6 +104,8 @@ class RegionalCompileFacts(Facts):
     compile_file / compile_line: the `torch.compile(...)` (or `model.compile(...)`) call; compile_kwargs:
     its keyword arguments as written (`{"mode": "'max-autotune'"}`), passed on to each block's compile.
     """
+
+    RULES = ("regional_compile",)
 
     model: str = ""
     block: str = ""

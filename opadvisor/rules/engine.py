@@ -34,7 +34,7 @@ from opadvisor.rules import registry
 from opadvisor.rules._compiled import compiled_regions
 from opadvisor.rules._library import describe_library, pattern_view
 from opadvisor.rules._source import source_status
-from opadvisor.rules.finding import Finding
+from opadvisor.rules.finding import Alternative, Finding
 
 __all__ = [
     "NeedsGpuProfile",
@@ -186,8 +186,8 @@ def analyse(
 def link_alternatives(findings: list[Finding]) -> None:
     """Findings whose fixes rewrite the same lines another way (a rule's `ALTERNATIVES`) name each other.
 
-    Each gets `details["alternative"] = {"rule", "line", "end_line", "bigger_win"}` and a message tail
-    saying which of the two saves more (by estimated saving; without estimates, the one covering more
+    Each gets its `alternative` (the other's rule and lines, and whether this one is the bigger win) and a
+    message tail saying which of the two saves more (by estimated saving; without estimates, the one covering more
     time). Both findings stand: the user applies one.
     """
     by_path: dict[str, list[Finding]] = {}
@@ -205,12 +205,7 @@ def link_alternatives(findings: list[Finding]) -> None:
             if mine is None or theirs is None:
                 mine, theirs = f.time_ms_per_step or 0.0, g.time_ms_per_step or 0.0
             bigger = mine > theirs
-            f.details["alternative"] = {
-                "rule": g.rule,
-                "line": g.line,
-                "end_line": g.end_line,
-                "bigger_win": bigger,
-            }
+            f.alternative = Alternative(g.rule, g.line, g.end_line, bigger)
             tail = "this is the bigger win" if bigger else f"{g.rule} there is the bigger win"
             f.message += f"; or {g.rule} (lines {g.line}-{g.end_line}): {tail}"
 

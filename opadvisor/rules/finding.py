@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+if TYPE_CHECKING:
+    from opadvisor.rules.facts import Facts
+
+F = TypeVar("F", bound="Facts")
 
 FixSafety = Literal["safe", "unsafe", "none"]
 
@@ -28,6 +33,21 @@ class Evidence:
 
 
 @dataclass
+class Alternative:
+    """Another finding whose fix rewrites the same lines another way (a rule's `ALTERNATIVES`; see
+    `opadvisor.rules.engine.link_alternatives`): the user applies one of the two."""
+
+    rule: str
+    line: int
+    end_line: int
+    bigger_win: bool  # this finding's fix saves more than the other's
+
+    def names(self, f: Finding) -> bool:
+        """Whether `f` is the finding this names by its rule and first line (the caller compares files)."""
+        return f.rule == self.rule and f.line == self.line
+
+
+@dataclass
 class Finding:
     rule: str
     path: str  # absolute path of the user's source file
@@ -41,7 +61,8 @@ class Finding:
     time_ms_per_step: float | None = None
     est_saving_ms_per_step: float | None = None
     advice: str = ""  # what to do, in words
-    details: dict[str, Any] = field(default_factory=dict)  # rule-specific facts the codemod may use
+    # the rule's facts (a `Facts` dataclass's `to_details()`), read typed with `facts(FactsClass)`
+    details: dict[str, Any] = field(default_factory=dict)
     source_status: Literal["ok", "changed", "missing"] = "ok"  # the file now vs. at profile time
     ranks: list[int] | None = None  # multi-rank runs: the ranks where it was found
     # pattern in an installed library's code (then `path`/`line` are the library file's): the package,
@@ -51,6 +72,24 @@ class Finding:
     # Why the rule's automatic fix cannot be applied at this site (a dry run of its codemod, see
     # opadvisor/rewrite/check.py); `fix` is then "none". None: not blocked (or not checked).
     fix_blocked: str | None = None
+    # engine bookkeeping, no fact of the pattern: the finding whose fix rewrites the same lines another way
+    alternative: Alternative | None = None
+    # True for a display-only finding (`fix` "none") whose fix `apply --rule RULE` makes when asked by name
+    on_request: bool = False
+
+    def facts(self, cls: type[F]) -> F:
+        """The finding's facts as `cls`; a FactsError (naming the rule and the field) when they do not fit."""
+        return cls.from_details(self.details, rule=self.rule)
+
+    def details_json(self) -> dict[str, Any]:
+        """`details` as the suggest JSON (schema 1) shows it: the facts, then the bookkeeping keys it has
+        always carried there (`on_request`, `alternative`)."""
+        out = dict(self.details)
+        if self.on_request:
+            out["on_request"] = True
+        if self.alternative is not None:
+            out["alternative"] = dataclasses.asdict(self.alternative)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -40,9 +40,12 @@ RULE_MODULES: tuple[str, ...] = (
     "compile.regional_compile",
     "distributed.ddp_find_unused",
     "distributed.ddp_small_bucket",
+    "distributed.ddp_bucket_view",
     "distributed.grad_accum_sync",
     "distributed.fsdp_root_only",
     "distributed.fsdp_fp32_gather",
+    "distributed.fsdp_reshard",
+    "distributed.fsdp_prefetch",
 )
 
 

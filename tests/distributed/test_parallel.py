@@ -1,4 +1,4 @@
-"""DDP and FSDP2 on CPU (gloo), issue 34: what the profile records at the wrapper's line, the five rules on
+"""DDP and FSDP2 on CPU (gloo), issue 34: what the profile records at the wrapper's line, the rules on
 the naive examples (and quiet on fixed ones), `apply` on the examples, and the parity of the accumulation
 rewrite on two ranks.
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from cli_testlib import copy_project, opadvisor_here
+from parallel_testlib import verify_parity
 
 from opadvisor.profile.runs import load_run
 
@@ -27,7 +28,7 @@ PARITY = Path(__file__).parent / "scripts" / "accum_parity.py"
 TIMEOUT_S = 240
 SCRIPT_ARGS = ["--", "--size", "tiny", "--device", "cpu", "--steps", "5", "--accum", "2"]
 FSDP_RULES = {"fsdp_root_only", "fsdp_fp32_gather", "grad_accum_sync"}
-DDP_RULES = {"ddp_find_unused", "ddp_small_bucket", "grad_accum_sync"}
+DDP_RULES = {"ddp_find_unused", "ddp_small_bucket", "ddp_bucket_view", "grad_accum_sync"}
 
 
 def line_of(path: Path, text: str) -> int:
@@ -68,7 +69,8 @@ def fsdp_project(made_once) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_project(made_once) -> Path:
-    """examples/ddp_gpt_train.py (find_unused_parameters=True, 1 MB buckets, syncing micro-steps), one process."""
+    """examples/ddp_gpt_train.py (find_unused_parameters=True, 1 MB buckets, syncing micro-steps, no bucket
+    views), one process."""
     return project_with(made_once, "ddp-gpt-example", DDP_EXAMPLE)
 
 
@@ -169,7 +171,7 @@ def test_apply_on_the_ddp_example(ddp_project: Path, tmp_path: Path) -> None:
     done = opadvisor_here(project, "apply", "--rule", "all")
     assert done.returncode == 0, done.stderr
     text = (project / DDP_EXAMPLE.name).read_text()
-    assert "model = DDP(model, bucket_cap_mb=25)" in text
+    assert "model = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)" in text
     assert "with contextlib.nullcontext() if _micro_step == args.accum - 1 else model.no_sync():" in text
     assert "import contextlib" in text
     compile(text, DDP_EXAMPLE.name, "exec")
@@ -199,11 +201,7 @@ def test_apply_on_the_fsdp_example(fsdp_applied: Path) -> None:
 
 def test_verify_runs_both_programs_on_two_ranks(fsdp_applied: Path) -> None:
     """`verify --quick` of the 2-rank run: both programs on 2 gloo ranks, every rank's losses compared."""
-    (run,) = [p for p in (fsdp_applied / ".opadvisor" / "runs").iterdir() if (p / "applied.json").is_file()]
-    done = opadvisor_here(fsdp_applied, "verify", str(run), "--quick", "--steps", "2", "--format", "json")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads(done.stdout)
-    assert report["parity"]["ok"] and len(report["parity"]["steps"]) == 2
+    report = verify_parity(fsdp_applied)
     assert any("verify runs both programs on 2 ranks" in n for n in report["notes"])
 
 

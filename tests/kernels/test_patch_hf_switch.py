@@ -1,6 +1,7 @@
-"""opadvisor.patch's run-time attention switch (hf_attn_switch): transformers' own `set_attn_implementation
-("sdpa")`, per instance, on the outermost transformers model, after its first call compared the eager and the
-SDPA attention; `unpatch` puts "eager" back. Tiny models from config objects: nothing is downloaded."""
+"""opadvisor.patch's run-time attention switch (hf_attn_switch): transformers' own `set_attn_implementation`,
+per instance, on the outermost transformers model, to transformers' SDPA attention registered as
+"opadvisor_sdpa" (its masks skip themselves under tracing too: kernels/_hf_masks.py), after its first call
+compared the two; `unpatch` puts back what ran before. Tiny models from config objects: nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 import opadvisor
 
 transformers = pytest.importorskip("transformers")
+
+SWITCHED = "opadvisor_sdpa"
 
 
 def _llama(attn: str = "eager"):
@@ -50,7 +53,9 @@ def test_the_switch_keeps_values_and_gradients_and_is_undone() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the check passes: no fallback warning
         logits, grads = _loss_and_grads(model, ids)
-    assert model.config._attn_implementation == "sdpa" and model.model.config._attn_implementation == "sdpa"
+    assert (
+        model.config._attn_implementation == SWITCHED and model.model.config._attn_implementation == SWITCHED
+    )
     want_logits, want_grads = _loss_and_grads(reference, ids)
     torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-5)
     for name, grad in want_grads.items():
@@ -69,34 +74,77 @@ def test_the_inner_model_is_switched_with_the_outer_one_not_again() -> None:
     assert not any(path == "model" for path, _, _ in report.left)
 
 
-def test_left_alone_where_sdpa_already_runs_or_opadvisor_has_its_own_patch() -> None:
-    model = _llama("sdpa")
-    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
-    (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
-    assert "already runs" in left[2] and model.config._attn_implementation == "sdpa"
+def _bert(**extra) -> torch.nn.Module:
     config = transformers.BertConfig(
         vocab_size=101, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        attn_implementation="eager",
+        attn_implementation="eager", **extra,
     )  # fmt: skip
-    bert = transformers.BertForMaskedLM(config)
-    opadvisor.patch(bert, rules=["sdpa_attention"], quiet=True)
-    report = opadvisor.patch_report(bert)
-    (left,) = [e for e in report.left if e[0] == ""]
-    assert "own attention patch" in left[2]
-    assert any(fix == "hf_bert_self_attention" for _, _, fix in report.patched)
-    assert bert.config._attn_implementation == "eager"
+    return transformers.BertForMaskedLM(config)
+
+
+def test_an_sdpa_model_is_switched_and_undone_to_sdpa() -> None:
+    model = _llama("sdpa")
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
+    model(input_ids=torch.randint(0, 101, (2, 16)))
+    assert model.config._attn_implementation == SWITCHED
+    opadvisor.unpatch(model)
+    assert model.config._attn_implementation == "sdpa"
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
+    model(input_ids=torch.randint(0, 101, (2, 16)))
+    opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)  # again: already patched, left alone
+    assert model.config._attn_implementation == SWITCHED
+
+
+def test_left_alone_where_opadvisor_has_its_own_causal_patch() -> None:
+    config = transformers.GPT2Config(
+        vocab_size=101, n_embd=32, n_layer=1, n_head=2, n_positions=32, attn_implementation="eager"
+    )
+    # opadvisor's GPT-2 attention reads eager's causal mask: under SDPA's masks (None: causal) it would not be
+    for model in (transformers.GPT2LMHeadModel(config), _bert(is_decoder=True)):
+        opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+        report = opadvisor.patch_report(model)
+        (left,) = [e for e in report.left if e[0] == ""]
+        assert "own attention patch" in left[2]
+        assert any(fix in ("hf_gpt2_attention", "hf_bert_self_attention") for _, _, fix in report.patched)
+        assert model.config._attn_implementation == "eager"
+
+
+def test_a_bert_encoder_gets_the_switch_beside_its_own_attention_patch() -> None:
+    # BERT's patched attention takes SDPA's masks (bool, or None: no padding) as it takes eager's; the switch
+    # makes transformers build those, which a CUDA graph can capture (5.17's eager mask copies a host scalar)
+    model = _bert()
+    opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+    fixes = {(path, fix) for path, _, fix in opadvisor.patch_report(model).patched}
+    assert ("", "hf_attn_switch") in fixes and (
+        "bert.encoder.layer.0.attention.self",
+        "hf_bert_self_attention",
+    ) in fixes
+    seen = []
+    attention = model.bert.encoder.layer[0].attention.self
+    attention.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True
+    )
+    ids = torch.randint(0, 101, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    model(input_ids=ids, attention_mask=mask)  # the first call: checks, then the switch
+    mask[1, 11:] = 0
+    model(input_ids=ids, attention_mask=mask)
+    assert model.config._attn_implementation == SWITCHED
+    assert seen[-1] is not None and seen[-1].dtype == torch.bool  # padding: SDPA's bool mask
 
 
 def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> None:
+    from opadvisor.kernels import _hf_masks
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    _hf_masks.register()
+    sdpa = ALL_ATTENTION_FUNCTIONS[SWITCHED]
 
     def wrong(*args, **kwargs):
         out, weights = sdpa(*args, **kwargs)
         return out * 2, weights
 
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", wrong)
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, SWITCHED, wrong)
     model = _llama()
     ids = torch.randint(0, 101, (2, 16))
     opadvisor.patch(model, rules=["hf_attn_switch"], quiet=True)
@@ -105,3 +153,65 @@ def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> N
     assert model.config._attn_implementation == "eager" and "forward" not in model.__dict__
     (left,) = [e for e in opadvisor.patch_report(model).left if e[0] == ""]
     assert "fell back at its first call" in left[2]
+
+
+def test_an_unpadded_bert_call_gets_no_mask_under_tracing(monkeypatch) -> None:
+    # Under torch.compile and inside a CUDA-graph capture transformers' own SDPA mask function cannot look at a
+    # mask's values, so it builds an all-True mask even for a call without attention_mask, and SDPA leaves flash
+    # attention. opadvisor_sdpa's mask function skips it. Simulated on the CPU by telling transformers' mask
+    # code it is tracing.
+    import torch.nn.functional as F
+    from transformers import masking_utils
+
+    model = _bert().eval()  # no dropout: the two calls compare
+    ids = torch.randint(0, 101, (2, 16))
+    opadvisor.patch(model, rules=["sdpa_attention"], quiet=True)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits  # the first call: checks, then the switch
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        assert seen == [None]  # no mask, though transformers' mask code was tracing
+        mask = torch.ones(2, 16, dtype=torch.long)
+        mask[1, 11:] = 0
+        model(input_ids=ids, attention_mask=mask)
+    assert seen[-1] is not None and seen[-1].dtype == torch.bool  # a real padding mask is kept
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_causal_model_under_tracing_runs_is_causal_without_a_mask(monkeypatch) -> None:
+    """GPT-2 running transformers' SDPA: switched, a call without padding gets no mask under tracing (SDPA's
+    is_causal instead: the same values); a padded call, or one with a cache offset, keeps its mask."""
+    from opadvisor.kernels import _hf_masks
+    from transformers import masking_utils
+
+    config = transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    original = transformers.GPT2LMHeadModel(config).eval()
+    model = opadvisor.patch(copy.deepcopy(original), rules=["hf_attn_switch"], quiet=True)
+    ids = torch.randint(0, 101, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            torch.testing.assert_close(
+                model(input_ids=ids, **kwargs).logits, original(input_ids=ids, **kwargs).logits
+            )
+    assert model.config._attn_implementation == SWITCHED
+    causal = masking_utils.causal_mask_function
+    plain = {"q_length": 16, "kv_length": 16, "mask_function": causal, "attention_mask": None}
+    assert _hf_masks._needs_no_mask(plain, masking_utils)
+    assert not _hf_masks._needs_no_mask({**plain, "attention_mask": mask.bool()}, masking_utils)
+    assert not _hf_masks._needs_no_mask({**plain, "q_offset": 4, "kv_length": 20}, masking_utils)
+    assert not _hf_masks._needs_no_mask({**plain, "local_size": 8}, masking_utils)
+    assert not _hf_masks._needs_no_mask({**plain, "allow_is_causal_skip": False}, masking_utils)
+    assert not _hf_masks._needs_no_mask({**plain, "mask_function": lambda *a: True}, masking_utils)

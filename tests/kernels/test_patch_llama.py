@@ -121,7 +121,7 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(input_ids=ids(), labels=ids()).loss
         loss.backward()
-    assert fixes(model) == UNSAFE | {"padded_linear", "hf_llama_rope"}
+    assert fixes(model) == UNSAFE | {"padded_linear", "hf_llama_rope", "hf_attn_switch"}
     assert not [why for _, _, why in P.patch_report(model).left if why.startswith("fell back")]
 
 
@@ -203,7 +203,10 @@ def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(referenc
     patched = {(path, fix) for path, _, fix in P.patch_report(model).patched}
     assert {("", "hf_causal_lm_loss"), ("model", "hf_attn_switch")} <= patched
     assert_same_training(original, model)
-    assert model.config._attn_implementation == "sdpa" and original.config._attn_implementation == "eager"
+    assert (
+        model.config._attn_implementation == "opadvisor_sdpa"
+        and original.config._attn_implementation == "eager"
+    )
     opadvisor.unpatch(model)
     assert model.config._attn_implementation == "eager"
 

@@ -11,6 +11,12 @@ from library_testlib import assert_verify_parity, line_of, run_opadvisor
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rewrite.library import LibraryFixFacts
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.loss.fused_cross_entropy import CrossEntropyFacts
+
+# the facts of a loss finding built by hand (a GPU profile's would carry its own)
+LOSS_FACTS = CrossEntropyFacts(rows=128, classes=30522, dtype="float32").to_details()
 
 
 def test_apply_all_writes_the_switch_and_the_patch_once(project_copy, tmp_path: Path) -> None:
@@ -55,9 +61,11 @@ def test_apply_writes_need_weights_false_at_the_call(project_copy, tmp_path: Pat
 # ---- the codemods on the forms people write (targets as the engine passes them) ---------------------------
 def _rewrite(source: str, codemod: str, line: int, **details) -> tuple[str, list[str]]:
     details.setdefault("rules", ["fused_dropout_add"])
-    new, result = rewrite_source(source.encode(), codemod, [Target(line, line, details)], "train.py")
+    new, result = rewrite_source(
+        source.encode(), codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py"
+    )
     cst.parse_module(new)
-    again, second = rewrite_source(new, codemod, [Target(line, line, details)], "train.py")
+    again, second = rewrite_source(new, codemod, [Target(line, line, LibraryFixFacts(**details))], "train.py")
     assert again == new, "not idempotent"
     return new.decode(), [n.message for n in result.skipped]
 
@@ -153,8 +161,9 @@ def test_cuda_graphs_for_launches_in_library_code_go_into_the_users_script(
     run_dir, profiles, view = _library_view(project, monkeypatch)
     sdpa = next(f for f in analyse(profiles).findings if f.rule == "sdpa_attention")
     f = Finding(
-        "sparse_launch", sdpa.path, sdpa.line, sdpa.end_line, "GPU idle while ...", "unsafe", sdpa.function
-    )
+        "sparse_launch", sdpa.path, sdpa.line, sdpa.end_line, "GPU idle while ...", "unsafe", sdpa.function,
+        details=SparseLaunchFacts().to_details(),
+    )  # fmt: skip
     script = project / "hf_bert.py"
     call = line_of(script, "call")
     assert _describe_and_apply(f, view, run_dir, script, unsafe=True) == ("sparse_launch", call)
@@ -173,8 +182,9 @@ def test_the_lm_loss_in_library_code_gets_the_loss_patch(project_copy, tmp_path,
     loss = next(o for o in view.ops if o.name == "aten::cross_entropy_loss" and not o.is_backward)
     assert loss.file.endswith("transformers/models/bert/modeling_bert.py")
     f = Finding(
-        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function
-    )
+        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function,
+        details=LOSS_FACTS,
+    )  # fmt: skip
     script = project / "hf_bert.py"
     model = line_of(script, "model")
     assert _describe_and_apply(f, view, run_dir, script, unsafe=False) == ("library_patch", model)
@@ -197,8 +207,9 @@ def test_apply_speaks_of_a_library_fix_under_the_findings_rule(project_copy, tmp
     run_dir, _, view = _library_view(project, monkeypatch)
     loss = next(o for o in view.ops if o.name == "aten::cross_entropy_loss" and not o.is_backward)
     f = Finding(
-        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function
-    )
+        "fused_cross_entropy", loss.file, loss.line, loss.line, "cross_entropy ...", "safe", loss.function,
+        details=LOSS_FACTS,
+    )  # fmt: skip
     describe_library(f, view)
     script = project / "hf_bert.py"
     sources = {str(script.resolve()): hashlib.sha256(script.read_bytes()).hexdigest()}

@@ -42,7 +42,16 @@ class Options:
     skipped: list[str] = field(default_factory=list)
 
 
-def options(source: str) -> Options:
+def fixture_target(rule: str, line: int, end_line: int, facts: dict | None = None) -> Target:
+    """A target written by hand: `facts` names only what the case asserts, the other fields take the facts
+    class's defaults (a finding's facts always carry all of them); none (or {}): a target without facts."""
+    cls = get_codemod(rule).FACTS
+    return Target(
+        line, end_line, cls.from_details(facts, partial=True) if facts and cls is not None else None
+    )
+
+
+def options(source: str, rule: str) -> Options:
     opts = Options()
     for line in source.splitlines():
         match = _HEADER.match(line)
@@ -53,7 +62,7 @@ def options(source: str) -> Options:
             kwargs = json.loads(value)
             targets = kwargs.pop("targets", None)
             if targets is not None:
-                opts.targets = [Target(a, b, d[0] if d else {}) for a, b, *d in targets]
+                opts.targets = [fixture_target(rule, a, b, *d) for a, b, *d in targets]
             opts.kwargs = kwargs
         elif key == "rerun-targets":
             opts.rerun_targets = [Target(a, b) for a, b in json.loads(value)]

@@ -14,6 +14,7 @@ from opadvisor.rewrite import _budget
 from opadvisor.rewrite._bindings import Resolver, block_index
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import dry_run, rewrite_source
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 CAST_MASK = b"""import torch
 from torch import nn
@@ -118,10 +119,10 @@ def test_over_budget_blocks_the_dry_run(tmp_path, monkeypatch):
     monkeypatch.setenv(_budget.BUDGET_ENV, "1e-9")
     path = tmp_path / "m.py"
     path.write_bytes(b"def forward(x):\n    return x * torch.sigmoid(x)\n")
-    (reason,) = dry_run(path, "fuse_region", [Target(2, 2, {"chain": "silu"})])
+    (reason,) = dry_run(path, "fuse_region", [Target(2, 2, FuseRegionFacts(chain="silu"))])
     assert reason == "not checked: source analysis over budget (in `forward`)"
     # the engine remembers the verdict (engine.rewrite_source): recalled, it says the same
-    (again,) = dry_run(path, "fuse_region", [Target(2, 2, {"chain": "silu"})])
+    (again,) = dry_run(path, "fuse_region", [Target(2, 2, FuseRegionFacts(chain="silu"))])
     assert again == reason
 
 
@@ -161,7 +162,7 @@ def test_profile_mode_analyses_only_the_targeted_blocks():
 
     _bindings._INDEXES.clear()
     module = _parse(TWO_FUNCTIONS, "m.py")
-    new, codemod = _run_once(FuseRegionCodemod, module, [Target(5, 5, {"chain": "silu"})], "m.py")
+    new, codemod = _run_once(FuseRegionCodemod, module, [Target(5, 5, FuseRegionFacts(chain="silu"))], "m.py")
     assert "return torch.nn.functional.silu(x)" in new.code
     assert "return y * torch.sigmoid(y)" in new.code
     indexed = [cst.Module(list(index.stmts)).code for index in _bindings._INDEXES.values()]

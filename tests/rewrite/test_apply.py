@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,10 @@ from opadvisor.cli import app
 from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import mark_latest
 from opadvisor.rewrite import engine
+from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.dropout_add.fused_dropout_add import DropoutAddFacts
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.gemm.gemm_align import GemmAlignFacts
 
 MODEL = b"""import math
 
@@ -48,6 +52,21 @@ DROPOUT_ADD_LINE = 22
 LINEAR_LINE = 14
 
 
+def attention_findings(model: Path) -> list[Finding]:
+    """MODEL's fused_softmax and fused_dropout_add findings, with the facts of a profile that saw their
+    steps and told nothing more (the other fields at their defaults: the codemods read the source)."""
+    softmax = AttentionFacts(ops=["scale", "mask", "softmax", "dropout"]).to_details()
+    add = DropoutAddFacts(ops=["dropout", "residual"]).to_details()
+    return [
+        Finding(
+            "fused_softmax", str(model), *SOFTMAX_LINES, "masked_fill -> softmax", "safe", details=softmax
+        ),
+        Finding(
+            "fused_dropout_add", str(model), *[DROPOUT_ADD_LINE] * 2, "dropout + add", "safe", details=add
+        ),
+    ]
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -65,8 +84,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     )
     mark_latest(run_dir)
     findings: list[Finding] = [
-        Finding("fused_softmax", str(model), *SOFTMAX_LINES, "masked_fill -> softmax", "safe"),
-        Finding("fused_dropout_add", str(model), DROPOUT_ADD_LINE, DROPOUT_ADD_LINE, "dropout + add", "safe"),
+        *attention_findings(model),
         Finding(
             "gemm_align",
             str(model),
@@ -74,7 +92,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
             LINEAR_LINE,
             "30522 not a multiple of 8",
             "safe",
-            details={"kind": "linear", "in_features": 64, "out_features": 30522, "pad_to": 8},
+            details=GemmAlignFacts(kind="linear", in_features=64, out_features=30522, pad_to=8).to_details(),
         ),
     ]
 
@@ -234,7 +252,8 @@ def test_undo_refuses_a_file_edited_since(project):
 
 
 def test_unmatched_finding_is_reported(project):
-    project["findings"].append(Finding("fused_softmax", str(project["model"]), 3, 4, "elsewhere", "safe"))
+    softmax = attention_findings(project["model"])[0]
+    project["findings"].append(replace(softmax, line=3, end_line=4, message="elsewhere"))
     result = cli("--rule", "fused_softmax")
     assert result.exit_code == 0
     # named by its lines as profiled, with the verdict suggest shows (the dry run's, issue 30)
@@ -306,7 +325,7 @@ def test_refuses_stale_hash_unless_forced(project):
 def test_refuses_file_outside_project(project, tmp_path_factory):
     outside = tmp_path_factory.mktemp("elsewhere") / "other.py"
     outside.write_bytes(MODEL)
-    project["findings"][:] = [Finding("fused_softmax", str(outside), *SOFTMAX_LINES, "m", "safe")]
+    project["findings"][:] = [attention_findings(outside)[0]]
     assert_refused(cli("--rule", "fused_softmax"), contains="outside the project")
     assert outside.read_bytes() == MODEL
     # static mode too

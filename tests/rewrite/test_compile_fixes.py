@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo
-from fixture_cases import cases, expected_path, options
+from fixture_cases import cases, expected_path, fixture_target, options
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import LineMap, rewrite_source
@@ -47,11 +47,12 @@ def _line(source: str, text: str) -> int:
     return next(i for i, line in enumerate(source.splitlines(), 1) if text in line)
 
 
-def _target(source: str, first: str, last: str | None = None, **facts) -> Target:
+def _target(rule: str, source: str, first: str, last: str | None = None, **facts) -> Target:
     """A target from the statement starting at the line holding `first` to the one holding `last`."""
     start = _line(source, first)
     end = _line(source, last) if last else start
-    return Target(start, end, {"line": start, **facts})
+    where = {"line": start} if rule == "graph_break" else {}  # the break's line: a graph_break fact only
+    return fixture_target(rule, start, end, {**where, **facts})
 
 
 def _rewrite(rule: str, source: str, targets: list[Target]) -> str:
@@ -147,7 +148,7 @@ def test_print_made_reorderable(tmp_path: Path) -> None:
         return y * 2
 """
     )
-    after = _rewrite("graph_break", before, [_target(before, "print(", kind="print", **FWD)])
+    after = _rewrite("graph_break", before, [_target("graph_break", before, "print(", kind="print", **FWD)])
     assert "reorderable_logging_functions.add(print)" in after
     printed = _check_fix(tmp_path, before, after, torch.randn(4, 8))
     assert (
@@ -174,7 +175,9 @@ def test_scalar_read_kept_as_tensor(tmp_path: Path, read: str, use: str, kept: s
         {use}
 """
     )
-    after = _rewrite("graph_break", before, [_target(before, "v = ", kind="scalar_read", **FWD)])
+    after = _rewrite(
+        "graph_break", before, [_target("graph_break", before, "v = ", kind="scalar_read", **FWD)]
+    )
     assert kept in after and "capture_scalar_outputs" not in after
     _check_fix(tmp_path, before, after, torch.randn(4, 8), fullgraph_raised=False)
 
@@ -189,7 +192,9 @@ def test_scalar_read_captured(tmp_path: Path) -> None:
         return y / peak
 """
     )
-    after = _rewrite("graph_break", before, [_target(before, "peak = ", kind="scalar_read", **FWD)])
+    after = _rewrite(
+        "graph_break", before, [_target("graph_break", before, "peak = ", kind="scalar_read", **FWD)]
+    )
     assert "torch._dynamo.config.capture_scalar_outputs = True" in after
     _check_fix(tmp_path, before, after, torch.randn(4, 8), fullgraph_raised=False)
 
@@ -211,8 +216,8 @@ def test_tensor_branch_becomes_where(tmp_path: Path, sign: float) -> None:
 """
     )
     targets = [
-        _target(before, "if x.sum()", "y = y - 1", kind="tensor_branch", **FWD),
-        _target(before, "if x.mean()", "y += ", kind="tensor_branch", **FWD),
+        _target("graph_break", before, "if x.sum()", "y = y - 1", kind="tensor_branch", **FWD),
+        _target("graph_break", before, "if x.mean()", "y += ", kind="tensor_branch", **FWD),
     ]
     after = _rewrite("graph_break", before, targets)
     assert after.count("torch.where(") == 2
@@ -246,6 +251,7 @@ def tag(t):
 """
     )
     target = _target(
+        "graph_break",
         before,
         "pid = os.getpid()",
         kind="unsupported_call",
@@ -275,7 +281,7 @@ def build(backend):
     model = nn.Linear(8, 8)
     return model, torch.compile(model, backend=backend)
 """
-    target = _target(before, "torch.compile(", kind="shape", input="x", dim=0, values=["2", "3"])
+    target = _target("recompile", before, "torch.compile(", kind="shape", input="x", dim=0, values=["2", "3"])
     after = _rewrite("recompile", before, [target])
     assert "torch.compile(model, backend=backend, dynamic=True)" in after
     sizes = (2, 3, 4, 5)
@@ -303,7 +309,9 @@ def build(backend):
 
     return scaled, torch.compile(scaled, backend=backend)
 """
-    target = _target(before, "torch.compile(", kind="scalar", input="temperature", values=["0.5", "0.6"])
+    target = _target(
+        "recompile", before, "torch.compile(", kind="scalar", input="temperature", values=["0.5", "0.6"]
+    )
     after = _rewrite("recompile", before, [target])
     assert "torch.compile(scaled, backend=backend, dynamic=True)" in after
     counts = []
@@ -326,9 +334,9 @@ FIXTURES = [*cases("graph_break"), *cases("recompile"), *cases("regional_compile
 def test_second_apply_changes_nothing(case: Path) -> None:
     rule = case.parent.name
     before, after = case.read_bytes(), expected_path(case).read_bytes()
-    targets = options(before.decode()).targets
+    targets = options(before.decode(), rule).targets
     assert targets, "a fixture of a profile-only rule names its targets"
     line_map = LineMap(before, after)
-    moved = [Target(*line_map.map(t.line, t.end_line)[:2], t.details) for t in targets]
+    moved = [Target(*line_map.map(t.line, t.end_line)[:2], t.facts) for t in targets]
     again, result = rewrite_source(after, rule, moved, case)
     assert again == after and not result.changes, result.changes

@@ -10,6 +10,8 @@ import pytest
 
 from opadvisor.rewrite.engine import apply_findings
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.optimizer.fused_optimizer import FusedOptimizerFacts
 
 SCRIPT = """\
 import torch
@@ -25,10 +27,13 @@ for _ in range(3):
 def _findings(path: Path) -> list[Finding]:
     optimizer = Finding(
         rule="fused_optimizer", path=str(path), line=4, end_line=4, message="m", fix="safe",
-        details={"param_devices": ["cuda"], "param_dtypes": ["float32"]},
+        details=FusedOptimizerFacts(param_devices=["cuda"], param_dtypes=["float32"]).to_details(),
     )  # fmt: skip
     # sparse_launch names the function whose launches idle the GPU: here the whole module, optimizer included
-    launches = Finding(rule="sparse_launch", path=str(path), line=1, end_line=7, message="m", fix="unsafe")
+    launches = Finding(
+        rule="sparse_launch", path=str(path), line=1, end_line=7, message="m", fix="unsafe",
+        details=SparseLaunchFacts(blockers=[], lines={}).to_details(),
+    )  # fmt: skip
     return [optimizer, launches]
 
 

@@ -8,9 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fixture_cases import FIXTURES, run
-
-from opadvisor.rewrite.base import Target
+from fixture_cases import FIXTURES, fixture_target, run
 
 CORPUS = Path(__file__).parent / "corpus"
 
@@ -32,7 +30,7 @@ def test_a_chain_read_above_the_findings_first_line_answers_the_finding():
         "softmax_dtype": "float32",
         "out_dtype": "float32",
     }
-    _, codemod = run("fused_softmax", source, [Target(33, 37, details)])
+    _, codemod = run("fused_softmax", source, [fixture_target("fused_softmax", 33, 37, details)])
     assert [c.line for c in codemod.changes] == [30]
     assert codemod.skipped == []
 
@@ -60,7 +58,10 @@ def test_a_finding_inside_another_keeps_its_own_facts(order: int):
     In either order both are rewritten (the outer one took line 75 with facts for line 89 when it came
     first, and suggest then blocked the inner one)."""
     source = (CORPUS / "t5_style.py").read_text()
-    targets = [Target(61, 89, _dropout_add_facts(61, 89)), Target(74, 75, _dropout_add_facts(74, 75))]
+    targets = [
+        fixture_target("fused_dropout_add", 61, 89, _dropout_add_facts(61, 89)),
+        fixture_target("fused_dropout_add", 74, 75, _dropout_add_facts(74, 75)),
+    ]
     _, codemod = run("fused_dropout_add", source, targets[::order])
     assert sorted(c.line for c in codemod.changes) == [75, 89], codemod.skipped
     assert codemod.skipped == []

@@ -60,7 +60,7 @@ def test_every_fixable_rule_has_fixtures():
 def test_golden(case: Path):
     rule = case.parent.name
     before = case.read_bytes()
-    opts = options(before.decode())
+    opts = options(before.decode(), rule)
     kwargs = dict(opts.kwargs)
     unsafe = case.name.endswith("_unsafe.in.py") or bool(kwargs.pop("allow_unsafe", False))
     after, result = rewrite_source(before, rule, opts.targets, case, allow_unsafe=unsafe, options=kwargs)
@@ -175,7 +175,8 @@ NEEDS_CUDA: dict[str, str] = {}
 def profiled_targets(case: Path, rule: str) -> tuple[list, list]:
     """(targets, findings) of `rule` in this fixture: `make_inputs()` profiled in training mode on the CPU."""
     from opadvisor.profile.runner import profile_steps
-    from opadvisor.rewrite.base import Target
+    from opadvisor.rewrite.base import finding_target
+    from opadvisor.rewrite.registry import get_codemod
     from opadvisor.rules.engine import analyse
 
     if rule in NEEDS_CUDA:
@@ -196,7 +197,8 @@ def profiled_targets(case: Path, rule: str) -> tuple[list, list]:
             NEEDS_CUDA[rule] = report.notes[0].message
         pytest.skip(f"{rule} on a CPU profile: {report.notes[0].message}")
     findings = [f for f in report.findings if Path(f.path) == case.resolve()]
-    return [Target(f.line, f.end_line, f.details) for f in findings if f.fix != "none"], findings
+    facts_type = get_codemod(rule).FACTS
+    return [finding_target(f, facts_type) for f in findings if f.fix != "none"], findings
 
 
 @pytest.mark.parametrize("case", PROFILED, ids=_id)

@@ -8,11 +8,12 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from test_apply import DROPOUT_ADD_LINE, MODEL, SOFTMAX_LINES, cli
+from test_apply import MODEL, attention_findings, cli
 
 from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import keep_sources, mark_latest
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
 
 TRAIN = (
     MODEL
@@ -44,10 +45,9 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     save_profile(Profile(run_id="r1", script=str(model), sources=sources), run_dir / "profile.json")
     keep_sources(sources, run_dir)  # as `opadvisor profile` does: apply --force diffs against it
     mark_latest(run_dir)
-    graphs = {"steps": [], "blockers": [], "lines": {}}
+    graphs = SparseLaunchFacts(blockers=[], lines={}).to_details()
     findings = [
-        Finding("fused_softmax", str(model), *SOFTMAX_LINES, "masked_fill -> softmax", "safe"),
-        Finding("fused_dropout_add", str(model), DROPOUT_ADD_LINE, DROPOUT_ADD_LINE, "dropout + add", "safe"),
+        *attention_findings(model),
         Finding("sparse_launch", str(model), *FORWARD_LINES, "idle", "unsafe", details=graphs),
         Finding("sparse_launch", str(model), *MAIN_LINES, "idle", "unsafe", details=graphs),
     ]

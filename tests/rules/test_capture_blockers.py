@@ -11,7 +11,7 @@ from rules_testlib import REPO, gpu_fixture
 
 from opadvisor.rewrite.check import check_fixes
 from opadvisor.rules.engine import analyse
-from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, GraphFacts
+from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, SparseLaunchFacts
 
 EXAMPLE = REPO / "examples" / "bert_train.py"
 
@@ -49,7 +49,7 @@ def _sparse(profile):
 def test_no_blockers_when_the_forward_copies_nothing():
     """bert_train's host copies and .item() are in the training loop, outside the model: nothing blocks."""
     for f in _sparse(gpu_fixture("bert_train")):
-        assert f.fix == "unsafe" and GraphFacts.from_details(f.details).blockers == []
+        assert f.fix == "unsafe" and f.facts(SparseLaunchFacts).graph().blockers == []
 
 
 def test_a_number_copied_to_the_gpu_in_forward_is_a_blocker_with_a_rewrite():
@@ -59,11 +59,11 @@ def test_a_number_copied_to_the_gpu_in_forward_is_a_blocker_with_a_rewrite():
     line = _line("scores = q @ k")
     _into_forward(profile, copy, line)
     for f in _sparse(profile):
-        facts = GraphFacts.from_details(f.details)
+        facts = f.facts(SparseLaunchFacts).graph()
         [b] = facts.blockers
         assert (b.path, b.line, b.rewrite) == (str(EXAMPLE), line, SCALAR_TENSOR)
         assert b.src_dtype == b.dst_dtype == "int64" and "Python number" in b.why
-        assert facts.current_line(0) == line and facts.unfixable() == []
+        assert facts.lines["blocker 0"][0] == line and facts.unfixable() == []
         assert "after rewriting the copies of Python numbers" in f.advice
 
 
@@ -74,7 +74,7 @@ def test_item_in_forward_blocks_the_graph_fix_with_its_line():
     _into_forward(profile, item, line)
     findings = _sparse(profile)
     for f in findings:
-        [b] = GraphFacts.from_details(f.details).unfixable()
+        [b] = f.facts(SparseLaunchFacts).graph().unfixable()
         assert b.line == line and b.rewrite is None and "reads a value on the host" in b.why
         assert f"{EXAMPLE}:{line}" in f.advice and "once the forward can be captured" in f.advice
     check_fixes(findings)  # suggest's dry run: the fix is not offered
@@ -89,7 +89,7 @@ def test_a_cpu_tensor_moved_in_forward_blocks_the_fix():
     copy = next(profile.ops[m.op] for m in profile.memcpys if m.op is not None and "HtoD" in m.name)
     _into_forward(profile, copy, _line("scores = q @ k"))
     findings = _sparse(profile)
-    [b] = GraphFacts.from_details(findings[0].details).blockers
+    [b] = findings[0].facts(SparseLaunchFacts).graph().blockers
     assert b.rewrite is None and "copies a CPU tensor to the GPU" in b.why
     check_fixes(findings)
     assert {f.fix for f in findings} == {"none"}
@@ -101,7 +101,7 @@ def test_blocker_in_library_code_has_no_rewrite():
     copy.input_shapes = [[], [], None]
     copy.lib_file, copy.lib_line = "somelib/model.py", 12
     _into_forward(profile, copy, _line("scores = q @ k"))
-    [b] = GraphFacts.from_details(_sparse(profile)[0].details).blockers
+    [b] = _sparse(profile)[0].facts(SparseLaunchFacts).graph().blockers
     assert b.rewrite is None and b.library_file == "somelib/model.py"
     assert b.where().startswith("somelib/model.py:12 (called from")
 
@@ -155,7 +155,7 @@ def test_a_host_read_the_library_skips_under_capture_blocks_nothing(tmp_path, fu
         op.lib_file, op.lib_line = "fakelib/masks.py", line
     _into_forward(profile, read, _line("scores = q @ k"))
     findings = _sparse(profile)
-    [b] = GraphFacts.from_details(findings[0].details).blockers
+    [b] = findings[0].facts(SparseLaunchFacts).graph().blockers
     assert b.skipped_when_capturing is skipped and b.library_file == "fakelib/masks.py"
     check_fixes(findings)
     assert {f.fix for f in findings if f.path == str(EXAMPLE)} == ({"unsafe"} if skipped else {"none"})

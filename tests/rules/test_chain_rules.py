@@ -45,12 +45,16 @@ def test_bert_attention(rules_profile):
     assert (sdpa.line, sdpa.end_line) == expected_lines(script, "sdpa_attention")
     assert sdpa.evidence.ops[0] == "aten::matmul" and sdpa.evidence.ops[-1] == "aten::matmul"
     # both stand, each names the other and which one is the bigger win
-    assert soft.details["alternative"] == {**soft.details["alternative"], "rule": "sdpa_attention"}
-    assert sdpa.details["alternative"]["rule"] == "fused_softmax"
-    assert (
-        sdpa.details["alternative"]["bigger_win"] is True
-        and soft.details["alternative"]["bigger_win"] is False
-    )
+    assert soft.alternative.rule == "sdpa_attention" and sdpa.alternative.rule == "fused_softmax"
+    assert sdpa.alternative.bigger_win is True and soft.alternative.bigger_win is False
+    # the suggest JSON keeps them in "details" (schema 1)
+    assert sdpa.details_json()["alternative"] == {
+        "rule": "fused_softmax",
+        "line": soft.line,
+        "end_line": soft.end_line,
+        "bigger_win": True,
+    }
+    assert "alternative" not in sdpa.details
     assert "sdpa_attention there is the bigger win" in soft.message
 
     add = one(report, "fused_dropout_add")

@@ -38,6 +38,7 @@ __all__ = ["AttentionFacts", "attention_facts"]
 
 @dataclass
 class AttentionFacts(Facts):
+    RULES = ("fused_softmax", "sdpa_attention")
     ops: list[str] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
     lines: dict[str, list[int]] = field(default_factory=dict)
@@ -58,10 +59,6 @@ class AttentionFacts(Facts):
 
     def has(self, label: str) -> bool:
         return label in self.ops
-
-    def line_of(self, label: str) -> tuple[int, int] | None:
-        span = self.lines.get(label)
-        return (int(span[0]), int(span[-1])) if span else None
 
 
 def attention_facts(site: AttentionSite, labels: tuple[str, ...]) -> AttentionFacts:

@@ -51,6 +51,7 @@ from opadvisor.rewrite.toolkit import (
 from opadvisor.rewrite.toolkit import (
     small_statement as _small,
 )
+from opadvisor.rules.attention import AttentionFacts
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
@@ -76,6 +77,7 @@ def describe(chain: Chain) -> str:
 
 class FusedSoftmaxCodemod(SoftmaxChainRewriter):
     RULE = "fused_softmax"
+    FACTS = AttentionFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a softmax call or module
     KERNEL_OP = "masked_softmax"
     SAFETY = "safe"

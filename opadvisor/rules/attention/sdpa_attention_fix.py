@@ -67,6 +67,7 @@ from opadvisor.rewrite.toolkit import (
 from opadvisor.rewrite.toolkit import (
     small_statement as _small,
 )
+from opadvisor.rules.attention import AttentionFacts
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
@@ -87,6 +88,7 @@ _PEELABLE_METHODS = {
 
 class SdpaAttentionCodemod(SoftmaxChainRewriter):
     RULE = "sdpa_attention"
+    FACTS = AttentionFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("softmax",)  # a hand-written attention has its softmax
     NO_KERNEL_OP = "F.scaled_dot_product_attention is PyTorch's own fused attention"
     SAFETY = "safe"

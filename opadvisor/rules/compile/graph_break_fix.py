@@ -64,7 +64,7 @@ from libcst.metadata import (
     ScopeProvider,
 )
 
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import (
     after_imports,
     assignment,
@@ -116,7 +116,7 @@ SCALAR_COMMENT = "# torch.compile traces .item() reads instead of breaking the g
 
 
 def facts_of(target: Target) -> GraphBreakFacts | None:
-    return GraphBreakFacts.from_details(target.details)
+    return target_facts(target, GraphBreakFacts)
 
 
 def _break_line(target: Target, facts: GraphBreakFacts) -> int:
@@ -131,6 +131,7 @@ class GraphBreakCodemod(RuleCodemod):
     """Per break kind: a reorderable print, a kept 0-d tensor or scalar capture, torch.where, a disabled helper."""
 
     RULE: ClassVar[str] = "graph_break"
+    FACTS = GraphBreakFacts
     STATIC_MODE: ClassVar[bool] = False  # the breaks are what dynamo reported while the script ran
     SAFETY: ClassVar[str] = "safe"
     NO_KERNEL_OP: ClassVar[str] = (

@@ -31,7 +31,7 @@ import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import (
     append_keywords,
     code,
@@ -48,7 +48,7 @@ DYNAMIC_KINDS = frozenset({"shape", "scalar"})  # the recompiles `dynamic=True` 
 
 
 def facts_of(target: Target) -> RecompileFacts | None:
-    return RecompileFacts.from_details(target.details)
+    return target_facts(target, RecompileFacts)
 
 
 def advice(facts: RecompileFacts) -> str:
@@ -77,6 +77,7 @@ class RecompileCodemod(RuleCodemod):
     """`dynamic=True` on the torch.compile call (or decorator) whose function recompiled for new sizes."""
 
     RULE: ClassVar[str] = "recompile"
+    FACTS = RecompileFacts
     STATIC_MODE: ClassVar[bool] = False  # the recompiles are what dynamo reported while the script ran
     SAFETY: ClassVar[str] = "safe"
     COMPOSES: ClassVar[bool] = True  # adds a keyword to the call: another rule may have rewritten the line

@@ -35,7 +35,7 @@ import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import code, imported_names, nodes_of, parent, qualified
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
@@ -44,7 +44,7 @@ LOOP_NAME = "block"
 
 
 def facts_of(target: Target) -> RegionalCompileFacts | None:
-    return RegionalCompileFacts.from_details(target.details)
+    return target_facts(target, RegionalCompileFacts)
 
 
 def block_iterable(model: str, facts: RegionalCompileFacts) -> str | None:
@@ -76,6 +76,7 @@ class RegionalCompileCodemod(RuleCodemod):
     """A loop compiling each repeated block in place of the statement that compiled the model whole."""
 
     RULE: ClassVar[str] = "regional_compile"
+    FACTS = RegionalCompileFacts
     STATIC_MODE: ClassVar[bool] = False  # the blocks are what the profile recorded at the compile call
     SAFETY: ClassVar[str] = "safe"
     COMPOSES: ClassVar[bool] = True  # recompile's `dynamic=True` on the same call is passed on to the blocks

@@ -35,6 +35,8 @@ Fix and its safety
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from opadvisor.profile.model import Annotation, Construction, Memcpy, Op, Profile
 from opadvisor.rules._calibration import calibration_words
 from opadvisor.rules._chains import scalar
@@ -43,6 +45,7 @@ from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import gpu_idle_overlap_us
 from opadvisor.rules.engine import NeedsGpuProfile
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "dataloader_stall"
@@ -211,6 +214,45 @@ def detect(profile: Profile) -> list[Finding]:
     ]
 
 
+@dataclass
+class CopySite:
+    """A user line whose host-to-device copies the profile measured: copies and ms per step, whether any
+    was from pageable memory, whether all were non_blocking (None: the profile cannot tell)."""
+
+    path: str
+    line: int
+    end_line: int
+    copies: float = 0.0
+    pageable: bool = False
+    non_blocking: bool | None = None
+    ms_per_step: float = 0.0
+
+
+@dataclass
+class DataLoaderFacts(Facts):
+    """What a dataloader_stall finding carries: the loader's arguments as built (None: no construction
+    recorded), the iterator kind, where it was built, the copies (the codemod makes those it finds
+    asynchronous), the idle and wait times measured, and the changes suggested."""
+
+    RULES = ("dataloader_stall",)
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    persistent_workers: bool | None = None
+    batch_size: int | None = None
+    dataset: str | None = None
+    iterator: str | None = None
+    construction: dict[str, str | int | None] | None = None  # {"path", "line"}
+    copies: list[CopySite] = field(default_factory=list)
+    gpu_idle_ms_per_step: float = 0.0
+    profiled_gpu_idle_ms_per_step: float | None = None
+    gpu_idle_in_loader_ms_per_step: float | None = None
+    gpu_idle_in_pageable_copies_ms_per_step: float | None = None
+    loader_wait_ms_per_step: float | None = None
+    pageable_copies_per_step: float = 0.0
+    suggested: list[str] = field(default_factory=list)
+    suggested_num_workers: int = 0
+
+
 def _details(
     profile: Profile,
     construction: Construction | None,
@@ -222,21 +264,21 @@ def _details(
 ) -> dict:
     """The finding's details: the loader's arguments, the copies, the times measured, what to change."""
     workers = attrs.get("num_workers")
-    return {
-        "num_workers": workers,
-        "pin_memory": attrs.get("pin_memory"),
-        "persistent_workers": attrs.get("persistent_workers"),
-        "batch_size": attrs.get("batch_size"),
-        "dataset": attrs.get("dataset"),
-        "iterator": iterator,
-        "construction": (
+    return DataLoaderFacts(
+        num_workers=workers,
+        pin_memory=attrs.get("pin_memory"),
+        persistent_workers=attrs.get("persistent_workers"),
+        batch_size=attrs.get("batch_size"),
+        dataset=attrs.get("dataset"),
+        iterator=iterator,
+        construction=(
             {"path": construction.file, "line": construction.line} if construction is not None else None
         ),
-        "copies": copies,
-        **measured,
-        "suggested": changes,
-        "suggested_num_workers": _suggested_workers(profile) if not workers else workers,
-    }
+        copies=[CopySite(**c) for c in copies],
+        **measured,  # type: ignore[arg-type]
+        suggested=changes,
+        suggested_num_workers=_suggested_workers(profile) if not workers else workers,
+    ).to_details()
 
 
 def _idle_times(

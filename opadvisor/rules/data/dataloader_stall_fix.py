@@ -29,7 +29,7 @@ same file, is an IterableDataset that never calls `get_worker_info()`, or makes 
 
 Targets: a target may name the DataLoader construction, the `for` line of a loop over it (or the
 `next(...)` line that takes a batch), or a copy line; naming any of them rewrites the construction and
-the copies in its loops. Finding details used: `copies` (the host-to-device copies the profile measured,
+the copies in its loops. Facts used (`DataLoaderFacts`): `copies` (the host-to-device copies the profile measured,
 each with `path`, `line`, `end_line`): the `.to(...)`/`.cuda(...)` calls on those lines of this file (the
 engine's `CodemodContext.filename`) get `non_blocking=True` even when their loop cannot be tied to a
 loader by reading the code (the loader built in another file, say).
@@ -59,6 +59,7 @@ from opadvisor.rewrite.toolkit import (
     qualified,
     replace_keyword_value,
 )
+from opadvisor.rules.data.dataloader_stall import DataLoaderFacts
 
 DATALOADERS = frozenset({"torch.utils.data.DataLoader", "torch.utils.data.dataloader.DataLoader"})
 ITERABLE_DATASETS = frozenset(
@@ -155,9 +156,10 @@ class _Copies(Visitor):
 
 
 class DataLoaderCodemod(RuleCodemod):
-    """Workers, pinned memory and asynchronous copies for DataLoaders (details used: `copies`)."""
+    """Workers, pinned memory and asynchronous copies for DataLoaders (facts used: `copies`)."""
 
     RULE: ClassVar[str] = "dataloader_stall"
+    FACTS = DataLoaderFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("loader",)  # DataLoader, and loops over a `train_loader`
     NO_KERNEL_OP: ClassVar[str] = "DataLoader workers, pinned memory and non_blocking copies: no op of ours"
     SAFETY: ClassVar[str] = "unsafe"
@@ -236,7 +238,7 @@ class DataLoaderCodemod(RuleCodemod):
         for call in self._all_loaders:
             if self.targeted(call) is not None:
                 self._loaders.add(call)
-        # The copies the profile measured (details["copies"]: path, line, end_line), wherever they are.
+        # The copies the profile measured (the facts' `copies`: path, line, end_line), wherever they are.
         spans = self._profiled_copy_lines()
         for call in m.findall(node, m.Call(func=m.Attribute(attr=m.Name("to") | m.Name("cuda")))):
             start, end = self.lines_of(call)
@@ -251,9 +253,10 @@ class DataLoaderCodemod(RuleCodemod):
         here = Path(filename).resolve()
         spans = []
         for target in self.targets:
-            for site in target.details.get("copies") or []:
-                if isinstance(site, dict) and site.get("path") and Path(site["path"]).resolve() == here:
-                    spans.append((int(site["line"]), int(site.get("end_line") or site["line"])))
+            facts = self.facts_of(target)
+            for site in facts.copies if facts is not None else []:
+                if Path(site.path).resolve() == here:
+                    spans.append((site.line, site.end_line))
         return spans
 
     def _enclosing_loop_body(self, node: cst.CSTNode) -> cst.CSTNode | None:

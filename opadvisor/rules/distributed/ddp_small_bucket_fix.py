@@ -18,7 +18,7 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import code, keyword, number_value, replace_keyword_value, targeted_ddp_call
 from opadvisor.rules.distributed.parallel_facts import DdpFacts
 
@@ -30,6 +30,7 @@ class DdpSmallBucketCodemod(RuleCodemod):
     """A small literal `bucket_cap_mb=` of the targeted DDP(...) calls set to the finding's size."""
 
     RULE: ClassVar[str] = "ddp_small_bucket"
+    FACTS = DdpFacts
     SAFETY: ClassVar[str] = "safe"
     STATIC_MODE: ClassVar[bool] = False
     COMPOSES: ClassVar[bool] = True  # ddp_find_unused edits the same call
@@ -61,5 +62,5 @@ class DdpSmallBucketCodemod(RuleCodemod):
 
 
 def _fix_size(target: Target) -> int:
-    facts = DdpFacts.from_details(target.details)
+    facts = target_facts(target, DdpFacts)
     return facts.bucket_cap_mb_fix if facts is not None else DdpFacts.bucket_cap_mb_fix

@@ -23,7 +23,7 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import Note, RuleCodemod
+from opadvisor.rewrite.base import Note, RuleCodemod, target_facts
 from opadvisor.rewrite.toolkit import (
     FULLY_SHARD_NAMES,
     append_keywords,
@@ -44,6 +44,7 @@ class FsdpFp32GatherCodemod(RuleCodemod):
     """`mp_policy=MixedPrecisionPolicy(param_dtype=torch.<autocast>, reduce_dtype=torch.float32)` added."""
 
     RULE: ClassVar[str] = "fsdp_fp32_gather"
+    FACTS = FsdpFacts
     SAFETY: ClassVar[str] = "unsafe"
     STATIC_MODE: ClassVar[bool] = False
     FILE_LEVEL: ClassVar[bool] = True  # every fully_shard call of the file, the per-block ones included
@@ -59,7 +60,7 @@ class FsdpFp32GatherCodemod(RuleCodemod):
     def visit_Module(self, node: cst.Module) -> bool:
         if not self.targets:
             return False
-        facts = [FsdpFacts.from_details(t.details) for t in self.targets]
+        facts = [target_facts(t, FsdpFacts) for t in self.targets]
         dtypes = {f.autocast for f in facts if f is not None and f.autocast in HALF}
         if len(dtypes) != 1:
             for t in self.targets:

@@ -95,7 +95,7 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
         given=list(a.get("given") or []),
         units=per_unit,
     )
-    return finding_at(
+    finding = finding_at(
         profile,
         c,
         ID,
@@ -117,9 +117,11 @@ def _finding(profile: Profile, c: Construction, blocks: dict) -> Finding:
         advice=f"where memory limits the batch or the model: call fully_shard on each {facts.block} before the root "
         f"(`for block in model.{where.split(', ')[0]}: fully_shard(block)`; `opadvisor apply --rule fsdp_root_only` "
         "writes it), then time both with opadvisor verify",
-        # its codemod runs when the rule is named (`apply --rule fsdp_root_only`), never in `--rule all`
-        details={**facts.to_details(), "on_request": True},
+        details=facts.to_details(),
     )
+    # its codemod runs when the rule is named (`apply --rule fsdp_root_only`), never in `--rule all`
+    finding.on_request = True
+    return finding
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

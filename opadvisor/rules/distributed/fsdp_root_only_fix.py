@@ -23,7 +23,7 @@ from typing import ClassVar
 import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import FULLY_SHARD_NAMES, calls_to, code, has_star_args, nodes_of, resolves_to
 from opadvisor.rules.compile.regional_compile_fix import block_iterable
 from opadvisor.rules.compile_facts import RegionalCompileFacts
@@ -36,6 +36,7 @@ class FsdpRootOnlyCodemod(RuleCodemod):
     """A per-block fully_shard loop inserted before the targeted root fully_shard(...) statement."""
 
     RULE: ClassVar[str] = "fsdp_root_only"
+    FACTS = FsdpFacts
     SAFETY: ClassVar[str] = "safe"
     STATIC_MODE: ClassVar[bool] = False
     COMPOSES: ClassVar[bool] = True  # fsdp_fp32_gather adds a keyword to the same call
@@ -61,7 +62,7 @@ class FsdpRootOnlyCodemod(RuleCodemod):
         if target is None:
             return updated_node
         self.answered.add(target)
-        facts = FsdpFacts.from_details(target.details)
+        facts = target_facts(target, FsdpFacts)
         found = self._root_call(original_node)
         if isinstance(found, str) or facts is None:
             self.skip(original_node, found if isinstance(found, str) else "the finding carries no FSDP facts")

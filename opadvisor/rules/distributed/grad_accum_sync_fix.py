@@ -40,7 +40,7 @@ import libcst as cst
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import Note, RuleCodemod, Target
+from opadvisor.rewrite.base import Note, RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import DDP_NAMES, FULLY_SHARD_NAMES, code, nodes_of, resolves_to
 from opadvisor.rules.distributed.parallel_facts import GradSyncFacts
 
@@ -65,6 +65,7 @@ class GradAccumSyncCodemod(RuleCodemod):
     """Only the last accumulation micro-step synchronises (DDP's no_sync, FSDP2's set_requires_gradient_sync)."""
 
     RULE: ClassVar[str] = "grad_accum_sync"
+    FACTS = GradSyncFacts
     SAFETY: ClassVar[str] = "safe"
     STATIC_MODE: ClassVar[bool] = False
     COMPOSES: ClassVar[bool] = True  # ddp_find_unused / ddp_small_bucket edit the wrapper's own line
@@ -122,13 +123,13 @@ class GradAccumSyncCodemod(RuleCodemod):
 
     # ---- planning, on the original tree --------------------------------------------------------------
     def _plan(self, module: cst.Module, target: Target) -> tuple[cst.For, _Edit] | str | None:
-        facts = GradSyncFacts.from_details(target.details)
+        facts = target_facts(target, GradSyncFacts)
         if facts is None:
             return "the finding carries no accumulation facts (profile again with this version)"
         model = self._model_name(module, target, facts.wrapper)
         if model.startswith("!"):
             return model[1:]
-        forward, step = (facts.lines.get(k) for k in ("forward", "step"))
+        forward, step = (target.step_line(k) for k in ("forward", "step"))
         if not forward or not step:
             return "the forward or the optimizer step was called in another file: change the loop by hand"
         loop = self._innermost_loop(module, forward[0])

@@ -1,7 +1,8 @@
 """What the profile proved about a DDP or FSDP2 wrapper (issue 34): the contract between the rules
-`ddp_find_unused`, `ddp_small_bucket`, `grad_accum_sync`, `fsdp_root_only`, `fsdp_fp32_gather` and their
-codemods (plain data, in each finding's `details`). The constructions they come from are described in
-`opadvisor/profile/model.py` (kinds "ddp" and "fsdp")."""
+`ddp_find_unused`, `ddp_small_bucket`, `ddp_bucket_view`, `grad_accum_sync`, `fsdp_root_only`,
+`fsdp_fp32_gather`, `fsdp_reshard`, `fsdp_prefetch` and their codemods (plain data, in each finding's
+`details`). The constructions they come from are described in `opadvisor/profile/model.py` (kinds "ddp"
+and "fsdp")."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ class DdpFacts(Facts):
     reduces; unused_params: the most parameters without a gradient at an optimizer step (over
     unused_checked_steps steps); post_forward_ms: DDP's measured host time after each forward (its graph
     traversal with find_unused_parameters=True); buckets: the gradient buckets at bucket_cap_mb (estimated
-    from the gradient bytes); bucket_cap_mb_fix: the size the fix writes."""
+    from the gradient bytes); bucket_cap_mb_fix: the size the fix writes; bucket_copies_per_step /
+    bucket_copy_ms: DDP's copies of reduced gradients from the buckets back into .grad, per step, and
+    their time (ms; `ddp_bucket_view`)."""
+
+    RULES = ("ddp_small_bucket",)
 
     construction_line: int | None = None
     find_unused_parameters: bool = False
@@ -31,6 +36,8 @@ class DdpFacts(Facts):
     post_forward_ms: float | None = None
     buckets: int | None = None
     bucket_cap_mb_fix: int = 25
+    bucket_copies_per_step: float | None = None
+    bucket_copy_ms: float | None = None
 
 
 @dataclass
@@ -42,6 +49,8 @@ class GradSyncFacts(Facts):
     called; step_file / step_line: where the optimizer stepped (the accumulation loop holds both); lines:
     {"forward": [line, line], "step": [line, line]} the same lines, in the form the rewrite engine moves
     when an earlier fix of the same apply shifted them."""
+
+    RULES = ("grad_accum_sync",)
 
     wrapper: str = "ddp"
     construction_line: int | None = None
@@ -66,6 +75,8 @@ class FsdpFacts(Facts):
     (`rules/_units.py`: unit, collective, calls_per_step, mib_per_call, dtype, ms_per_step and
     exposed_ms_per_step on a GPU profile), most exposed first."""
 
+    RULES = ("fsdp_fp32_gather", "fsdp_root_only")
+
     construction_line: int | None = None
     module: str | None = None
     own_params: int = 0
@@ -83,4 +94,41 @@ class FsdpFacts(Facts):
     units: list[dict[str, Any]] = field(default_factory=list)
 
 
-__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts"]
+@dataclass
+class ReshardFacts(Facts):
+    """`fully_shard(...)` calls whose units gathered their parameters again in backward (`fsdp_reshard`).
+    construction_line: the call's line; modules: the units' module paths; root: one of them is the root
+    unit; backward_gathers_per_step: their all-gathers in backward; backward_gather_ms /
+    backward_gather_exposed_ms: the NCCL time of those and its exposed part (None on a CPU profile);
+    peak_allocated_bytes, gpu_memory_bytes: the measured peak and the GPU's memory; kept_bytes: the
+    unsharded parameters the fix keeps from forward to backward; memory_fraction: the rule's limit."""
+
+    construction_line: int | None = None
+    modules: list[str] = field(default_factory=list)
+    root: bool = False
+    backward_gathers_per_step: float = 0.0
+    backward_gather_ms: float | None = None
+    backward_gather_exposed_ms: float | None = None
+    peak_allocated_bytes: int = 0
+    gpu_memory_bytes: int = 0
+    kept_bytes: int = 0
+    memory_fraction: float = 0.85
+
+
+@dataclass
+class PrefetchFacts(Facts):
+    """Per-block units whose forward all-gather started after the previous unit's compute
+    (`fsdp_prefetch`). construction_line: the call's line; late_units: those units; late_gathers /
+    handovers: the late gathers and the unit-to-unit hand-overs of the recorded forwards; median_gap_us:
+    how long after the previous unit's last compute kernel the gathers started; exposed_ms: their time no
+    compute overlapped, per step."""
+
+    construction_line: int | None = None
+    late_units: list[str] = field(default_factory=list)
+    late_gathers: int = 0
+    handovers: int = 0
+    median_gap_us: float = 0.0
+    exposed_ms: float = 0.0
+
+
+__all__ = ["DdpFacts", "FsdpFacts", "GradSyncFacts", "PrefetchFacts", "ReshardFacts"]

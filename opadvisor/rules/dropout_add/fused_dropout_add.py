@@ -67,6 +67,8 @@ class DropoutAddFacts(Facts):
     (`nn.Dropout(inplace=True)`), so the original also overwrote its input.
     """
 
+    RULES = ("fused_dropout_add",)
+
     ops: list[str] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
     lines: dict[str, list[int]] = field(default_factory=dict)
@@ -80,10 +82,6 @@ class DropoutAddFacts(Facts):
     inplace: bool = False
     dropout_p: float | None = None
     dropout_inplace: bool = False
-
-    def line_of(self, label: str) -> tuple[int, int] | None:
-        span = self.lines.get(label)
-        return (int(span[0]), int(span[-1])) if span else None
 
 
 def _bias(op: Op, bound: dict[str, Op]) -> bool:

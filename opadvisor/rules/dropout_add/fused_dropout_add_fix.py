@@ -32,8 +32,15 @@ import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
 from opadvisor.rewrite import toolkit as mt
-from opadvisor.rewrite.base import Target
-from opadvisor.rewrite.toolkit import BlockEdit, BlockRewriter, Chain, ChainFinder, Segment, Step
+from opadvisor.rewrite.base import Target, target_facts
+from opadvisor.rewrite.toolkit import (
+    BlockEdit,
+    BlockRewriter,
+    Chain,
+    ChainFinder,
+    Segment,
+    Step,
+)
 from opadvisor.rewrite.toolkit import assign_name as _assign_name
 from opadvisor.rewrite.toolkit import small_statement as _small
 from opadvisor.rules.dropout_add.fused_dropout_add import DropoutAddFacts
@@ -165,6 +172,7 @@ def _is_op_like(node: cst.BaseExpression) -> bool:
 
 class FusedDropoutAddCodemod(BlockRewriter):
     RULE = "fused_dropout_add"
+    FACTS = DropoutAddFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
         "dropout",
         "bernoulli",
@@ -176,9 +184,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
     def unmatched_reason(
         self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
     ) -> str | None:
-        facts = DropoutAddFacts.from_details(target.details)
-        drop = facts.line_of("dropout") if facts is not None else None
-        add = facts.line_of("residual") if facts is not None else None
+        drop, add = target.step_line("dropout"), target.step_line("residual")
         if drop is None or add is None:
             return None
         inner, outer = _innermost(functions, drop[0]), _innermost(functions, add[0])
@@ -236,8 +242,8 @@ class FusedDropoutAddCodemod(BlockRewriter):
         if target is None:
             return None
         anchor = _small(stmts[first]) or stmts[first]
-        facts = DropoutAddFacts.from_details(target.details)
-        if facts is not None and not self._is_profiled_site(stmts, first, facts):
+        facts = target_facts(target, DropoutAddFacts)
+        if facts is not None and not self._is_profiled_site(stmts, first, target):
             return None  # another dropout in the finding's lines: not the chain the profile saw
         problem = self._site_problem(finder, stmts, index, drop, residual, facts)
         if problem is not None:
@@ -297,12 +303,10 @@ class FusedDropoutAddCodemod(BlockRewriter):
         return self.call_for(self.ref(KERNEL), positional, keywords, last_stmt, top, indent)
 
     # ---- the facts of the site ------------------------------------------------------------------------
-    def _is_profiled_site(
-        self, stmts: Sequence[cst.BaseStatement], first: int, facts: DropoutAddFacts
-    ) -> bool:
+    def _is_profiled_site(self, stmts: Sequence[cst.BaseStatement], first: int, target: Target) -> bool:
         """Whether the dropout of statement `first` is the one profiled (a call: its line is exact; the
         residual add is found from it, and the profile may place an operator's line a little early)."""
-        profiled = facts.line_of("dropout")
+        profiled = target.step_line("dropout")
         start, end = self.stmt_lines(stmts, first, first)
         return profiled is None or (start <= profiled[1] and profiled[0] <= end)
 

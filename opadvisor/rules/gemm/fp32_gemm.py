@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._chains import in_dtype, matmul_mnk
@@ -42,6 +44,7 @@ from opadvisor.rules._findings import fmt_ms, fmt_share, module_pattern
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import source_status
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "fp32_gemm"
@@ -63,6 +66,22 @@ MIN_SAVING_MS = 0.02
 # Float32 FMA throughput per SM per clock, by major capability (Ampere A100: 64 FP32 lanes; later: 128).
 _FP32_FLOP_PER_SM_CLK = {8: 128, 9: 256, 10: 256, 12: 256}
 _ASSUMED_CLOCK_HZ = 1.6e9
+
+
+@dataclass
+class Fp32GemmFacts(Facts):
+    """What an fp32_gemm finding carries: the line after which the setting goes and whether the script
+    imports torch, the setting and its alternative, the GPU and its compute capability, and the float32
+    matrix-product sites (per line: time, saving, count, modules, ...)."""
+
+    RULES = ("fp32_gemm",)
+    insert_after_line: int = 0
+    imports_torch: bool = False
+    setting: str = "torch.backends.cuda.matmul.allow_tf32 = True"
+    alternative: str = 'torch.set_float32_matmul_precision("high")'  # a setting, not the engine's alternative
+    capability: list[int] = field(default_factory=list)
+    gpu: str | None = None
+    sites: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _fp32_peak_flops(profile: Profile) -> float:
@@ -170,15 +189,13 @@ def detect(profile: Profile) -> list[Finding]:
                 "at the top of the script, or bf16 autocast around the forward pass; both change numerics "
                 "(unsafe): check the losses with opadvisor verify"
             ),
-            details={
-                "insert_after_line": end,
-                "imports_torch": has_torch,
-                "setting": "torch.backends.cuda.matmul.allow_tf32 = True",
-                "alternative": 'torch.set_float32_matmul_precision("high")',
-                "capability": list(cap),
-                "gpu": profile.environment.gpu_name,
-                "sites": site_list,
-            },
+            details=Fp32GemmFacts(
+                insert_after_line=end,
+                imports_torch=has_torch,
+                capability=list(cap),
+                gpu=profile.environment.gpu_name,
+                sites=site_list,
+            ).to_details(),
         )
     ]
 

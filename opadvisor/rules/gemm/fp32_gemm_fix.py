@@ -21,7 +21,7 @@ Two fixes, both unsafe (they change numerics), chosen with the constructor's `mo
   loop, or already under `torch.autocast` are skipped with the reason. It needs targets: in static mode it
   rewrites nothing. On a machine without CUDA `torch.autocast("cuda")` warns and does nothing.
 
-No finding details are used.
+No finding facts are used.
 """
 
 from __future__ import annotations

@@ -28,12 +28,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._chains import GEMM_OPS, in_dtype, is_16bit, matmul_mnk, names
 from opadvisor.rules._findings import build_finding, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
+from opadvisor.rules.facts import Facts, absent_as
 from opadvisor.rules.finding import Finding
 
 ID = "gemm_align"
@@ -47,6 +50,43 @@ SLOW_RATIO = 0.8  # on a GPU, report only products slower than this fraction of 
 # H200 anchors for when the profile has no aligned product to compare with (see DESIGN.md)
 ANCHOR_SLOWDOWN = {"K": 4.7, "N": 2.5, "M": 2.5}
 LEAF_GEMMS = names("mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm")
+
+
+_KIND_ONLY = "only the findings of the kinds that name it carry it (`GemmAlignFacts.KIND_FIELDS`)"
+
+
+@dataclass(kw_only=True)
+class GemmAlignFacts(Facts):
+    """What a gemm_align finding carries, by the origin of the odd size (`kind`): an nn.Linear's features
+    (the codemod pads them to `pad_to`), an nn.Embedding's vocabulary, the rows of a batch, or a size
+    computed in the function; `odd`: the dimensions ("M", "N", "K") that are not multiples of 8."""
+
+    RULES = ("gemm_align",)
+    KIND_FIELDS = {
+        "shape": ("kind", "odd"),
+        "linear": (
+            "kind", "in_features", "out_features", "pad_to", "padded_in_features", "padded_out_features", "odd",
+            "module",
+        ),
+        "vocab": ("kind", "num_embeddings", "pad_to", "padded", "construction", "odd"),
+        "batch": ("kind", "rows", "batch_size", "odd"),
+    }  # fmt: skip
+    kind: Literal["shape", "linear", "vocab", "batch"] = "shape"
+    in_features: int | None = absent_as(None, _KIND_ONLY)
+    out_features: int | None = absent_as(None, _KIND_ONLY)
+    num_embeddings: int | None = absent_as(None, _KIND_ONLY)
+    pad_to: int | None = absent_as(None, _KIND_ONLY)
+    padded_in_features: int | None = absent_as(None, _KIND_ONLY)
+    padded_out_features: int | None = absent_as(None, _KIND_ONLY)
+    padded: int | None = absent_as(None, _KIND_ONLY)
+    construction: list[str | int | None] | None = absent_as(None, _KIND_ONLY)  # [path, line]
+    rows: int | None = absent_as(None, _KIND_ONLY)
+    batch_size: int | None = absent_as(None, _KIND_ONLY)
+    odd: list[str] = field(default_factory=list)
+    module: str | None = absent_as(None, _KIND_ONLY)
+
+    def unwritten(self) -> frozenset[str]:
+        return frozenset(f.name for f in fields(self) if f.name not in self.KIND_FIELDS[self.kind])
 
 
 def pad(n: int, to: int = ALIGN) -> int:
@@ -134,7 +174,7 @@ def detect(profile: Profile) -> list[Finding]:
             fused_kernels=None,
             est_saving_ms=saving,
             advice=origin["advice"],
-            details=origin["details"],
+            details=origin["details"].to_details(),
             notes=notes,
         )
         findings.append(f)
@@ -216,7 +256,7 @@ def _origin(op: Op, mnk, linear_by_module, embeddings, loader) -> tuple[tuple, d
         "line": op.line,
         "end_line": op.line,
         "advice": "pad the odd dimension to a multiple of 8 (zeros in K; slice extra outputs of N/M)",
-        "details": {"kind": "shape", "odd": odd},
+        "details": GemmAlignFacts(kind="shape", odd=odd),
     }
 
 
@@ -233,16 +273,16 @@ def _linear_origin(op: Op, lin, n: int, k: int, odd: list[str]) -> tuple[tuple, 
         "function": lin.function,
         "advice": f"pad the Linear to {pad(in_f)} x {pad(out_f)} (opadvisor apply --rule gemm_align: a padded "
         "linear that slices its output)",
-        "details": {
-            "kind": "linear",
-            "in_features": in_f,
-            "out_features": out_f,
-            "pad_to": ALIGN,
-            "padded_in_features": pad(in_f),
-            "padded_out_features": pad(out_f),
-            "odd": odd,
-            "module": lin.module,
-        },
+        "details": GemmAlignFacts(
+            kind="linear",
+            in_features=in_f,
+            out_features=out_f,
+            pad_to=ALIGN,
+            padded_in_features=pad(in_f),
+            padded_out_features=pad(out_f),
+            odd=odd,
+            module=lin.module,
+        ),
     }
 
 
@@ -255,14 +295,14 @@ def _vocab_origin(op: Op, emb, vocab: int, odd: list[str]) -> tuple[tuple, dict]
         "line": op.line,
         "end_line": op.line,
         "advice": f"pad the vocabulary to {pad(vocab, 64)} (unused rows are never predicted when masked)",
-        "details": {
-            "kind": "vocab",
-            "num_embeddings": vocab,
-            "pad_to": ALIGN,
-            "padded": pad(vocab, 64),
-            "construction": [emb.file, emb.line],
-            "odd": odd,
-        },
+        "details": GemmAlignFacts(
+            kind="vocab",
+            num_embeddings=vocab,
+            pad_to=ALIGN,
+            padded=pad(vocab, 64),
+            construction=[emb.file, emb.line],
+            odd=odd,
+        ),
     }
 
 
@@ -279,5 +319,5 @@ def _rows_origin(op: Op, m: int, loader, odd: list[str]) -> tuple[tuple, dict]: 
         "line": op.line,
         "end_line": op.line,
         "advice": "use a batch size (or sequence length) whose product is a multiple of 8",
-        "details": {"kind": "batch", "rows": m, "batch_size": batch, "odd": odd},
+        "details": GemmAlignFacts(kind="batch", rows=m, batch_size=batch, odd=odd),
     }

@@ -32,6 +32,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 from opadvisor.rewrite import toolkit as mt
 from opadvisor.rewrite.base import RuleCodemod
 from opadvisor.rewrite.toolkit import reference
+from opadvisor.rules.gemm.gemm_align import GemmAlignFacts
 
 KERNEL = "opadvisor.kernels.PaddedLinear"
 ALIGN = 8
@@ -44,6 +45,7 @@ def _round_up(value: int, multiple: int) -> int:
 
 class GemmAlignCodemod(RuleCodemod):
     RULE = "gemm_align"
+    FACTS = GemmAlignFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
         "linear",
         "embedding",
@@ -95,12 +97,13 @@ class GemmAlignCodemod(RuleCodemod):
                     "not rewritten: the nn.Linear arguments could not be read (*args or unknown keywords)",
                 )
             return updated
+        facts = self.facts_of(target)
         sizes = {k: mt.int_value(args[k].value) for k in ("in_features", "out_features")}
-        for key in ("in_features", "out_features"):
-            if sizes[key] is None and isinstance(target.details.get(key), int):
-                sizes[key] = target.details[key]
+        for key in ("in_features", "out_features"):  # a size the source computes: the profile's
+            if sizes[key] is None and facts is not None:
+                sizes[key] = getattr(facts, key)
         known = [v for v in sizes.values() if v is not None]
-        pad_to = target.details.get("pad_to") if isinstance(target.details.get("pad_to"), int) else ALIGN
+        pad_to = facts.pad_to if facts is not None and facts.pad_to is not None else ALIGN
         if self.targets is None:
             if not any(v % ALIGN for v in known):
                 return updated  # static mode: aligned, or sizes only a profile can tell

@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile, SyncEvent
 from opadvisor.rules._calibration import calibration_words
@@ -45,6 +46,7 @@ from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import annotation_intervals
 from opadvisor.rules.engine import NeedsGpuProfile
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "host_sync"
@@ -93,6 +95,21 @@ _KINDS: tuple[tuple[frozenset[str], str, str], ...] = (
         "copy with .to('cpu', non_blocking=True) into pinned memory and read it later, or every N steps",
     ),
 )
+
+
+@dataclass
+class HostSyncFacts(Facts):
+    """What a host_sync finding carries: the syncs per step at the line, the GPU idle they cost (scaled to
+    the plain step, and as profiled), the host's wait, the sync calls and ops, and the line's source."""
+
+    RULES = ("host_sync",)
+    syncs_per_step: float = 0.0
+    gpu_idle_ms_per_step: float = 0.0
+    profiled_gpu_idle_ms_per_step: float | None = None
+    host_wait_ms_per_step: float | None = None
+    sync_calls: list[str] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    source: str | None = None
 
 
 def _kind(names: Iterable[str]) -> tuple[str, str]:
@@ -268,15 +285,15 @@ def _finding(
         time_ms_per_step=idle_ms,
         est_saving_ms_per_step=idle_ms,
         advice=advice,
-        details={
-            "syncs_per_step": per_step,
-            "gpu_idle_ms_per_step": idle_ms,
-            "profiled_gpu_idle_ms_per_step": profiled_idle_ms,
-            "host_wait_ms_per_step": wait_ms,
-            "sync_calls": sorted({s.name for s, _ in items}),
-            "ops": sorted({r.name for r in roots}),
-            "source": src.line_text(line).strip() if src is not None else None,
-        },
+        details=HostSyncFacts(
+            syncs_per_step=per_step,
+            gpu_idle_ms_per_step=idle_ms,
+            profiled_gpu_idle_ms_per_step=profiled_idle_ms,
+            host_wait_ms_per_step=wait_ms,
+            sync_calls=sorted({s.name for s, _ in items}),
+            ops=sorted({r.name for r in roots}),
+            source=src.line_text(line).strip() if src is not None else None,
+        ).to_details(),
     )
 
 

@@ -45,8 +45,7 @@ from __future__ import annotations
 import bisect
 import re
 from collections import defaultdict
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from opadvisor.profile.model import Op, Profile
@@ -57,7 +56,7 @@ from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._library import library_path, pattern_view
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.engine import NeedsGpuProfile, NotApplicable
-from opadvisor.rules.facts import Facts
+from opadvisor.rules.facts import Facts, absent_as
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "sparse_launch"
@@ -126,7 +125,7 @@ class CaptureBlocker:
 
 
 @dataclass
-class GraphFacts(Facts):
+class GraphFacts:
     """What the profile proved about capturing the model's forward: the ops that block a capture."""
 
     blockers: list[CaptureBlocker] = field(default_factory=list)
@@ -138,30 +137,35 @@ class GraphFacts(Facts):
         lines = {f"blocker {i}": [b.line, b.line] for i, b in enumerate(blockers) if b.line is not None}
         return cls(blockers, lines)
 
-    def current_line(self, i: int) -> int | None:
-        """Blocker i's line in the text being rewritten (moved by earlier rewrites; the profiled one else)."""
-        span = self.lines.get(f"blocker {i}")
-        return int(span[0]) if span else self.blockers[i].line
-
-    @classmethod
-    def from_details(cls, details: Mapping[str, Any] | None) -> GraphFacts | None:  # type: ignore[override]
-        facts = super().from_details(details)
-        if facts is None:
-            return None
-        known = {f.name for f in fields(CaptureBlocker)}
-        try:
-            facts.blockers = [
-                b
-                if isinstance(b, CaptureBlocker)
-                else CaptureBlocker(**{k: v for k, v in b.items() if k in known})
-                for b in facts.blockers
-            ]
-        except (TypeError, AttributeError):
-            return None
-        return facts
-
     def unfixable(self) -> list[CaptureBlocker]:
         return [b for b in self.blockers if b.rewrite is None and not b.skipped_when_capturing]
+
+
+_NO_CAPTURE = "written only where the finding has an automatic fix (its codemod reads them); absent: none"
+
+
+@dataclass
+class SparseLaunchFacts(Facts):
+    """What a sparse_launch finding carries: the steps' idle rows, the tiny and all kernels per step, the
+    remedies, whether the time is an upper bound (uncalibrated), the idle time as profiled, and, on a
+    finding with a fix, the capture facts (`GraphFacts`: the blockers, and "blocker I" -> [line, line])."""
+
+    RULES = ("sparse_launch",)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    tiny_kernels_per_step: int = 0
+    kernels_per_step: int = 0
+    remedies: list[str] = field(default_factory=list)
+    upper_bound: bool = False
+    profiled_idle_ms_per_step: float | None = None
+    blockers: list[CaptureBlocker] | None = absent_as(None, _NO_CAPTURE)
+    lines: dict[str, list[int]] | None = absent_as(None, _NO_CAPTURE)
+
+    def unwritten(self) -> frozenset[str]:
+        return frozenset({"blockers", "lines"}) if self.blockers is None else frozenset()
+
+    def graph(self) -> GraphFacts:
+        """The capture facts (none on a finding without a fix)."""
+        return GraphFacts(list(self.blockers or []), dict(self.lines or {}))
 
 
 def capture_blockers(profile: Profile, ix: ProfileIndex) -> list[CaptureBlocker]:
@@ -399,15 +403,15 @@ def _finding(
         time_ms_per_step=ms,
         est_saving_ms_per_step=ms,
         advice="; ".join(remedies),
-        details={
-            "steps": step_rows,
-            "tiny_kernels_per_step": tiny_per_step,
-            "kernels_per_step": kernels_per_step,
-            "remedies": remedies,
-            "upper_bound": not cal.calibrated,
-            "profiled_idle_ms_per_step": profiled_ms,
-            **(graph_facts.to_details() if fix != "none" else {}),
-        },
+        details=SparseLaunchFacts(
+            step_rows,
+            tiny_per_step,
+            kernels_per_step,
+            remedies,
+            not cal.calibrated,
+            profiled_ms,
+            *((graph_facts.blockers, graph_facts.lines) if fix != "none" else ()),
+        ).to_details(),
     )
 
 

@@ -17,7 +17,7 @@ four extra forward/backward passes per new input shape. `cuda_graphed` itself ru
 wherever graphing cannot be right (no gradients, non-tensor or keyword arguments, hooks, changed
 parameters, a second forward before the first backward, a capture that fails: it warns once).
 
-Capture blockers first. The finding's facts (`GraphFacts`, opadvisor/rules/launch/sparse_launch.py) list the ops
+Capture blockers first. The finding's facts (`SparseLaunchFacts`, opadvisor/rules/launch/sparse_launch.py) list the ops
 of the model's forward that a capture cannot take, from the profile. A Python number copied to the device
 is rewritten at its line into the capture-safe form of the same value and dtype (exact):
 
@@ -50,9 +50,9 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import RuleCodemod
+from opadvisor.rewrite.base import RuleCodemod, target_facts
 from opadvisor.rewrite.toolkit import DDP_NAMES, nodes_of, qualified, reference
-from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, CaptureBlocker, GraphFacts
+from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, CaptureBlocker, SparseLaunchFacts
 
 KERNEL = "opadvisor.kernels.cuda_graphed"
 KERNEL_NAMES = frozenset({KERNEL, "opadvisor.kernels.graphs.cuda_graphed"})
@@ -71,6 +71,7 @@ class CudaGraphsCodemod(RuleCodemod):
     """Wrap the optimized module in `cuda_graphed` before its optimizer is built."""
 
     RULE: ClassVar[str] = "sparse_launch"
+    FACTS = SparseLaunchFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = (
         "optim",
         "cuda_graphed",
@@ -121,10 +122,12 @@ class CudaGraphsCodemod(RuleCodemod):
         fix when one has none (None: all can be rewritten, or there are none)."""
         blockers: dict[tuple, tuple[CaptureBlocker, int | None]] = {}
         for target in self.targets or []:
-            facts = GraphFacts.from_details(target.details)
-            for i, b in enumerate(facts.blockers if facts is not None else []):
+            facts = target_facts(target, SparseLaunchFacts)
+            for i, b in enumerate((facts.blockers or []) if facts is not None else []):
                 key = (b.path, b.line, b.op, b.why, b.library_file, b.library_line)
-                blockers.setdefault(key, (b, facts.current_line(i)))  # type: ignore[union-attr]
+                # its line in the text being rewritten (moved by earlier rewrites; the profiled one else)
+                moved = target.step_line(f"blocker {i}")
+                blockers.setdefault(key, (b, moved[0] if moved else b.line))
         if not blockers:
             return None
         calls = nodes_of(module, cst.Call)

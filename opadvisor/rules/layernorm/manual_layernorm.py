@@ -53,6 +53,8 @@ class LayerNormFacts(Facts):
     where eps went ("none", "inside_sqrt", "outside_sqrt"), rsqrt, whether a weight and a bias were
     applied, whether it is the same function as F.layer_norm (and why not), the input dtype."""
 
+    RULES = ("manual_layernorm",)
+
     normalized_shape: list[int] | None = None
     reduce_dims: list[int] = field(default_factory=list)
     variance: str = "var"

@@ -27,7 +27,9 @@ again after the pattern (ScopeProvider accesses; a read after the name is reboun
 statements interleaved with other code, and a `self.weight`/`self.bias` that `__init__` builds with a
 shape of more than one dimension (layer_norm needs exactly the normalized shape).
 
-No finding details are used; a target selects the patterns whose statements overlap its lines.
+A target selects the patterns whose statements overlap its lines; its facts (`LayerNormFacts`) must
+describe the same statistics: a pattern reducing another number of trailing dimensions than the profile
+saw there is left, with the reason (the file is not the one profiled).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from opadvisor.rewrite.toolkit import (
     reference,
     self_attr,
 )
+from opadvisor.rules.layernorm.manual_layernorm import LayerNormFacts
 
 # Per statistic: the positional parameters of the tensor method; the torch function takes `input` first.
 _SIGNATURES = {
@@ -443,9 +446,10 @@ def _is_output_stmt(stmt: cst.BaseStatement) -> bool:
 
 
 class ManualLayerNormCodemod(RuleCodemod):
-    """Collapse hand-written layer norms into `torch.nn.functional.layer_norm` (no finding details used)."""
+    """Collapse hand-written layer norms into `torch.nn.functional.layer_norm` (facts read: reduce_dims)."""
 
     RULE: ClassVar[str] = "manual_layernorm"
+    FACTS = LayerNormFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = (r"mean\s*\(",)  # the statistics: .mean, var_mean, std_mean
     NO_KERNEL_OP: ClassVar[str] = "the layer norm becomes PyTorch's own layer_norm"
     SAFETY: ClassVar[str] = "safe"
@@ -574,6 +578,10 @@ class ManualLayerNormCodemod(RuleCodemod):
                 "statistic): layer_norm cannot express it",
             )
             return False
+        reason = self._profile_disagrees(stmts, mt)
+        if reason:
+            self.skip(node, reason)
+            return False
         if mt.unsafe and not self.allow_unsafe:
             self.skip(
                 node, "not equivalent to layer_norm: " + "; ".join(mt.unsafe) + " (allowed with allow_unsafe)"
@@ -584,6 +592,23 @@ class ManualLayerNormCodemod(RuleCodemod):
             self.skip(node, reason)
             return False
         return True
+
+    def _profile_disagrees(self, stmts: list[cst.BaseStatement], mt: _Match) -> str | None:
+        """Why the profile's facts at this match describe other statistics (None: the same, or no facts)."""
+        target = next((t for k in sorted(mt.used) if (t := self.targeted(stmts[k])) is not None), None)
+        facts = self.facts_of(target) if target is not None else None
+        trailing = list(range(-mt.dims, 0)) if mt.dims is not None else None
+        if (
+            facts is None
+            or not facts.reduce_dims
+            or trailing is None
+            or sorted(facts.reduce_dims) == trailing
+        ):
+            return None
+        return (
+            f"the profile saw statistics over dims {facts.reduce_dims} here, the source takes them over "
+            f"{trailing}: profile the file again"
+        )
 
     def _read_elsewhere(self, block: cst.CSTNode, stmts: list[cst.BaseStatement], mt: _Match) -> str | None:
         """Why a temporary the rewrite removes is still needed (read after the pattern), else None."""

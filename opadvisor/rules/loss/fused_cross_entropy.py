@@ -33,12 +33,14 @@ Fix and its safety
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._chains import in_dtype, scalar, shape
 from opadvisor.rules._findings import build_finding, fmt_ms
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules.engine import NeedsGpuProfile
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Finding
 
 ID = "fused_cross_entropy"
@@ -55,6 +57,19 @@ MIN_CLASSES = 8192
 # cross_entropy.py at [8192, 30522] as a slice of [8192, 30528]; RESULTS.md): the estimate of the saving.
 FUSED_SHARE = 0.25
 _ARG_WEIGHT, _ARG_IGNORE_INDEX, _ARG_LABEL_SMOOTHING = 2, 4, 5
+
+
+@dataclass
+class CrossEntropyFacts(Facts):
+    """What a fused_cross_entropy finding carries: the logits' rows, classes and dtype, whether autocast
+    made a float32 copy of them, and the ignore_index the call passed (None: the default)."""
+
+    RULES = ("fused_cross_entropy",)
+    rows: int = 0
+    classes: int = 0
+    dtype: str = ""
+    autocast_copy: bool = False
+    ignore_index: float | None = None
 
 
 def _fusable(op: Op) -> tuple[int, int, str] | None:
@@ -127,13 +142,9 @@ def detect(profile: Profile) -> list[Finding]:
                 est_saving_ms=saving,
                 advice="use opadvisor.kernels.cross_entropy (opadvisor apply --rule fused_cross_entropy): "
                 "the same arguments, one pass over the 16-bit logits each way",
-                details={
-                    "rows": rows,
-                    "classes": classes,
-                    "dtype": dtype,
-                    "autocast_copy": cast,
-                    "ignore_index": ignore_index,
-                },
+                details=CrossEntropyFacts(
+                    rows=rows, classes=classes, dtype=dtype, autocast_copy=cast, ignore_index=ignore_index
+                ).to_details(),
                 notes=notes,
             )
         )

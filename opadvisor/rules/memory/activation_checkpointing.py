@@ -77,6 +77,8 @@ class CheckpointFacts(Facts):
     """What the profile proved about the blocks (the finding's `details`; the codemod reads `modules` and
     `form`). Bytes are per step; None where the profile could not tell (no CUDA: no peaks)."""
 
+    RULES = ("activation_checkpointing",)
+
     modules: list[str] = field(default_factory=list)  # the blocks' paths: "blocks.0", "blocks.1", ...
     module_class: str | None = None
     form: str = "call"  # "call": the caller calls each block; "sequential": an nn.Sequential calls them

@@ -20,11 +20,11 @@ saved before no longer load; rewriting the call changes no name, and the loop ov
 of `self.layers[i]`) is how the code people write calls its blocks.
 
 Blocks of an `nn.Sequential` that the model calls as a whole (`x = self.blocks(x)`; the finding's
-`details["form"]` is "sequential") get `torch.utils.checkpoint.checkpoint_sequential(self.blocks,
+the facts' `form` is "sequential") get `torch.utils.checkpoint.checkpoint_sequential(self.blocks,
 len(self.blocks), x, use_reentrant=False)`: one segment per block (the last runs unwrapped, as backward
 needs it first).
 
-Which calls: the finding names the blocks (`details["modules"]`: "blocks.0", "blocks.1", ... of one
+Which calls: the finding names the blocks (the facts' `modules`: "blocks.0", "blocks.1", ... of one
 ModuleList or Sequential) and the lines that call them. On those lines, a call is rewritten when its
 callee is the blocks' container seen from the caller: a loop variable over `self.<container>` (also
 through `enumerate(...)` or a slice), or `self.<container>[i]`, where `self.<container>` names the blocks'
@@ -46,7 +46,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import code, keyword, parent, reference
 from opadvisor.rules.memory.activation_checkpointing import CheckpointFacts
 
@@ -57,7 +57,7 @@ OWN_KEYWORDS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinis
 
 def _facts(target: Target) -> CheckpointFacts:
     """The finding's facts (an empty set when the target carries none: nothing matches then)."""
-    return CheckpointFacts.from_details(target.details) or CheckpointFacts()
+    return target_facts(target, CheckpointFacts) or CheckpointFacts()
 
 
 def container_of(modules: list[str]) -> str | None:
@@ -89,6 +89,7 @@ class ActivationCheckpointingCodemod(RuleCodemod):
     """Wrap the calls of the profiled blocks in torch.utils.checkpoint.checkpoint (non-reentrant)."""
 
     RULE: ClassVar[str] = "activation_checkpointing"
+    FACTS = CheckpointFacts
     STATIC_MODE: ClassVar[bool] = False  # which blocks hold the memory only a profile says
     NO_KERNEL_OP: ClassVar[str] = (
         "torch.utils.checkpoint recomputes the blocks with PyTorch's own ops; verify measures its effect, "

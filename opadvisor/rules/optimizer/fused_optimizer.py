@@ -32,7 +32,7 @@ Fix and its safety
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Construction, Op, Profile
 from opadvisor.rules._findings import fmt_ms, fmt_share
@@ -40,6 +40,7 @@ from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules._timeline import annotation_intervals
 from opadvisor.rules.engine import NeedsGpuProfile
+from opadvisor.rules.facts import Facts
 from opadvisor.rules.finding import Evidence, Finding
 
 ID = "fused_optimizer"
@@ -247,22 +248,43 @@ def _notes(cost: _StepCost, attrs: dict) -> list[str]:
     return notes
 
 
+@dataclass
+class FusedOptimizerFacts(Facts):
+    """What a fused_optimizer finding carries: the optimizer class and the path its step took ("for-loop",
+    "foreach"), its fused/foreach arguments, where the parameters live (the codemod refuses a device or
+    dtype fused does not support) and the step's cost per training step."""
+
+    RULES = ("fused_optimizer",)
+    optimizer: str = ""
+    path: str = ""
+    fused: bool | None = None
+    foreach: bool | None = None
+    param_count: int | None = None
+    param_devices: list[str] = field(default_factory=list)
+    param_dtypes: list[str] = field(default_factory=list)
+    kernels_per_step: float = 0.0
+    gpu_kernel_ms_per_step: float = 0.0
+    gpu_span_ms_per_step: float = 0.0
+    host_ms_per_step: float = 0.0
+    passes_per_step: float = 0.0
+
+
 def _details(c: Construction, path_kind: str, cost: _StepCost) -> dict:
     attrs = c.attrs
-    return {
-        "optimizer": c.cls,
-        "path": path_kind,
-        "fused": attrs.get("fused"),
-        "foreach": attrs.get("foreach"),
-        "param_count": attrs.get("param_count"),
-        "param_devices": list(attrs.get("param_devices") or []),
-        "param_dtypes": list(attrs.get("param_dtypes") or []),
-        "kernels_per_step": cost.kernels_per_step,
-        "gpu_kernel_ms_per_step": cost.gpu_ms,
-        "gpu_span_ms_per_step": cost.span_ms,
-        "host_ms_per_step": cost.cpu_ms,
-        "passes_per_step": cost.passes,
-    }
+    return FusedOptimizerFacts(
+        optimizer=c.cls,
+        path=path_kind,
+        fused=attrs.get("fused"),
+        foreach=attrs.get("foreach"),
+        param_count=attrs.get("param_count"),
+        param_devices=list(attrs.get("param_devices") or []),
+        param_dtypes=list(attrs.get("param_dtypes") or []),
+        kernels_per_step=cost.kernels_per_step,
+        gpu_kernel_ms_per_step=cost.gpu_ms,
+        gpu_span_ms_per_step=cost.span_ms,
+        host_ms_per_step=cost.cpu_ms,
+        passes_per_step=cost.passes,
+    ).to_details()
 
 
 __all__ = ["FIX", "ID", "TITLE", "detect"]

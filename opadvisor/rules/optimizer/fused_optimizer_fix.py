@@ -10,7 +10,7 @@ fused step computes the same update (on CPU in torch 2.13 it matched the for-loo
 on torch 2.13: `fused=True` works for CUDA and CPU parameters of Adam, AdamW and SGD (CPU kernels since
 torch 2.4; older torch raised on CPU); it raises at the first `step()` for complex or integer parameters,
 for SGD with sparse gradients (`nn.Embedding(sparse=True)`), and at construction with `differentiable=True`
-or `foreach=True`. In profile mode the finding's details say where the parameters live
+or `foreach=True`. In profile mode the finding's facts (`FusedOptimizerFacts`) say where the parameters live
 (`param_devices`, `param_dtypes`, recorded when the optimizer was built); in static mode nothing is known,
 and a display-only note (`notes`) says the fix needs floating-point parameters on CUDA (or CPU).
 
@@ -32,6 +32,7 @@ from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rewrite.toolkit import append_keywords, code, has_star_args, keyword, layout, qualified
+from opadvisor.rules.optimizer.fused_optimizer import FusedOptimizerFacts
 
 OPTIMIZERS: dict[str, str] = {
     "torch.optim.Adam": "Adam",
@@ -55,9 +56,10 @@ SPARSE_EMBEDDINGS = frozenset(
 
 
 class FusedOptimizerCodemod(RuleCodemod):
-    """Add `fused=True` to Adam/AdamW/SGD constructions (details used: param_devices, param_dtypes)."""
+    """Add `fused=True` to Adam/AdamW/SGD constructions (facts used: param_devices, param_dtypes)."""
 
     RULE: ClassVar[str] = "fused_optimizer"
+    FACTS = FusedOptimizerFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("optim", "adam", "sgd")  # torch.optim's Adam, AdamW, SGD
     NO_KERNEL_OP: ClassVar[str] = "fused=True selects PyTorch's own fused optimizer step"
     SAFETY: ClassVar[str] = "safe"
@@ -90,7 +92,8 @@ class FusedOptimizerCodemod(RuleCodemod):
         if reason is not None:
             self.skip(original_node, reason)
             return updated_node
-        devices = sorted({str(d).split(":")[0] for d in target.details.get("param_devices") or []})
+        facts = self.facts_of(target)
+        devices = sorted({d.split(":")[0] for d in (facts.param_devices if facts is not None else [])})
         where = f" (parameters on {', '.join(devices)})" if devices else ""
         self.record_change(
             original_node, f"{cls}(..., fused=True): one fused kernel for all parameters{where}"
@@ -123,11 +126,12 @@ class FusedOptimizerCodemod(RuleCodemod):
             return f"{cls}(...) sets differentiable={code(arg.value)}, which fused=True does not support"
         if not call.args:
             return f"{cls}() has no parameters argument"
-        devices = [str(d) for d in target.details.get("param_devices") or []]
+        facts = self.facts_of(target)
+        devices = facts.param_devices if facts is not None else []
         unsupported = sorted({d for d in devices if d.split(":")[0] not in FUSED_DEVICES})
         if unsupported:
             return f"parameters on {', '.join(unsupported)}: fused {cls} needs CUDA (or CPU) parameters"
-        dtypes = [str(d).removeprefix("torch.") for d in target.details.get("param_dtypes") or []]
+        dtypes = [d.removeprefix("torch.") for d in (facts.param_dtypes if facts is not None else [])]
         odd = sorted({d for d in dtypes if d not in FLOAT_DTYPES})
         if odd:
             return f"parameters of dtype {', '.join(odd)}: fused {cls} needs floating-point parameters"

@@ -65,6 +65,7 @@ GRAD_USE = re.compile(r"\.grad\b")  # `p.grad`, not `p.grad_fn` (the fix sees th
 class ZeroGradFacts(Facts):
     """What the profile saw at one zero_grad call (the finding's `details`)."""
 
+    RULES = (ID,)
     call_line: int = 0
     # gradient tensors zeroed at this call per step (0 where the profile cannot tell)
     zeroed_per_step: int = 0

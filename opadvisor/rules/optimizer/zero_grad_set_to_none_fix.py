@@ -30,6 +30,7 @@ class ZeroGradSetToNoneCodemod(RuleCodemod):
     """`set_to_none=False` (or a positional False) removed from the targeted zero_grad calls."""
 
     RULE: ClassVar[str] = ID
+    FACTS = ZeroGradFacts
     SAFETY: ClassVar[str] = "safe"
     STATIC_MODE: ClassVar[bool] = False  # only where the profile saw every zeroed gradient get a new one
     NO_KERNEL_OP: ClassVar[str] = "drops an argument: no op is called"
@@ -70,7 +71,7 @@ class ZeroGradSetToNoneCodemod(RuleCodemod):
             return f"set_to_none={code(arg.value)}: set it to True where that value comes from"
         if getattr(self, "allow_unsafe", False):
             return None
-        facts = ZeroGradFacts.from_details(target.details)
+        facts = self.facts_of(target)
         if facts is not None and facts.without_gradient is None:
             return (
                 "the profile could not tell which gradients zero_grad zeroed (a foreach zeroing is one kernel), "

@@ -55,6 +55,7 @@ Fix and its safety
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from opadvisor.libraries import block_of, repeated_blocks
 from opadvisor.profile.model import Op, Profile
@@ -74,6 +75,7 @@ from opadvisor.rules._regions import (
     op_does_work,
 )
 from opadvisor.rules._source import load_profiled_source
+from opadvisor.rules.facts import Facts, absent_as
 from opadvisor.rules.finding import Finding
 
 ID = "fuse_region"
@@ -89,6 +91,41 @@ OWNER_RULES = (
     "manual_layernorm",
     "fused_cross_entropy",
 )
+_NO_FLOOR = "no floor: a CPU profile, a run without a measured copy bandwidth, or a library block"
+_BLOCK_ONLY = "only a library block's finding names its module and block"
+_RUN_ONLY = "a library block's ops are many short runs, not one pass: no bytes per run"
+
+
+@dataclass(kw_only=True)
+class FuseRegionFacts(Facts):
+    """What a fuse_region finding carries to its fix: the chain the profile saw ("silu", "dropout", ...;
+    None for a region of unnamed ops), its function and `def` line, forward and backward kernels (ops on a
+    CPU profile: `count_unit`), the bytes one fused pass would move and its floor, the fix in words, and
+    for a library block its module and block class."""
+
+    RULES = ("fuse_region",)
+    chain: str | None = None
+    function: str | None = None
+    def_line: int | None = None
+    kernels_forward: int = 0
+    kernels_backward: int = 0
+    count_unit: str = "kernels"
+    bytes_per_run: int | None = absent_as(None, _RUN_ONLY)
+    runs_per_step: float | None = absent_as(None, _RUN_ONLY)
+    copy_bandwidth_gbps: float | None = absent_as(None, _RUN_ONLY)
+    floor_ms_per_step: float | None = absent_as(None, _NO_FLOOR)
+    fix: str = ""
+    module: str | None = absent_as(None, _BLOCK_ONLY)
+    block: str | None = absent_as(None, _BLOCK_ONLY)
+
+    def unwritten(self) -> frozenset[str]:
+        if self.block is not None:
+            return frozenset({"bytes_per_run", "runs_per_step", "copy_bandwidth_gbps", "floor_ms_per_step"})
+        return frozenset(
+            {"module", "block"} | ({"floor_ms_per_step"} if self.floor_ms_per_step is None else set())
+        )
+
+
 MIN_KERNELS = 3  # a region of unnamed ops needs at least this many kernels (ops on a CPU profile) forward
 MIN_SHARE = 0.005  # ... and at least this share of the step
 MIN_SHARE_TOP_LEVEL = 0.02  # ... this much at a script's top level, where there is no function to fix
@@ -306,17 +343,11 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
             if top_level
             else f"fuse it: {fix_words} (opadvisor apply --rule fuse_region)"
         ),
-        details={
-            "chain": site.chain,
-            "function": site.function,
-            "def_line": site.def_line,
-            "kernels_forward": fwd,
-            "kernels_backward": bwd_n,
-            "count_unit": unit,
-            **bytes_info,
-            "fix": fix_words,
+        details=FuseRegionFacts(
+            chain=site.chain, function=site.function, def_line=site.def_line, kernels_forward=fwd,
+            kernels_backward=bwd_n, count_unit=unit, **bytes_info, fix=fix_words,
             **({"module": site.block, "block": function.split(".")[0]} if site.block else {}),
-        },
+        ).to_details(),
         notes=(["the fused dropout draws its own random mask: losses agree in distribution"]
                if site.chain == "dropout" else []),
     )  # fmt: skip

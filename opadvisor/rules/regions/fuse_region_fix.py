@@ -1,6 +1,6 @@
 """Codemod for `fuse_region`: exact equivalents for recognised chains, regional compilation for the rest.
 
-For each finding (its `details["chain"]` says what the profile saw) the first of these that applies:
+For each finding (its facts' `chain` says what the profile saw) the first of these that applies:
 
 1. Activations written by hand, in any spelling the algebra of `_algebra.py` reads (method or function
    calls, `x ** 3` / `torch.pow(x, 3.0)` / `x * x * x`, constants spelled out or computed, temporaries
@@ -59,6 +59,7 @@ from opadvisor.rewrite.toolkit import (
     qualified,
     simple_binding,
 )
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 KERNELS = "opadvisor.kernels"
 COMPILE_REGION = f"{KERNELS}.compile_region"
@@ -106,6 +107,7 @@ class _Plan:
 
 class FuseRegionCodemod(BlockRewriter):
     RULE = "fuse_region"
+    FACTS = FuseRegionFacts
     # one op per exact form (compile_region, the fallback, is torch.compile: it keeps no dispatch record)
     KERNEL_OP = ("dropout", "quick_gelu", "disentangled_bias")
     SAFETY = "safe"
@@ -134,6 +136,11 @@ class FuseRegionCodemod(BlockRewriter):
         return updated_node
 
     # ---- targets ----------------------------------------------------------------------------------------
+    def _chain(self, target: Target) -> str | None:
+        """The chain the profile saw at the target ("silu", "dropout", ...; None: unnamed ops or no facts)."""
+        facts = self.facts_of(target)
+        return facts.chain if facts is not None else None
+
     def _target_index(self, start: int, end: int) -> int | None:
         for i, t in enumerate(self.targets or ()):
             if start <= t.end_line and t.line <= end:
@@ -149,7 +156,7 @@ class FuseRegionCodemod(BlockRewriter):
             i = self._target_index(start, end)
             if i is None:
                 continue
-            chain = self.targets[i].details.get("chain")
+            chain = self._chain(self.targets[i])
             if chain == SERVES[kind]:
                 self.served.add(i)
                 return True
@@ -172,11 +179,7 @@ class FuseRegionCodemod(BlockRewriter):
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():
             i = self._function_targeted(name)
-            if (
-                i is not None
-                and self.targets is not None
-                and self.targets[i].details.get("chain") == "dropout"
-            ):
+            if i is not None and self.targets is not None and self._chain(self.targets[i]) == "dropout":
                 self.served.add(i)
                 if not fn.calls:
                     line = self.plan.class_lines[name][0]
@@ -205,7 +208,7 @@ class FuseRegionCodemod(BlockRewriter):
                     continue
                 callers = {id(f): f for c in calls.get(name, []) if (f := self._enclosing_def(c)) is not None}
                 self.served.add(i)
-                if t.details.get("chain") == "dropout" and name in self.plan.refused:
+                if self._chain(t) == "dropout" and name in self.plan.refused:
                     why = self.plan.refused[name]
                     self.skipped.append(
                         Note(t.line, f"{name}: not replaced by opadvisor.kernels.dropout: {why}")
@@ -378,7 +381,7 @@ class FuseRegionCodemod(BlockRewriter):
         if fn is None:
             return updated_node
         i = self._function_targeted(name)  # type: ignore[arg-type]
-        if self.targets is not None and (i is None or self.targets[i].details.get("chain") != "dropout"):
+        if self.targets is not None and (i is None or self._chain(self.targets[i]) != "dropout"):
             return updated_node
         args = list(updated_node.args)
         if len(args) != len(fn.params) or any(a.keyword is not None or a.star for a in args):

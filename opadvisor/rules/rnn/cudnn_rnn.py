@@ -63,6 +63,8 @@ class CudnnRnnFacts(Facts):
     """What the profile saw of the layer's calls (the finding's `details`; the codemod inserts
     flatten_parameters() only where `problems` holds "not_flat", before a call of `module`'s last part)."""
 
+    RULES = ("cudnn_rnn",)
+
     kind: str = ""  # "LSTM", "GRU" or "RNN"
     module: str = ""
     problems: list[str] = field(default_factory=list)  # "not_flat", "no_cudnn", "float32"

@@ -16,7 +16,7 @@ once when they are packed already (and does nothing on the CPU). Where a weight'
 where something replaces them at every step (a weight drop, DataParallel replicas), each call still packs
 them once (flatten_parameters instead of cuDNN) and the saving is small: the finding's estimate says so.
 
-Which calls: the findings whose `details["problems"]` include "not_flat"; on their lines, a statement
+Which calls: the findings whose facts' `problems` include "not_flat"; on their lines, a statement
 calling `<...>.<name>(...)` where `<name>` is the last part of the profiled module's path (`self.lstm` for
 "encoder.lstm"). A statement that `<...>.<name>.flatten_parameters()` already precedes is left as it is.
 Findings about float32 or cuDNN being off are display only (no change). Without a profile (static mode)
@@ -33,7 +33,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import code
 from opadvisor.rules.rnn.cudnn_rnn import CudnnRnnFacts
 
@@ -42,6 +42,7 @@ class CudnnRnnCodemod(RuleCodemod):
     """Insert `<layer>.flatten_parameters()` before the calls whose weights the profile found not packed."""
 
     RULE: ClassVar[str] = "cudnn_rnn"
+    FACTS = CudnnRnnFacts
     STATIC_MODE: ClassVar[bool] = False  # which calls found the weights scattered only a profile says
     NO_KERNEL_OP: ClassVar[str] = "flatten_parameters() re-packs the weights for the layer's own cuDNN call"
     SAFETY: ClassVar[str] = "safe"
@@ -96,7 +97,7 @@ class CudnnRnnCodemod(RuleCodemod):
 
 
 def _facts(target: Target) -> CudnnRnnFacts:
-    return CudnnRnnFacts.from_details(target.details) or CudnnRnnFacts()
+    return target_facts(target, CudnnRnnFacts) or CudnnRnnFacts()
 
 
 def _unreached(target: Target) -> str | None:

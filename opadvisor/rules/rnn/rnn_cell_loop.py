@@ -59,6 +59,8 @@ class CellLoopFacts(Facts):
     """The cell the profile saw stepped in the loop (the finding's `details`; the codemod checks the
     loop's cell against `module` and the state's form against `kind`)."""
 
+    RULES = ("rnn_cell_loop",)
+
     kind: str = ""  # "LSTMCell", "GRUCell" or "RNNCell"
     module: str = ""  # its path in the model; the call names its last part (`self.cell`)
     call_line: int | None = None

@@ -29,7 +29,7 @@ What is rewritten (anything else is left alone, with the reason):
   `hx[0]` is the hidden state), `h = CELL(x[t], h)` for a GRU or RNN cell, where `x[t]` is `x[t]` / `x[t, :]`
   (time on dimension 0) or `x[:, t]` / `x[:, t, :]` (dimension 1), matching N's dimension (or the loop
   variable itself for the `for x_t in ...` forms); then optionally `outputs.append(h)`.
-- the cell: in profile mode, the module the finding names (`details["module"]`'s last part is the
+- the cell: in profile mode, the module the finding names (the facts' `module`, whose last part is the
   attribute called, its `kind` decides the state's form); in static mode, a `self.<attr>` that the class's
   `__init__` builds as `nn.LSTMCell(...)`, `nn.GRUCell(...)` or `nn.RNNCell(...)`.
 
@@ -47,7 +47,7 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from opadvisor.rewrite.base import RuleCodemod, Target
+from opadvisor.rewrite.base import RuleCodemod, Target, target_facts
 from opadvisor.rewrite.toolkit import (
     Visitor,
     class_info,
@@ -92,6 +92,7 @@ class RnnCellLoopCodemod(RuleCodemod):
     """Replace a loop over a recurrent cell by one `opadvisor.kernels.cell_sequence` call."""
 
     RULE: ClassVar[str] = "rnn_cell_loop"
+    FACTS = CellLoopFacts
     SOURCE_WORDS: ClassVar[tuple[str, ...]] = ("cell",)  # nn.LSTMCell, nn.GRUCell, nn.RNNCell
     KERNEL_OP: ClassVar[str | tuple[str, ...] | None] = "cell_sequence"
     SAFETY: ClassVar[str] = "safe"
@@ -163,7 +164,7 @@ class RnnCellLoopCodemod(RuleCodemod):
             if built is None:
                 raise Refused(f"{code(cell)} is not built as an nn.LSTMCell, nn.GRUCell or nn.RNNCell here")
             return built
-        facts = CellLoopFacts.from_details(target.details) or CellLoopFacts()
+        facts = target_facts(target, CellLoopFacts) or CellLoopFacts()
         module, kind = facts.module, facts.kind
         called = cell.attr.value if isinstance(cell, cst.Attribute) else getattr(cell, "value", "")
         if module.rpartition(".")[2] != called:

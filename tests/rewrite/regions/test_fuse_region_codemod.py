@@ -28,6 +28,7 @@ from libcst.codemod import CodemodContext
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 from opadvisor.rules.regions.fuse_region_fix import FuseRegionCodemod
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -41,7 +42,10 @@ def _out(case: Path) -> Path:
 
 
 def _targets(raw: list) -> list[Target]:
-    return [Target(a, b, d[0] if d else {}) for a, b, *d in raw]
+    return [
+        Target(a, b, FuseRegionFacts.from_details(d[0], partial=True) if d and d[0] else None)
+        for a, b, *d in raw
+    ]
 
 
 def _options(source: str) -> tuple[list[Target] | None, list[Target] | None, list[str]]:

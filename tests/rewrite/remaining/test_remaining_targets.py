@@ -8,6 +8,8 @@ import pytest
 from remaining_helpers import run
 
 from opadvisor.rewrite.base import Target
+from opadvisor.rules.data.dataloader_stall import CopySite, DataLoaderFacts
+from opadvisor.rules.optimizer.fused_optimizer import FusedOptimizerFacts
 
 OPTIMIZERS = textwrap.dedent(
     """\
@@ -24,7 +26,7 @@ OPTIMIZERS = textwrap.dedent(
 
 
 def test_fused_optimizer_only_targeted_construction() -> None:
-    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(5, 8, {"param_devices": ["cuda"]})])
+    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(5, 8, FusedOptimizerFacts(param_devices=["cuda"]))])
     assert "first = torch.optim.AdamW(model.parameters(), lr=1e-3)\n" in out
     assert "    lr=0.1,\n    fused=True,\n)" in out
     assert [n.line for n in cm.changes] == [5]
@@ -45,14 +47,14 @@ def test_fused_optimizer_no_targets_in_file_changes_nothing() -> None:
     ],
 )
 def test_fused_optimizer_refuses_what_the_profile_rules_out(details: dict, reason: str) -> None:
-    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, details)])
+    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, FusedOptimizerFacts(**details))])
     assert out == OPTIMIZERS
     assert len(cm.skipped) == 1 and reason in cm.skipped[0].message
 
 
 def test_fused_optimizer_accepts_cpu_and_cuda_floats() -> None:
     details = {"param_devices": ["cpu", "cuda:0"], "param_dtypes": ["torch.bfloat16", "torch.float32"]}
-    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, details)])
+    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, FusedOptimizerFacts(**details))])
     assert "lr=1e-3, fused=True)" in out and len(cm.changes) == 1
 
 
@@ -147,7 +149,7 @@ def test_safety_labels() -> None:
 
 
 def test_dataloader_copies_the_profile_measured(tmp_path) -> None:
-    """details["copies"] names copy lines of this file: they get non_blocking even with no loader in sight."""
+    """The facts' `copies` name copy lines of this file: they get non_blocking even with no loader in sight."""
     import libcst as cst
     from libcst.codemod import CodemodContext
 
@@ -165,7 +167,7 @@ def test_dataloader_copies_the_profile_measured(tmp_path) -> None:
     path.write_text(source)
     elsewhere = {"path": str(tmp_path / "other.py"), "line": 4, "end_line": 4}
     copies = [{"path": str(path), "line": 3, "end_line": 3}, {"path": str(path), "line": 4, "end_line": 4}]
-    target = Target(1, 1, {"copies": [*copies, elsewhere]})
+    target = Target(1, 1, DataLoaderFacts(copies=[CopySite(**c) for c in [*copies, elsewhere]]))
 
     codemod = DataLoaderCodemod(CodemodContext(filename=str(path)), [target])
     out = codemod.transform_module(cst.parse_module(source)).code

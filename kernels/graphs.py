@@ -51,7 +51,7 @@ call runs the original forward with nothing added but one attribute check. What 
 is freed (memory cached by its warm-up stream, the autograd nodes of its passes), the device's random
 generator is taken out of the capture mode the failed capture left it in and the caller's stream restored
 (below). `opadvisor suggest` names such lines from the profile and does not offer `cuda_graphed` while one
-is left (see opadvisor/rules/sparse_launch.py).
+is left (see opadvisor/rules/launch/sparse_launch.py).
 
 A failed capture leaves nothing behind for later ones: `torch.cuda.graph` leaves the calling thread on its
 capture stream when the capture cannot end (its `__exit__` raises before it restores the stream), so every

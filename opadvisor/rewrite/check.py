@@ -17,7 +17,7 @@ that the one that can be applied comes first: a blocked one sorts right after it
 Profile mode of `opadvisor apply` is built on these verdicts: `apply_run(rule, run)` analyses the run the
 same way (`analyse_checked`), selects the findings of `rule` and hands them to the engine
 (`engine.apply_findings`). It lives here rather than in engine.py, which the dry runs are made of, or in
-a module of its own, which rewrite/registry.py would take for a codemod (codemods are found by module name).
+a module of its own, which tests/rewrite/test_registry.py would take for a fix out of its family package.
 """
 
 from __future__ import annotations

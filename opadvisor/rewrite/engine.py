@@ -946,7 +946,7 @@ def selected_rules(rule: str, allow_unsafe: bool, messages: list[str]) -> tuple[
         return chosen, withheld
     from opadvisor.rules import registry as rules_registry
 
-    if rule not in rules_registry.RULE_MODULES and not registry.has_codemod(rule):
+    if rule not in rules_registry.rule_ids() and not registry.has_codemod(rule):
         raise UserError(
             f"unknown rule {rule!r}; rules with automatic fixes: {', '.join(registry.fixable_rules())}, or all"
         )

@@ -1,9 +1,10 @@
 """Which codemod fixes which rule, found by name: the codemod of rule R is the `RuleCodemod` subclass whose
-`RULE == "R"` in the module `opadvisor.rewrite.R`.
+`RULE == "R"` in R's fix module, `opadvisor.rules.<family>.R_fix` beside its detect module
+(`rules.registry.fix_module_name`).
 
 There is no list to keep in step: a rule is listed once, in `opadvisor/rules/registry.py`, and it has an
-automatic fix exactly when `opadvisor/rewrite/<rule id>.py` exists. Modules are imported only when needed
-(`has_codemod` looks for the file, so `opadvisor suggest` and `opadvisor rules` do not import libcst).
+automatic fix exactly when its fix module exists. Modules are imported only when needed (`has_codemod`
+looks for the file, so `opadvisor suggest` and `opadvisor rules` import no codemod).
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from functools import cache
 
 from opadvisor.errors import UserError
 from opadvisor.rewrite.base import RuleCodemod
-
-PACKAGE = "opadvisor.rewrite"
 
 # Fixes for findings in library code (opadvisor/libraries.py), keyed by fix: not rules of their own, they
 # serve the findings of the rules whose pattern is in an installed package (see rewrite/library.py).
@@ -31,13 +30,13 @@ LIBRARY_CODEMODS: dict[str, str] = {
 
 @cache
 def has_codemod(rule_id: str) -> bool:
-    """Whether `rule_id` has an automatic fix: a rule of the registry with a module
-    `opadvisor.rewrite.<rule_id>` (the package's other public modules, such as `engine`, are no rules)."""
-    from opadvisor.rules.registry import rule_ids
+    """Whether `rule_id` has an automatic fix: a rule of the registry whose fix module exists (the
+    package's other public modules, such as `engine`, are no rules)."""
+    from opadvisor.rules.registry import fix_module_name, rule_ids
 
     if rule_id not in rule_ids():
         return False
-    return importlib.util.find_spec(f"{PACKAGE}.{rule_id}") is not None
+    return importlib.util.find_spec(fix_module_name(rule_id)) is not None
 
 
 def fixable_rules() -> list[str]:
@@ -58,7 +57,10 @@ def get_codemod(rule_id: str) -> type[RuleCodemod]:
         raise UserError(
             f"rule {rule_id!r} has no automatic fix; `opadvisor explain {rule_id}` says what to do"
         )
-    module = importlib.import_module(f"{PACKAGE}.{rule_id}")
+    from opadvisor.rules.registry import fix_module_name
+
+    module_name = fix_module_name(rule_id)
+    module = importlib.import_module(module_name)
     found = [
         obj
         for obj in vars(module).values()
@@ -66,7 +68,6 @@ def get_codemod(rule_id: str) -> type[RuleCodemod]:
     ]
     if len(found) != 1:
         raise RuntimeError(
-            f"{PACKAGE}.{rule_id} must define exactly one RuleCodemod with RULE = {rule_id!r} "
-            f"(found {len(found)})"
+            f"{module_name} must define exactly one RuleCodemod with RULE = {rule_id!r} (found {len(found)})"
         )
     return found[0]

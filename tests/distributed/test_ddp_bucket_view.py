@@ -17,7 +17,7 @@ from cli_testlib import copy_project, opadvisor_here
 from parallel_testlib import profile_ranks, suggest, verify_parity
 
 from opadvisor.profile.runs import load_run
-from opadvisor.rules.ddp_bucket_view import COPY_BACK
+from opadvisor.rules.distributed.ddp_bucket_view import COPY_BACK
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_gpt_train.py"

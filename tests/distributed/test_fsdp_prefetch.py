@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from opadvisor.profile.model import Annotation, Construction, Environment, Kernel, Op, Profile, Step
-from opadvisor.rules import fsdp_prefetch
 from opadvisor.rules._units import late_forward_gathers
+from opadvisor.rules.distributed import fsdp_prefetch
 from opadvisor.rules.engine import NeedsGpuProfile
 
 NCCL = "ncclDevKernel_AllGather_RING_LL"

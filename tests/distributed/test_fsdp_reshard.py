@@ -20,8 +20,8 @@ from parallel_testlib import profile_ranks, suggest, verify_parity
 
 from opadvisor.profile.model import Annotation, Construction, Environment, Kernel, Op, Profile, Step
 from opadvisor.profile.runs import load_run
-from opadvisor.rules import fsdp_reshard
 from opadvisor.rules._units import backward_gathers, late_forward_gathers, unit_comm
+from opadvisor.rules.distributed import fsdp_reshard
 from opadvisor.rules.engine import NeedsGpuProfile
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp_blocks.py"

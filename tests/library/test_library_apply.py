@@ -12,8 +12,8 @@ from library_testlib import assert_verify_parity, line_of, run_opadvisor
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
 from opadvisor.rewrite.library import LibraryFixFacts
-from opadvisor.rules.fused_cross_entropy import CrossEntropyFacts
-from opadvisor.rules.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.loss.fused_cross_entropy import CrossEntropyFacts
 
 # the facts of a loss finding built by hand (a GPU profile's would carry its own)
 LOSS_FACTS = CrossEntropyFacts(rows=128, classes=30522, dtype="float32").to_details()

@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 
 from opadvisor.profile.blocks import repeated_blocks
-from opadvisor.rewrite.regional_compile import block_iterable
+from opadvisor.rules.compile.regional_compile_fix import block_iterable
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
 

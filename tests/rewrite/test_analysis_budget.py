@@ -14,7 +14,7 @@ from opadvisor.rewrite import _budget
 from opadvisor.rewrite._bindings import Resolver, block_index
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import dry_run, rewrite_source
-from opadvisor.rules.fuse_region import FuseRegionFacts
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 CAST_MASK = b"""import torch
 from torch import nn
@@ -158,7 +158,7 @@ def g(y):
 def test_profile_mode_analyses_only_the_targeted_blocks():
     from opadvisor.rewrite import _bindings
     from opadvisor.rewrite.engine import _parse, _run_once
-    from opadvisor.rewrite.fuse_region import FuseRegionCodemod
+    from opadvisor.rules.regions.fuse_region_fix import FuseRegionCodemod
 
     _bindings._INDEXES.clear()
     module = _parse(TWO_FUNCTIONS, "m.py")

@@ -19,9 +19,9 @@ from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import mark_latest
 from opadvisor.rewrite import engine
 from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.dropout_add.fused_dropout_add import DropoutAddFacts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.fused_dropout_add import DropoutAddFacts
-from opadvisor.rules.gemm_align import GemmAlignFacts
+from opadvisor.rules.gemm.gemm_align import GemmAlignFacts
 
 MODEL = b"""import math
 
@@ -369,7 +369,7 @@ def test_refuses_unsafe_without_flag(project, monkeypatch):
     assert model.read_bytes() == MODEL
     assert cli("--rule", "fused_softmax", "--unsafe").exit_code == 0
     # a codemod whose fix is unsafe as a whole, in static mode
-    from opadvisor.rewrite.fused_dropout_add import FusedDropoutAddCodemod
+    from opadvisor.rules.dropout_add.fused_dropout_add_fix import FusedDropoutAddCodemod
 
     monkeypatch.setattr(FusedDropoutAddCodemod, "SAFETY", "unsafe")
     before = model.read_bytes()

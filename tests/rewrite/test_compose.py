@@ -10,8 +10,8 @@ import pytest
 
 from opadvisor.rewrite.engine import apply_findings
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.fused_optimizer import FusedOptimizerFacts
-from opadvisor.rules.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.optimizer.fused_optimizer import FusedOptimizerFacts
 
 SCRIPT = """\
 import torch

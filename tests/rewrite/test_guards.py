@@ -150,7 +150,7 @@ def test_when_the_bigger_win_cannot_be_applied_the_alternative_is(project: Path)
 
 def test_a_rule_that_crashes_is_reported_by_apply(project: Path, monkeypatch: pytest.MonkeyPatch):
     profile_module(project, "model.py", FINITE_FILL)
-    from opadvisor.rules import fused_softmax
+    from opadvisor.rules.attention import fused_softmax
 
     def broken(profile):
         raise KeyError("softmax")

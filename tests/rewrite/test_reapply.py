@@ -13,7 +13,7 @@ from test_apply import MODEL, attention_findings, cli
 from opadvisor.profile.model import Profile, save_profile
 from opadvisor.profile.runs import keep_sources, mark_latest
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.sparse_launch import SparseLaunchFacts
+from opadvisor.rules.launch.sparse_launch import SparseLaunchFacts
 
 TRAIN = (
     MODEL

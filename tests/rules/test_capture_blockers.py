@@ -11,7 +11,7 @@ from rules_testlib import REPO, gpu_fixture
 
 from opadvisor.rewrite.check import check_fixes
 from opadvisor.rules.engine import analyse
-from opadvisor.rules.sparse_launch import SCALAR_TENSOR, SparseLaunchFacts
+from opadvisor.rules.launch.sparse_launch import SCALAR_TENSOR, SparseLaunchFacts
 
 EXAMPLE = REPO / "examples" / "bert_train.py"
 

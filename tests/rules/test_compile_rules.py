@@ -20,8 +20,8 @@ from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.compiled import CompileRecorder
 from opadvisor.profile.model import CompiledFrame, Profile, load_profile, profile_from_dict, profile_to_dict
-from opadvisor.rules import graph_break, recompile, regional_compile
 from opadvisor.rules._compiled import break_kind
+from opadvisor.rules.compile import graph_break, recompile, regional_compile
 from opadvisor.rules.compile_facts import GraphBreakFacts, RecompileFacts
 
 BREAKS = SCRIPTS / "compiled_breaks.py"

@@ -149,7 +149,7 @@ def test_source_status_changed_and_missing(tmp_path):
 
 
 def test_a_failing_rule_is_a_note_not_a_crash(monkeypatch):
-    from opadvisor.rules import fused_dropout_add
+    from opadvisor.rules.dropout_add import fused_dropout_add
 
     def boom(profile):
         raise RuntimeError("bad")

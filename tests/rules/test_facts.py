@@ -13,15 +13,15 @@ from libcst.codemod import CodemodContext
 
 from opadvisor.rewrite.base import Target, finding_target, target_facts
 from opadvisor.rewrite.engine import rewrite_source
-from opadvisor.rewrite.fused_dropout_add import FusedDropoutAddCodemod
 from opadvisor.rewrite.registry import LIBRARY_CODEMODS, fixable_rules, get_codemod
 from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.dropout_add.fused_dropout_add_fix import FusedDropoutAddCodemod
 from opadvisor.rules.engine import analyse
 from opadvisor.rules.facts import Facts, FactsError, Operand, facts_class
 from opadvisor.rules.finding import Alternative, Finding
-from opadvisor.rules.fuse_region import FuseRegionFacts
-from opadvisor.rules.gemm_align import GemmAlignFacts
-from opadvisor.rules.manual_layernorm import LayerNormFacts
+from opadvisor.rules.gemm.gemm_align import GemmAlignFacts
+from opadvisor.rules.layernorm.manual_layernorm import LayerNormFacts
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 from opadvisor.rules.registry import rule_ids
 
 PACKAGE = Path(__file__).resolve().parents[2] / "opadvisor"

@@ -9,9 +9,9 @@ import pytest
 from rules_testlib import SCRIPTS, expected_lines, gpu_fixture
 
 from opadvisor.profile.model import Op, load_profile
-from opadvisor.rules import fuse_region
 from opadvisor.rules._regions import Site, bytes_moved, chain_of, merge_same_fix
 from opadvisor.rules.engine import analyse
+from opadvisor.rules.regions import fuse_region
 
 
 def _findings(rules_profile, name: str):

@@ -7,8 +7,8 @@ import pytest
 from rules_testlib import REPO, gpu_fixture
 
 from opadvisor.profile.model import Profile
-from opadvisor.rules import fused_cross_entropy
 from opadvisor.rules.engine import analyse
+from opadvisor.rules.loss import fused_cross_entropy
 
 
 @pytest.mark.parametrize(("example", "classes"), [("bert_train", 30522), ("gpt_train", 50257)])

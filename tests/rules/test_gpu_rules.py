@@ -43,7 +43,7 @@ def test_sparse_launch_finds_the_tiny_kernel_function():
     assert top.rule == "sparse_launch" and top.function == "activation"
     fn_line = expected_lines(SCRIPTS / "tiny_kernels.py", "sparse_launch function")[0]
     assert fn_line <= top.line <= top.end_line <= fn_line + 5
-    assert top.fix == "unsafe" and top.evidence.time_basis == "gpu"  # CUDA graphs (rewrite/sparse_launch)
+    assert top.fix == "unsafe" and top.evidence.time_basis == "gpu"  # CUDA graphs (launch/sparse_launch_fix)
     steps = top.details["steps"]
     assert len(steps) == 3 and all(s["idle_share"] > 0.5 for s in steps)
     assert top.details["tiny_kernels_per_step"] > 1000
@@ -103,7 +103,7 @@ def test_dropout_add_under_the_kernel_size_is_fixed_without_a_saving(monkeypatch
     opadvisor.kernels.bias_dropout_add fuses outside CUDA graphs (it runs the same chain there), the finding
     keeps its measured time and the safe fix but claims no saving, and says the kernel runs only inside a
     CUDA graph; over that size the saving is estimated from the profile."""
-    from opadvisor.rules import fused_dropout_add
+    from opadvisor.rules.dropout_add import fused_dropout_add
 
     small = [f for f in run("gpt_train", ["fused_dropout_add"]).findings]
     assert len(small) == 2
@@ -139,7 +139,6 @@ def test_suggest_table_says_why_a_fix_claims_no_saving(tmp_path, monkeypatch):
 
 def test_rule_threshold_is_the_kernels_dispatch_size():
     from opadvisor.kernels import dropout_add
-
-    from opadvisor.rules import fused_dropout_add
+    from opadvisor.rules.dropout_add import fused_dropout_add
 
     assert fused_dropout_add.KERNEL_MIN_NUMEL == dropout_add.SMALL_NUMEL

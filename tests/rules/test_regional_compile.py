@@ -17,7 +17,7 @@ from cli_testlib import opadvisor
 from rules_testlib import SCRIPTS, expected_lines
 
 from opadvisor.profile.model import CompiledFrame, Construction, Profile, load_profile
-from opadvisor.rules import regional_compile
+from opadvisor.rules.compile import regional_compile
 from opadvisor.rules.compile_facts import RegionalCompileFacts
 
 BLOCKS = SCRIPTS / "compiled_blocks.py"

@@ -28,8 +28,8 @@ from libcst.codemod import CodemodContext
 
 from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
-from opadvisor.rewrite.fuse_region import FuseRegionCodemod
-from opadvisor.rules.fuse_region import FuseRegionFacts
+from opadvisor.rules.regions.fuse_region import FuseRegionFacts
+from opadvisor.rules.regions.fuse_region_fix import FuseRegionCodemod
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CASES = sorted(FIXTURES.glob("*.in.py"))

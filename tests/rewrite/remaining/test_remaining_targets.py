@@ -8,8 +8,8 @@ import pytest
 from remaining_helpers import run
 
 from opadvisor.rewrite.base import Target
-from opadvisor.rules.dataloader_stall import CopySite, DataLoaderFacts
-from opadvisor.rules.fused_optimizer import FusedOptimizerFacts
+from opadvisor.rules.data.dataloader_stall import CopySite, DataLoaderFacts
+from opadvisor.rules.optimizer.fused_optimizer import FusedOptimizerFacts
 
 OPTIMIZERS = textwrap.dedent(
     """\
@@ -153,7 +153,7 @@ def test_dataloader_copies_the_profile_measured(tmp_path) -> None:
     import libcst as cst
     from libcst.codemod import CodemodContext
 
-    from opadvisor.rewrite.dataloader_stall import DataLoaderCodemod
+    from opadvisor.rules.data.dataloader_stall_fix import DataLoaderCodemod
 
     source = textwrap.dedent(
         """\

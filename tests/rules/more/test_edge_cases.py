@@ -16,8 +16,12 @@ from opadvisor.profile.model import (
     Step,
     SyncEvent,
 )
-from opadvisor.rules import dataloader_stall, fp32_gemm, fused_optimizer, host_sync, manual_layernorm
+from opadvisor.rules.data import dataloader_stall
 from opadvisor.rules.engine import NotApplicable
+from opadvisor.rules.gemm import fp32_gemm
+from opadvisor.rules.launch import host_sync
+from opadvisor.rules.layernorm import manual_layernorm
+from opadvisor.rules.optimizer import fused_optimizer
 
 USER = "/nonexistent/train.py"  # not on disk: the rules fall back to the profile's lines
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from opadvisor.rules import dataloader_stall, fp32_gemm, fused_optimizer, host_sync, manual_layernorm
+from opadvisor.rules.data import dataloader_stall
 from opadvisor.rules.engine import analyse
+from opadvisor.rules.gemm import fp32_gemm
+from opadvisor.rules.launch import host_sync
+from opadvisor.rules.layernorm import manual_layernorm
+from opadvisor.rules.optimizer import fused_optimizer
 
 from .conftest import line_of, lines, script_path
 

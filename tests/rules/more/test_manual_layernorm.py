@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from opadvisor.rules import manual_layernorm
 from opadvisor.rules.engine import analyse
+from opadvisor.rules.layernorm import manual_layernorm
 
 from .conftest import lines, script_path
 

@@ -221,22 +221,3 @@ def _long_functions() -> dict[str, int]:
 def test_no_function_is_longer_than_a_screen() -> None:
     found = _long_functions()
     assert not found, f"functions over {MAX_FUNCTION_LINES} lines (split them): {found}"
-
-
-# ---- every package ships ------------------------------------------------------------------------------------------------
-# pyproject.toml lists the packages a wheel holds (kernels/ is mapped to opadvisor.kernels, so setuptools' find cannot
-# list them): a package missing there works from a checkout and is absent from an installed wheel. A new rule family
-# (opadvisor/rules/<family>/) adds its line there once.
-
-
-def test_every_package_is_in_pyproject() -> None:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {
-        _module_of(init)
-        for init in (ROOT / "opadvisor").rglob("__init__.py")
-        if "kernels" not in init.relative_to(ROOT).parts
-    }
-    assert found <= listed, (
-        f"packages missing from pyproject.toml's [tool.setuptools] packages: {found - listed}"
-    )

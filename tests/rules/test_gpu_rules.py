@@ -139,6 +139,7 @@ def test_suggest_table_says_why_a_fix_claims_no_saving(tmp_path, monkeypatch):
 
 def test_rule_threshold_is_the_kernels_dispatch_size():
     from opadvisor.kernels import dropout_add
+
     from opadvisor.rules.dropout_add import fused_dropout_add
 
     assert fused_dropout_add.KERNEL_MIN_NUMEL == dropout_add.SMALL_NUMEL

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -480,12 +481,31 @@ def _differing(
 def _loop_collectives(profile: Profile) -> list[tuple[str, str, int, float]]:
     """(collective, file, line, calls/step) of collectives called from Python, not from autograd hooks."""
     steps = max(len(profile.steps), 1)
+    # FSDP2 gathers a unit's parameters from its module's forward hook: the op's Python line is the model
+    # call in the loop, but FSDP issued it (the fsdp_* rules speak for those, at the fully_shard line)
+    fsdp = _fsdp_ranges(profile)
     sites: dict[tuple[str, str, int], int] = defaultdict(int)
     for op in profile.ops:
         name = _c10d_collective(op.name)
-        if name and op.step is not None and not op.is_backward and op.file and op.line:
+        if not (name and op.step is not None and not op.is_backward and op.file and op.line):
+            continue
+        if not _inside(op.start_us, fsdp.get(op.thread, [])):
             sites[(name, op.file, op.line)] += 1
     return [(n, f, line, c / steps) for (n, f, line), c in sorted(sites.items(), key=lambda kv: -kv[1])]
+
+
+def _fsdp_ranges(profile: Profile) -> dict[int, list[Interval]]:
+    """Per thread, the union of FSDP2's own ranges (`FSDP::all_gather (unit)`, `FSDP::pre_forward`, ...)."""
+    spans: dict[int, list[Interval]] = defaultdict(list)
+    for a in profile.annotations:
+        if a.name.startswith("FSDP::"):
+            spans[a.thread].append((a.start_us, a.start_us + a.duration_us))
+    return {thread: interval_union(s) for thread, s in spans.items()}
+
+
+def _inside(t: float, spans: list[Interval]) -> bool:
+    i = bisect_right(spans, (t, float("inf"))) - 1
+    return i >= 0 and spans[i][0] <= t <= spans[i][1]
 
 
 def _advice(profiles: Sequence[Profile], report: CrossRankReport) -> list[Advice]:

@@ -187,3 +187,19 @@ def test_gpu_profile_without_nccl_kernels_does_not_guess() -> None:
     report = cross_rank.analyse([prof])
     assert report.basis == "none" and report.comm_ms is None
     assert any("no NCCL kernel was recorded" in n for n in report.notes)
+
+
+def test_fsdp_unit_gathers_are_not_loop_collectives() -> None:
+    # FSDP2 gathers each unit's parameters from the module's forward hook: the op's Python line is the
+    # model call in the training loop, but it runs inside FSDP's own range, so it is not the loop's
+    prof = cpu_profile(0, sleep_ms=0.0)
+    for i in range(3):
+        base = i * 10_000.0
+        prof.annotations.append(Annotation("FSDP::all_gather (blocks.0)", base + 100, 50.0, step=i, thread=1))
+        gather = Op(
+            len(prof.ops), "c10d::_allgather_base_", i, base + 110, 20.0, thread=1, file="/t.py", line=5
+        )
+        prof.ops.append(gather)
+    report = cross_rank.analyse([prof, cpu_profile(1, sleep_ms=0.0)])
+    loop = [(a.path, a.line) for a in report.advice if a.id == "loop_collective"]
+    assert loop == [("/t.py", 9)]  # the logged all-reduce only; the unit's gathers are FSDP's

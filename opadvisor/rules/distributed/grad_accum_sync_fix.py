@@ -18,6 +18,11 @@ loop is the innermost `for` holding the forward, in one of the two shapes people
         optimizer.step()
 
 FSDP2: `model.set_requires_gradient_sync(LAST)` becomes the first statement of the micro-step loop's body.
+Where the root's `fully_shard` is the file's only one (one unit holds the whole model), the next statement
+is `model.set_reshard_after_backward(LAST)`: the gathered parameters stay between micro-steps instead of
+being gathered again by the next forward. That unit holds them unsharded through its whole forward and
+backward anyway, so the peak memory does not grow; with one unit per block it would (every block kept
+gathered), so it is not written there (fsdp_reshard judges that trade from the measured memory).
 DDP: the statements of the micro-step (in (a) those before the `if`, in (b) the whole body) run under
 `with contextlib.nullcontext() if LAST else model.no_sync():` (DDP reads the flag at the forward, so the
 forward must be inside), and `contextlib` is imported.
@@ -59,6 +64,7 @@ class _Edit:
     model: str
     last: str  # the expression that is true on the last micro-step
     stop: int | None  # (a) DDP: the statements before this index run under no_sync; None: the whole body
+    keep_gathered: bool = False  # FSDP2, one unit: no reshard after the backward of a micro-step either
 
 
 class GradAccumSyncCodemod(RuleCodemod):
@@ -95,10 +101,7 @@ class GradAccumSyncCodemod(RuleCodemod):
         body = cst.ensure_type(updated_node.body, cst.IndentedBlock)
         statements = list(body.body)
         if edit.wrapper == "fsdp":
-            call = cst.parse_statement(f"{edit.model}.set_requires_gradient_sync({edit.last})\n")
-            call = call.with_changes(leading_lines=[cst.EmptyLine(comment=cst.Comment(COMMENT))])
-            statements.insert(0, call)
-            what = f"{edit.model}.set_requires_gradient_sync({edit.last}) before the forward"
+            statements[:0], what = self._fsdp_calls(edit)
         else:
             stop = len(statements) if edit.stop is None else edit.stop
             statements = [self._no_sync(edit, statements[:stop]), *statements[stop:]]
@@ -107,6 +110,18 @@ class GradAccumSyncCodemod(RuleCodemod):
         loop_line = self.lines_of(original_node)[0]
         self.changes.append(Note(edit.target.line, f"{what} (the loop at line {loop_line})"))
         return updated_node.with_changes(body=body.with_changes(body=statements))
+
+    @staticmethod
+    def _fsdp_calls(edit: _Edit) -> tuple[list[cst.BaseStatement], str]:
+        """The statements that open an FSDP2 micro-step, and what they do in words."""
+        calls = [f"{edit.model}.set_requires_gradient_sync({edit.last})"]
+        if edit.keep_gathered:
+            calls.append(f"{edit.model}.set_reshard_after_backward({edit.last})")
+        statements = [cst.parse_statement(c + "\n") for c in calls]
+        statements[0] = statements[0].with_changes(
+            leading_lines=[cst.EmptyLine(comment=cst.Comment(COMMENT))]
+        )
+        return statements, " and ".join(calls) + " before the forward"
 
     @staticmethod
     def _no_sync(edit: _Edit, statements: list[cst.BaseStatement]) -> cst.With:
@@ -144,7 +159,11 @@ class GradAccumSyncCodemod(RuleCodemod):
         if isinstance(found, str):
             return found
         last, stop = found
-        return loop, _Edit(target, facts.wrapper, model, last, stop)
+        one_unit = facts.wrapper == "fsdp" and self._fully_shard_calls(module) == 1
+        return loop, _Edit(target, facts.wrapper, model, last, stop, keep_gathered=one_unit)
+
+    def _fully_shard_calls(self, module: cst.Module) -> int:
+        return sum(1 for c in nodes_of(module, cst.Call) if resolves_to(self, c.func, FULLY_SHARD_NAMES))
 
     def _model_name(self, module: cst.Module, target: Target, wrapper: str) -> str:
         """The model's expression, or "!" + why there is none."""

@@ -23,7 +23,9 @@ functions, and an op of another function that does real work between two links b
 
 Semantics: matches are searched left to right, start at the earliest op that can bind any leading link
 (a leading optional link that cannot bind is skipped), prefer binding an optional link over skipping it,
-and never overlap (the search resumes after the last op of a match). Work is linear in the number of ops
+and never overlap (the search resumes after the last op of a match). A chain's `swaps` name pairs of
+adjacent links that may also run in the other order: each order is tried at a start, and the one binding
+the most links wins (the declared order on a tie). Work is linear in the number of ops
 for the chains rules use (a bounded look-ahead per start position).
 
 The shape/dtype helpers below read the profile's `input_shapes` / `input_dtypes` / `scalars` lists and
@@ -186,6 +188,18 @@ class Chain:
     links: tuple[Link, ...]
     skip: Callable[[Op], bool] = _default_skip  # may run between two bound ops
     max_between: int = 8
+    swaps: tuple[frozenset[str], ...] = ()  # pairs of adjacent links (by label) that may run either way
+
+    def orders(self) -> list[tuple[Link, ...]]:
+        """The link orders to try: the declared one, then each with one `swaps` pair swapped."""
+        out = [self.links]
+        labels = [link.label for link in self.links]
+        for pair in self.swaps:
+            i, j = sorted(labels.index(label) for label in pair)
+            order = list(self.links)
+            order[i], order[j] = order[j], order[i]
+            out.append(tuple(order))
+        return out
 
 
 @dataclass
@@ -250,25 +264,45 @@ def _match_at(
     return None
 
 
+def _leading_names(links: Sequence[Link]) -> frozenset[str]:
+    """Names any leading link could bind: a cheap pre-filter per start position."""
+    out: frozenset[str] = frozenset()
+    for link in links:
+        out |= link.names
+        if not link.optional:
+            break
+    return out
+
+
+def _best_at(
+    ops: Sequence[Op], i: int, chain: Chain, orders: list[tuple[Link, ...]], frame_of: dict[int, Frame]
+) -> tuple[list[int], dict[str, Op]] | None:
+    """The match starting at ops[i] that binds the most links over the chain's orders (the declared order
+    on a tie), as (positions, bound), or None."""
+    best: tuple[list[int], dict[str, Op]] | None = None
+    for links in orders:
+        bound: dict[str, Op] = {}
+        pos = _match_at(ops, i, links, 0, bound, chain, None, frame_of)
+        if pos is not None and (best is None or len(pos) > len(best[0])):
+            best = (pos, bound)
+    return best
+
+
 def match_sequence(ops: Sequence[Op], chain: Chain, frame_of: dict[int, Frame]) -> list[ChainMatch]:
     """Every non-overlapping match of `chain` in one thread's forward root ops, left to right."""
     out: list[ChainMatch] = []
-    links = chain.links
-    first_names: frozenset[str] = frozenset()
-    for link in links:  # names any leading link could bind: a cheap pre-filter per start position
-        first_names |= link.names
-        if not link.optional:
-            break
+    orders = chain.orders()
+    first_names = frozenset().union(*(_leading_names(links) for links in orders))
     i = 0
     while i < len(ops):
         if ops[i].name not in first_names or ops[i].id not in frame_of:
             i += 1
             continue
-        bound: dict[str, Op] = {}
-        pos = _match_at(ops, i, links, 0, bound, chain, None, frame_of)
-        if pos is None:
+        best = _best_at(ops, i, chain, orders, frame_of)
+        if best is None:
             i += 1
             continue
+        pos, bound = best
         order = [ops[p] for p in pos]
         out.append(ChainMatch(frame_of[order[0].id], dict(bound), order, list(ops[pos[0] : pos[-1] + 1])))
         i = pos[-1] + 1

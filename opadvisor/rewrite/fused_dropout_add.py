@@ -36,6 +36,7 @@ from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._chain import Chain, ChainFinder, Segment, Step, _assign_name, _small
 from opadvisor.rewrite.base import Target
 from opadvisor.rules.fused_dropout_add import DropoutAddFacts
+from opadvisor.rules.patterns import DROPOUT, RESIDUAL
 
 KERNEL = "opadvisor.kernels.bias_dropout_add"
 PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
@@ -176,8 +177,8 @@ class FusedDropoutAddCodemod(BlockRewriter):
         self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
     ) -> str | None:
         facts = DropoutAddFacts.from_details(target.details)
-        drop = facts.line_of("dropout") if facts is not None else None
-        add = facts.line_of("residual") if facts is not None else None
+        drop = facts.line_of(DROPOUT) if facts is not None else None
+        add = facts.line_of(RESIDUAL) if facts is not None else None
         if drop is None or add is None:
             return None
         inner, outer = _innermost(functions, drop[0]), _innermost(functions, add[0])
@@ -203,7 +204,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
             small = _small(stmt)
             if small is None:
                 continue
-            drops = [d for d in (finder.peel_post(c, "dropout") for c in mt.nodes_of(small, cst.Call)) if d]
+            drops = [d for d in (finder.peel_post(c, DROPOUT) for c in mt.nodes_of(small, cst.Call)) if d]
             for drop in drops:
                 edit = self._edit_for(finder, stmts, index, drop, indent, link=len(drops) == 1)
                 if edit is not None:
@@ -301,7 +302,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
     ) -> bool:
         """Whether the dropout of statement `first` is the one profiled (a call: its line is exact; the
         residual add is found from it, and the profile may place an operator's line a little early)."""
-        profiled = facts.line_of("dropout")
+        profiled = facts.line_of(DROPOUT)
         start, end = self.stmt_lines(stmts, first, first)
         return profiled is None or (start <= profiled[1] and profiled[0] <= end)
 

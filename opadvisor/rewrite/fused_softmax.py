@@ -39,6 +39,7 @@ from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
 from opadvisor.rewrite._blocks import BlockEdit
 from opadvisor.rewrite._chain import (
+    CAST,
     Chain,
     ChainFinder,
     Segment,
@@ -49,16 +50,17 @@ from opadvisor.rewrite._chain import (
     guarded,
     upcast_problem,
 )
+from opadvisor.rules.patterns import DROPOUT, MASK, SCALE, SOFTMAX, ZERO
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
 _LABELS = {
-    "cast": "cast back",
-    "scale": "scale",
-    "mask": "masked_fill",
-    "softmax": "softmax",
-    "zero": "masked_fill(0)",
-    "dropout": "dropout",
+    CAST: "cast back",
+    SCALE: "scale",
+    MASK: "masked_fill",
+    SOFTMAX: "softmax",
+    ZERO: "masked_fill(0)",
+    DROPOUT: "dropout",
 }
 
 
@@ -66,7 +68,7 @@ def describe(chain: Chain) -> str:
     labels = []
     for step in chain.steps:
         label = _LABELS[step.kind]
-        if step.kind == "mask" and step.params.get("fill") is None:
+        if step.kind == MASK and step.params.get("fill") is None:
             label = "+ mask"
         labels.append(label)
     return " -> ".join(labels)
@@ -85,11 +87,11 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
         if self.target_for_lines(start, end) is None:
             return None
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
-        if not any(step.kind != "softmax" for step in chain.steps):
+        if not any(step.kind != SOFTMAX for step in chain.steps):
             if finder.refused:  # a plain softmax once what could not be folded is left out
                 self.skip(anchor, f"not fused: {self.refused_words(finder)}")
             return None
-        softmax = chain.step("softmax")
+        softmax = chain.step(SOFTMAX)
         assert softmax is not None
         if softmax.problem:
             self.skip(anchor, f"not fused: {softmax.problem}")
@@ -112,11 +114,11 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
 
     def _candidate_problem(self, finder: ChainFinder, cand: Chain) -> str | None:
         kinds = cand.kinds()
-        if not any(k != "softmax" for k in kinds):
+        if not any(k != SOFTMAX for k in kinds):
             return "nothing left to fuse"
-        zero = cand.step("zero")
+        zero = cand.step(ZERO)
         if zero is not None:
-            mask = cand.step("mask")
+            mask = cand.step(MASK)
             if mask is None or mask.params.get("fill") is None:
                 return "the zeroing after the softmax has no matching masked_fill before it"
             if not mask.params["mask"].deep_equals(zero.params["mask"]):  # type: ignore[union-attr]
@@ -137,7 +139,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
         x, keep_first = _scores_of(first, single)
         positional: list[cst.BaseExpression] = [x]
         carried: list[cst.CSTNode] = [first.entry] if (single or keep_first) else []
-        mask = cand.step("mask")
+        mask = cand.step(MASK)
         meta_name = x.value if isinstance(x, cst.Name) else None
         reshape, restore = (mask.params.get("reshape"), mask.params.get("restore")) if mask else (None, None)
         if reshape is not None:  # the mask applies to a view of the scores: the call takes that view
@@ -204,10 +206,10 @@ def _keywords(cand: Chain, carried: list[cst.CSTNode]) -> list[tuple[str, cst.Ba
     """The kernel call's keywords (dim, scale, fill_value, zero_masked, dropout_p, training) from the chain's
     steps; what they read is added to `carried`."""
     keywords: list[tuple[str, cst.BaseExpression]] = []
-    softmax = cand.step("softmax")
+    softmax = cand.step(SOFTMAX)
     assert softmax is not None
-    mask = cand.step("mask")
-    scale = cand.step("scale")
+    mask = cand.step(MASK)
+    scale = cand.step(SCALE)
     dim = softmax.params.get("dim")
     if dim is not None and mt.int_value(dim) != -1:
         keywords.append(("dim", dim))
@@ -223,9 +225,9 @@ def _keywords(cand: Chain, carried: list[cst.CSTNode]) -> list[tuple[str, cst.Ba
         if not mt.is_neg_inf(fill):
             keywords.append(("fill_value", fill))
             carried.append(fill)
-    if cand.step("zero") is not None:
+    if cand.step(ZERO) is not None:
         keywords.append(("zero_masked", cst.Name("True")))
-    dropout = cand.step("dropout")
+    dropout = cand.step(DROPOUT)
     if dropout is not None:
         keywords.extend(_dropout_keywords(dropout, carried))
     return keywords

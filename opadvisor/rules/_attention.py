@@ -20,11 +20,10 @@ from opadvisor.profile.model import Op
 from opadvisor.rules._chains import (
     MASK_PREP_OPS,
     PASS_THROUGH_OPS,
-    Chain,
     ChainMatch,
-    Link,
-    Test,
+    StepOps,
     broadcastable,
+    declared_chain,
     find_chains,
     names,
     numel,
@@ -139,7 +138,7 @@ def _pv(op: Op, bound: dict[str, Op]) -> bool:
 
 
 # how each declared step shows in the profile: the ops it runs as, and what else must hold of them
-STEP_OPS: dict[str, tuple[frozenset[str], Test]] = {
+STEP_OPS: StepOps = {
     QK: (MATMUL_OPS, _qk),
     SCALE: (names("div", "mul", "div_", "mul_"), _scale),
     MASK: (names("masked_fill", "masked_fill_", "add", "add_"), _mask),
@@ -149,15 +148,7 @@ STEP_OPS: dict[str, tuple[frozenset[str], Test]] = {
     PV: (MATMUL_OPS, _pv),
 }
 
-ATTENTION = Chain(
-    tuple(
-        Link(s.name, STEP_OPS[s.name][0], optional=s.optional, test=STEP_OPS[s.name][1])
-        for s in PATTERN.steps
-    ),
-    skip=_skip,
-    max_between=12,
-    swaps=PATTERN.swaps,
-)
+ATTENTION = declared_chain(PATTERN, STEP_OPS, skip=_skip, max_between=12)
 
 
 ATTENTION_LABELS = PATTERN.names

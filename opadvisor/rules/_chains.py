@@ -41,6 +41,7 @@ from typing import Any
 
 from opadvisor.profile.model import Op
 from opadvisor.rules._index import Frame, ProfileIndex
+from opadvisor.rules.patterns import Pattern
 
 __all__ = [
     "Chain",
@@ -50,6 +51,7 @@ __all__ = [
     "MASK_PREP_OPS",
     "PASS_THROUGH_OPS",
     "broadcastable",
+    "declared_chain",
     "dims",
     "dtype_of",
     "find_chains",
@@ -202,6 +204,19 @@ class Chain:
         return out
 
 
+StepOps = dict[str, tuple[frozenset[str], Test]]  # a declared step -> (the ops it runs as, their test)
+
+
+def declared_chain(pattern: Pattern, step_ops: StepOps, **options: Any) -> Chain:
+    """The chain of a declared pattern (`rules/patterns.py`: its steps, order, optional ones and swaps),
+    each step binding the ops `step_ops` names for it; `options`: Chain's skip and max_between."""
+    links = tuple(
+        Link(s.name, step_ops[s.name][0], optional=s.optional, test=step_ops[s.name][1])
+        for s in pattern.steps
+    )
+    return Chain(links, swaps=pattern.swaps, **options)
+
+
 @dataclass
 class ChainMatch:
     frame: Frame
@@ -219,6 +234,11 @@ class ChainMatch:
 
     def has(self, label: str) -> bool:
         return label in self.ops
+
+    def ran(self, labels: Sequence[str]) -> list[str]:
+        """The bound labels among `labels`, in the order their ops ran (a chain's swaps may reorder them)."""
+        label_of = {id(op): label for label, op in self.ops.items()}
+        return [label_of[id(op)] for op in self.order if label_of.get(id(op)) in labels]
 
     def lines(self) -> tuple[int, int]:
         """(first, last) 1-based line over the bound ops that carry a line."""

@@ -22,11 +22,14 @@ from dataclasses import dataclass
 
 __all__ = [
     "ATTENTION",
+    "BIAS",
+    "DROPOUT_ADD",
     "DROPOUT",
     "MASK",
     "PV",
     "QK",
     "REGION_CHAINS",
+    "RESIDUAL",
     "SCALE",
     "SIGMOID_GATE",
     "SOFTMAX",
@@ -129,6 +132,16 @@ ATTENTION = Pattern(
     ),
     anchor=SOFTMAX,
     swaps=(frozenset({ZERO, DROPOUT}),),
+)
+
+
+# a dropout and the residual add after it, the dropout's input maybe a bias add (fused_dropout_add)
+BIAS = "bias"
+RESIDUAL = "residual"
+DROPOUT_ADD = Pattern(
+    "dropout_add",
+    (Step(BIAS), Step(DROPOUT, optional=False), Step(RESIDUAL, optional=False)),
+    anchor=DROPOUT,
 )
 
 

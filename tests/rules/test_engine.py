@@ -86,6 +86,8 @@ def test_attention_chain_zero_and_dropout_in_either_order(order):
     (site,) = attention_sites(index_of(profile(ops)))
     assert set(site.match.ops) == {"qk", "scale", "mask", "softmax", "zero", "dropout", "pv"}
     assert [o.id for o in site.match.order] == list(range(7))
+    (finding,) = run_rules([profile(ops)], select=["fused_softmax"])
+    assert finding.details["ops"] == ["scale", "mask", "softmax", *order.split(", ")]  # in the order they ran
 
 
 def test_a_real_op_of_another_function_breaks_the_chain():

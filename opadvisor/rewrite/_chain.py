@@ -34,6 +34,7 @@ from libcst.metadata import PositionProvider, ScopeProvider
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
+from opadvisor.rewrite._bindings import block_index
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite.base import Target
 from opadvisor.rules.attention import AttentionFacts
@@ -881,18 +882,18 @@ class ChainFinder:
         read it except for its dtype, device or shape (T5's `scores += position_bias` after the bias is
         built from `scores.device`)."""
         first = chain.segments[0]
-        if not first.aug:
-            return True
-        for stmt in reversed(self.stmts[: first.index]):
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == first.target:
-                return not isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript)
+        if not first.aug or first.target is None:
+            return not first.aug
+        bound = block_index(self.stmts).simple_before(first.target, first.index)
+        if bound is None or bound.value is None:
+            return False
+        for stmt in self.stmts[bound.index + 1 : first.index]:
             if any(
                 n.value == first.target and not _metadata_read(self.cm, n) and not _attribute_name(self.cm, n)
                 for n in mt.names_in(stmt)
             ):
                 return False
-        return False
+        return not isinstance(bound.value, cst.Name | cst.Attribute | cst.Subscript)
 
     def temps_problem(
         self,
@@ -963,11 +964,8 @@ class ChainFinder:
         return not (is_meta and _metadata_read(self.cm, node))
 
     def _rebound_before(self, name: str, after_index: int, where: tuple[int, int]) -> bool:
-        for stmt in self.stmts[after_index + 1 :]:
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == name:
-                return self.pos(_small(stmt))[1] <= where
-        return False
+        bound = block_index(self.stmts).simple_after(name, after_index)
+        return bound is not None and self.pos(_small(self.stmts[bound.index]))[1] <= where
 
 
 FLOAT32 = frozenset({"torch.float32", "torch.float"})

@@ -32,6 +32,7 @@ import libcst.matchers as m
 from libcst.metadata import PositionProvider
 
 from opadvisor.rewrite import _match as mt
+from opadvisor.rewrite._bindings import block_index
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._chain import Chain, ChainFinder, Segment, Step, _assign_name, _small
 from opadvisor.rewrite.base import Target
@@ -391,16 +392,13 @@ class FusedDropoutAddCodemod(BlockRewriter):
         self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], index: int, aug: cst.AugAssign
     ) -> str | None:
         name = aug.target.value  # type: ignore[union-attr]
-        for stmt in reversed(stmts[:index]):
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == name:
-                if isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript):
-                    break
-                for other in stmts:  # `y = x` makes y share x's tensor: `x +=` updates both
-                    alias = _assign_name(other)
-                    if alias is not None and isinstance(alias[1], cst.Name) and alias[1].value == name:
-                        return f"`{name} += ...` also updates `{alias[0]}`, which shares its tensor"
-                return None
+        bound = block_index(stmts).simple_before(name, index)
+        if bound is not None and not isinstance(bound.value, cst.Name | cst.Attribute | cst.Subscript):
+            for other in stmts:  # `y = x` makes y share x's tensor: `x +=` updates both
+                alias = _assign_name(other)
+                if alias is not None and isinstance(alias[1], cst.Name) and alias[1].value == name:
+                    return f"`{name} += ...` also updates `{alias[0]}`, which shares its tensor"
+            return None
         return (
             f"`{name} += ...` updates in place a tensor that may be shared (a function argument or a copy of a "
             "name); the fused call would not"

@@ -51,13 +51,13 @@ import libcst.matchers as m
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
+from opadvisor.rewrite._bindings import block_index
 from opadvisor.rewrite._blocks import BlockEdit
 from opadvisor.rewrite._chain import (
     Chain,
     ChainFinder,
     SoftmaxChainRewriter,
     Step,
-    _assign_name,
     _small,
     cast_problem,
     guarded,
@@ -430,14 +430,9 @@ def _square_ones(cm: cst.MetadataDependent, node: cst.BaseExpression) -> bool:
 
 def _local_value(finder: ChainFinder, name: cst.Name) -> cst.BaseExpression | None:
     """The value a name was last given in the block before the chain (a mask built in the same function)."""
-    value = None
-    for stmt in finder.stmts:
-        if mt.contains(stmt, name):
-            break
-        assign = _assign_name(stmt)
-        if assign is not None and assign[0] == name.value:
-            value = assign[1]
-    return value
+    at = next((k for k, stmt in enumerate(finder.stmts) if mt.contains(stmt, name)), len(finder.stmts))
+    bound = block_index(finder.stmts).simple_before(name.value, at)
+    return bound.value if bound is not None else None
 
 
 def _a_product(node: cst.BaseExpression) -> bool:

@@ -29,6 +29,7 @@ from opadvisor.profile.model import Op
 from opadvisor.rules._chains import GEMM_OPS, PASS_THROUGH_OPS, dtype_of, names, norm_dtype, shape
 from opadvisor.rules._index import ProfileIndex, module_related, owner_module
 from opadvisor.rules._source import load_profiled_source, locate_each
+from opadvisor.rules.patterns import REGION_CHAINS, SIGMOID_GATE
 
 __all__ = [
     "Region",
@@ -248,14 +249,8 @@ _GELU_TANH = names("mul", "add", "pow", "tanh", "div", "mul_", "add_", "sub", "r
 _GELU_ERF = names("mul", "add", "div", "erf", "mul_", "add_", "sub", "rsub")
 _DROPOUT_APPLY = names("masked_fill", "masked_fill_", "mul", "mul_", "div", "div_", "where")
 
-CHAIN_LABELS = {
-    "gelu_tanh": "tanh GELU written by hand",
-    "gelu_erf": "erf GELU written by hand",
-    "silu": "SiLU written by hand (x * sigmoid(x))",
-    "sigmoid_gate": "x * sigmoid(c * x) written by hand (QuickGELU when c = 1.702)",
-    "dropout": "dropout written by hand",
-    "relpos_gather": "relative-position gather with its elementwise neighbours",
-}
+# the recognised chains are declared in rules/patterns.py (the source rewrite reads the same table)
+CHAIN_LABELS = {c.name: c.label for c in REGION_CHAINS.values()}
 
 
 def chain_of(ops: Sequence[Op]) -> str | None:
@@ -270,7 +265,7 @@ def chain_of(ops: Sequence[Op]) -> str | None:
     if ns == ["aten::sigmoid", "aten::mul"] and shape(ops[0], 0) in (shape(ops[1], 0), shape(ops[1], 1)):
         return "silu"
     if ns == ["aten::mul", "aten::sigmoid", "aten::mul"] and _scaled_by_scalar(ops[0]):
-        return "sigmoid_gate"
+        return SIGMOID_GATE
     if present & RANDOM_OPS and present & _DROPOUT_APPLY:
         return "dropout"
     if "aten::gather" in present and present & names("clamp", "clamp_", "clip"):

@@ -71,7 +71,7 @@ def eligible(site: AttentionSite) -> bool:
 
 
 def chain_ops(site: AttentionSite) -> list:
-    return [site.match.ops[x] for x in LABELS if x in site.match.ops]
+    return [site.match.ops[x] for x in site.match.ran(LABELS)]
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -87,7 +87,7 @@ def detect(profile: Profile) -> list[Finding]:
         first = sites[0].match
         if ix.gpu and sum(ix.kernel_count(op) for op in occurrences[0]) < 2:
             continue  # already one kernel (or none): nothing to fuse
-        head = " -> ".join(_word(label, first.ops[label]) for label in LABELS if label in first.ops)
+        head = " -> ".join(_word(label, first.ops[label]) for label in first.ran(LABELS))
         total_us = ix.site_cost_us(op for occ in occurrences for op in occ)
         n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
         saving = ix.per_step_ms(total_us) * (1 - 1 / n_fwd) if ix.gpu and n_fwd > 1 else None

@@ -38,10 +38,20 @@ from opadvisor.rewrite._bindings import block_index
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite.base import Target, target_facts
 from opadvisor.rules.attention import AttentionFacts
-from opadvisor.rules.patterns import ATTENTION, DROPOUT, MASK, PV, QK, SCALE, SOFTMAX, ZERO, Pattern
+from opadvisor.rules.patterns import (
+    ATTENTION,
+    DROPOUT,
+    FUSED_SOFTMAX,
+    MASK,
+    PV,
+    QK,
+    SCALE,
+    SOFTMAX,
+    ZERO,
+    Pattern,
+)
 
 CAST = "cast"  # the source matcher's own step (see the module's docstring)
-FUSED = ATTENTION.only(SCALE, MASK, ZERO, DROPOUT)  # fused_softmax's view: no matrix products
 
 
 @dataclass
@@ -136,7 +146,7 @@ class ChainFinder:
         self.cm = codemod
         self.stmts = list(stmts)
         self.sdpa = sdpa
-        self.pattern: Pattern = ATTENTION if sdpa else FUSED
+        self.pattern: Pattern = ATTENTION if sdpa else FUSED_SOFTMAX
         self.pre_kinds = tuple(reversed(self.pattern.before()))  # inward from the softmax
         self._class_infos: dict[int, mt.ClassInfo] = {}
         # What the profile saw at the site being matched (None: static mode, the source alone decides):

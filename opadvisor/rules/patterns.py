@@ -25,6 +25,7 @@ __all__ = [
     "BIAS",
     "DROPOUT_ADD",
     "DROPOUT",
+    "FUSED_SOFTMAX",
     "MASK",
     "PV",
     "QK",
@@ -133,6 +134,8 @@ ATTENTION = Pattern(
     anchor=SOFTMAX,
     swaps=(frozenset({ZERO, DROPOUT}),),
 )
+# fused_softmax's view of it (the rule's facts and the source matcher's steps): no matrix products
+FUSED_SOFTMAX = ATTENTION.only(SCALE, MASK, ZERO, DROPOUT)
 
 
 # a dropout and the residual add after it, the dropout's input maybe a bias add (fused_dropout_add)
@@ -153,7 +156,7 @@ SIGMOID_GATE = "sigmoid_gate"
 @dataclass(frozen=True)
 class RegionChain:
     """A chain of memory-bound ops fuse_region recognises: `name` is what its findings carry
-    (`details["chain"]`) and what the source matcher calls the form it found."""
+    (their facts' `chain`) and what the source matcher calls the form it found."""
 
     name: str
     label: str  # what the profile saw, as a finding titles it

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from opadvisor.rewrite import _chain
 from opadvisor.rules import _attention, _regions
+from opadvisor.rules.attention import fused_softmax
 from opadvisor.rules.dropout_add import fused_dropout_add
 from opadvisor.rules.patterns import (
     ATTENTION,
     DROPOUT,
     DROPOUT_ADD,
+    FUSED_SOFTMAX,
     MASK,
     PV,
     QK,
@@ -39,10 +41,12 @@ def test_both_matchers_read_the_declaration():
     assert tuple(link.label for link in profile_chain.links) == ATTENTION.names
     assert [link.optional for link in profile_chain.links] == [s.optional for s in ATTENTION.steps]
     assert profile_chain.swaps == ATTENTION.swaps
-    # fused_softmax's view of the pattern: no products, the rest as declared
-    assert (
-        _chain.FUSED.names == (SCALE, MASK, SOFTMAX, ZERO, DROPOUT) and _chain.FUSED.swaps == ATTENTION.swaps
-    )
+    # fused_softmax's view of the pattern: no products, the rest as declared; the source matcher walks it
+    # and the rule reports its steps (the scale folded, not reported)
+    assert FUSED_SOFTMAX.names == (SCALE, MASK, SOFTMAX, ZERO, DROPOUT)
+    assert FUSED_SOFTMAX.swaps == ATTENTION.swaps and _chain.FUSED_SOFTMAX is FUSED_SOFTMAX
+    assert fused_softmax.FACT_LABELS == FUSED_SOFTMAX.names
+    assert fused_softmax.LABELS == (MASK, SOFTMAX, ZERO, DROPOUT)
 
 
 def test_dropout_add_declaration():

@@ -39,14 +39,15 @@ from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
 from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.patterns import FUSED_SOFTMAX, SCALE
 
 ID = "fused_softmax"
 TITLE = "Masked softmax as separate kernels"
 FIX = "safe"
 ALTERNATIVES = ("sdpa_attention",)  # rules whose fix rewrites the same lines another way
 
-LABELS = ("mask", "softmax", "zero", "dropout")
-FACT_LABELS = ("scale", *LABELS)  # the fix folds a scale in front of the mask too
+FACT_LABELS = FUSED_SOFTMAX.names  # the fix folds a scale in front of the mask too
+LABELS = tuple(label for label in FACT_LABELS if label != SCALE)  # what the finding reports and costs
 SAMPLING_LOOKBACK = 40  # frame ops before the mask searched for top-k / sort
 
 

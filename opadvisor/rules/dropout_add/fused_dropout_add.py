@@ -55,7 +55,7 @@ ID = "fused_dropout_add"
 TITLE = "Bias + dropout + residual as separate kernels"
 FIX = "safe"
 
-LABELS = ("bias", "dropout", "residual")
+LABELS = DROPOUT_ADD.names
 
 # opadvisor.kernels.dropout_add.SMALL_NUMEL, which the kernels package owns (importing it here would import
 # torch into every `suggest`); tests/rules/test_chain_rules.py checks the two agree.

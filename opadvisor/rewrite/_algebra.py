@@ -27,7 +27,7 @@ import libcst as cst
 
 from opadvisor.rewrite import _budget
 from opadvisor.rewrite._match import bind_args, code, is_method, is_torch_namespace, qualified
-from opadvisor.rules.patterns import SIGMOID_GATE
+from opadvisor.rules.patterns import GELU_ERF, GELU_TANH, SIGMOID_GATE, SILU
 
 Atom = tuple  # ("var", text) | ("fn", name, Poly)
 Monomial = tuple[tuple[Atom, int], ...]  # sorted by the atom's repr
@@ -417,7 +417,7 @@ def activation_of(p: Poly) -> tuple[str, str] | None:
             if power == 1 and other[0] == "fn" and other[1] == "sigmoid":
                 scale = _linear_in(other[2], xv)
                 if scale is not None and close(scale, 1.0):
-                    return "silu", x
+                    return SILU, x
                 if scale is not None and close(scale, QUICK_GELU):
                     return SIGMOID_GATE, x
         return None
@@ -433,10 +433,10 @@ def activation_of(p: Poly) -> tuple[str, str] | None:
         want = Poly.atom(xv).scaled(SQRT_2_OVER_PI) + (Poly.atom(xv) * Poly.atom(xv) * Poly.atom(xv)).scaled(
             SQRT_2_OVER_PI * GELU_CUBIC
         )
-        return ("gelu_tanh", x) if same_poly(other[2], want) else None
+        return (GELU_TANH, x) if same_poly(other[2], want) else None
     if other[1] == "erf":
         scale = _linear_in(other[2], xv)
-        return ("gelu_erf", x) if scale is not None and close(scale, 1.0 / math.sqrt(2.0)) else None
+        return (GELU_ERF, x) if scale is not None and close(scale, 1.0 / math.sqrt(2.0)) else None
     return None
 
 

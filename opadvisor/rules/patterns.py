@@ -26,13 +26,17 @@ __all__ = [
     "DROPOUT_ADD",
     "DROPOUT",
     "FUSED_SOFTMAX",
+    "GELU_ERF",
+    "GELU_TANH",
     "MASK",
     "PV",
     "QK",
     "REGION_CHAINS",
+    "RELPOS_GATHER",
     "RESIDUAL",
     "SCALE",
     "SIGMOID_GATE",
+    "SILU",
     "SOFTMAX",
     "ZERO",
     "Pattern",
@@ -150,7 +154,12 @@ DROPOUT_ADD = Pattern(
 
 # ---- memory-bound region chains (fuse_region) ---------------------------------------------------------------
 
+# the chains' names (what findings' facts carry as `chain`); a dropout written by hand is DROPOUT
+GELU_TANH = "gelu_tanh"
+GELU_ERF = "gelu_erf"
+SILU = "silu"
 SIGMOID_GATE = "sigmoid_gate"
+RELPOS_GATHER = "relpos_gather"
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,9 @@ class RegionChain:
     words: str  # in a sentence ("the profile saw a tanh GELU here")
     source_words: str = ""  # the narrower form the source rewrite reads, when there is one
     function: str = ""  # an activation: the call that replaces it (applied to x)
+    # one fix rewrites the whole function's pattern at once, though a matrix product splits the profile's
+    # ops into several regions (DeBERTa's two relative-position terms each follow their own score product)
+    whole_function: bool = False
 
     @property
     def found_words(self) -> str:
@@ -175,21 +187,21 @@ REGION_CHAINS: dict[str, RegionChain] = {
     c.name: c
     for c in (
         RegionChain(
-            "gelu_tanh",
+            GELU_TANH,
             "tanh GELU written by hand",
             'torch.nn.functional.gelu(x, approximate="tanh")',
             "a tanh GELU",
             function="torch.nn.functional.gelu",
         ),
         RegionChain(
-            "gelu_erf",
+            GELU_ERF,
             "erf GELU written by hand",
             "torch.nn.functional.gelu(x)",
             "an erf GELU",
             function="torch.nn.functional.gelu",
         ),
         RegionChain(
-            "silu",
+            SILU,
             "SiLU written by hand (x * sigmoid(x))",
             "torch.nn.functional.silu(x)",
             "SiLU",
@@ -204,12 +216,13 @@ REGION_CHAINS: dict[str, RegionChain] = {
             source_words="QuickGELU",
             function="opadvisor.kernels.quick_gelu",
         ),
-        RegionChain("dropout", "dropout written by hand", "opadvisor.kernels.dropout(x, p)", "a dropout"),
+        RegionChain(DROPOUT, "dropout written by hand", "opadvisor.kernels.dropout(x, p)", "a dropout"),
         RegionChain(
-            "relpos_gather",
+            RELPOS_GATHER,
             "relative-position gather with its elementwise neighbours",
             "opadvisor.kernels.disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)",
             "DeBERTa's relative-position scores",
+            whole_function=True,
         ),
     )
 }

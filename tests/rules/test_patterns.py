@@ -60,3 +60,4 @@ def test_region_chains_declared_once():
     assert fuse_region_rule.FIXES == {name: c.fix for name, c in REGION_CHAINS.items()}
     activations = {name for name, c in REGION_CHAINS.items() if c.function}
     assert activations == {"gelu_tanh", "gelu_erf", "silu", "sigmoid_gate"}
+    assert _regions.WHOLE_FUNCTION_CHAINS == {"relpos_gather"}

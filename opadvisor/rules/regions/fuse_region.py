@@ -77,7 +77,7 @@ from opadvisor.rules._regions import (
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.facts import Facts, absent_as
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.patterns import REGION_CHAINS
+from opadvisor.rules.patterns import DROPOUT, REGION_CHAINS
 
 ID = "fuse_region"
 TITLE = "Hot chain of memory-bound kernels"
@@ -343,7 +343,7 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
             **({"module": site.block, "block": function.split(".")[0]} if site.block else {}),
         ).to_details(),
         notes=(["the fused dropout draws its own random mask: losses agree in distribution"]
-               if site.chain == "dropout" else []),
+               if site.chain == DROPOUT else []),
     )  # fmt: skip
     f.time_ms_per_step = time_ms
     f.evidence.time_ms_per_step = time_ms

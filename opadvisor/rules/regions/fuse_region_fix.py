@@ -59,7 +59,7 @@ from opadvisor.rewrite.toolkit import (
     qualified,
     simple_binding,
 )
-from opadvisor.rules.patterns import REGION_CHAINS
+from opadvisor.rules.patterns import DROPOUT, GELU_TANH, REGION_CHAINS, RELPOS_GATHER
 from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 KERNELS = "opadvisor.kernels"
@@ -160,7 +160,7 @@ class FuseRegionCodemod(BlockRewriter):
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():
             i = self._function_targeted(name)
-            if i is not None and self.targets is not None and self._chain(self.targets[i]) == "dropout":
+            if i is not None and self.targets is not None and self._chain(self.targets[i]) == DROPOUT:
                 self.served.add(i)
                 if not fn.calls:
                     line = self.plan.class_lines[name][0]
@@ -189,7 +189,7 @@ class FuseRegionCodemod(BlockRewriter):
                     continue
                 callers = {id(f): f for c in calls.get(name, []) if (f := self._enclosing_def(c)) is not None}
                 self.served.add(i)
-                if self._chain(t) == "dropout" and name in self.plan.refused:
+                if self._chain(t) == DROPOUT and name in self.plan.refused:
                     why = self.plan.refused[name]
                     self.skipped.append(
                         Note(t.line, f"{name}: not replaced by opadvisor.kernels.dropout: {why}")
@@ -327,7 +327,7 @@ class FuseRegionCodemod(BlockRewriter):
         if why is not None:
             self.skip(node, f"{REGION_CHAINS[kind].found_words} written by hand, not rewritten: {why}")
             return None
-        if kind == "gelu_tanh":
+        if kind == GELU_TANH:
             new = cst.Call(
                 self.ref("torch.nn.functional.gelu"),
                 [cst.Arg(x, comma=_comma()), cst.Arg(cst.SimpleString('"tanh"'), keyword=cst.Name("approximate"),
@@ -340,7 +340,7 @@ class FuseRegionCodemod(BlockRewriter):
         return BlockEdit(k, k, {id(node): new}, carried=[x], removed=removed)
 
     def _dropout_edit(self, stmts, k, node, dm: DropoutMatch, resolver: Resolver) -> BlockEdit | None:
-        if not self._wants(self._spans(stmts, k, resolver.used), "dropout", node):
+        if not self._wants(self._spans(stmts, k, resolver.used), DROPOUT, node):
             return None
         removed, why = self._temporaries(stmts, k, node, [dm.x, dm.p], resolver)
         if why is not None:
@@ -360,7 +360,7 @@ class FuseRegionCodemod(BlockRewriter):
         if fn is None:
             return updated_node
         i = self._function_targeted(name)  # type: ignore[arg-type]
-        if self.targets is not None and (i is None or self._chain(self.targets[i]) != "dropout"):
+        if self.targets is not None and (i is None or self._chain(self.targets[i]) != DROPOUT):
             return updated_node
         args = list(updated_node.args)
         if len(args) != len(fn.params) or any(a.keyword is not None or a.star for a in args):
@@ -387,7 +387,7 @@ class FuseRegionCodemod(BlockRewriter):
         spans = [self.stmt_lines(stmts, j, j) for j in [*(g[0] for g in gathers), *(a for a in accs)]]
         last = accs[-1]
         anchor = stmts[last].body[0]  # type: ignore[attr-defined]
-        if not self._wants(spans, "relpos_gather", anchor):
+        if not self._wants(spans, RELPOS_GATHER, anchor):
             return None
         c2p = next((g for g in gathers if not g[4]), None)
         p2c = next((g for g in gathers if g[4]), None)

@@ -27,6 +27,7 @@ import libcst as cst
 
 from opadvisor.rewrite import _budget
 from opadvisor.rewrite._match import bind_args, code, is_method, is_torch_namespace, qualified
+from opadvisor.rules.patterns import GELU_ERF, GELU_TANH, SIGMOID_GATE, SILU
 
 Atom = tuple  # ("var", text) | ("fn", name, Poly)
 Monomial = tuple[tuple[Atom, int], ...]  # sorted by the atom's repr
@@ -397,8 +398,10 @@ QUICK_GELU = 1.702
 def activation_of(p: Poly) -> tuple[str, str] | None:
     """(kind, variable) when `p` is one of the activations fuse_region rewrites, else None.
 
-    kind: "gelu_tanh" (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), "gelu_erf" (0.5 x (1 + erf(x /
-    sqrt(2)))), "silu" (x sigmoid(x)), "quick_gelu" (x sigmoid(1.702 x)); constants within a relative 1e-5.
+    kind, a name of `rules.patterns.REGION_CHAINS` (the profile's names for the same chains): "gelu_tanh"
+    (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))), "gelu_erf" (0.5 x (1 + erf(x / sqrt(2)))), "silu"
+    (x sigmoid(x)), "sigmoid_gate" (x sigmoid(c x), only with c = 1.702: QuickGELU, the one it rewrites);
+    constants within a relative 1e-5.
     """
     vs = p.variables()
     if len(vs) != 1:
@@ -414,9 +417,9 @@ def activation_of(p: Poly) -> tuple[str, str] | None:
             if power == 1 and other[0] == "fn" and other[1] == "sigmoid":
                 scale = _linear_in(other[2], xv)
                 if scale is not None and close(scale, 1.0):
-                    return "silu", x
+                    return SILU, x
                 if scale is not None and close(scale, QUICK_GELU):
-                    return "quick_gelu", x
+                    return SIGMOID_GATE, x
         return None
     if len(c) != 2 or not close(c.get(((xv, 1),), 0.0), 0.5):
         return None
@@ -430,10 +433,10 @@ def activation_of(p: Poly) -> tuple[str, str] | None:
         want = Poly.atom(xv).scaled(SQRT_2_OVER_PI) + (Poly.atom(xv) * Poly.atom(xv) * Poly.atom(xv)).scaled(
             SQRT_2_OVER_PI * GELU_CUBIC
         )
-        return ("gelu_tanh", x) if same_poly(other[2], want) else None
+        return (GELU_TANH, x) if same_poly(other[2], want) else None
     if other[1] == "erf":
         scale = _linear_in(other[2], xv)
-        return ("gelu_erf", x) if scale is not None and close(scale, 1.0 / math.sqrt(2.0)) else None
+        return (GELU_ERF, x) if scale is not None and close(scale, 1.0 / math.sqrt(2.0)) else None
     return None
 
 

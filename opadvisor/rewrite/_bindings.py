@@ -2,6 +2,7 @@
 
     index = block_index(stmts)                  # memoised: the same statements give the same index
     index.lookup("mask", before=k)              # the nearest binding before statement k, or None
+    index.simple_before("mask", before=k)       # the nearest `mask = value` before statement k, or None
     resolver = Resolver(stmts, at=k)            # what a name read by statement k stands for
     resolver.resolve(name_node)                 # the value of `name = value`, or None
 
@@ -10,6 +11,10 @@ then `y = x * g`). Every statement is visited once for what it binds (`assigned`
 value reads; a look-up is then a bisection in the list of the statements binding that name. A name read
 inside a followed value resolves relative to *that* binding (so `x = x.to(t)` reads the `x` bound before
 it, never itself): every chain of look-ups goes strictly upward and ends.
+
+This is the one source-binding engine: fuse_region's Resolver (and its backward resolver), the dropout
+matcher, manual_layernorm's block matcher, the softmax chain finder's temporaries, sdpa_attention's mask
+values and fused_dropout_add's in-place check all look names up here.
 """
 
 from __future__ import annotations
@@ -117,6 +122,28 @@ class BlockIndex:
         """The nearest statement in [start, before) binding `text`, or None when none does."""
         j = nearest_before(self.binders.get(text, ()), before, start)
         return None if j is None else Binding(j, self.simple[j].get(text))
+
+    def simple_before(self, text: str, before: int, start: int = 0) -> Binding | None:
+        """The nearest statement in [start, before) binding `text` as `text = value` (bindings of other
+        kinds, `text += ...`, a loop, skipped), or None."""
+        where = self.binders.get(text, ())
+        for i in range(bisect.bisect_left(where, before) - 1, -1, -1):
+            _budget.check()
+            j = where[i]
+            if j < start:
+                break
+            if text in self.simple[j]:
+                return Binding(j, self.simple[j][text])
+        return None
+
+    def simple_after(self, text: str, after: int) -> Binding | None:
+        """The first statement after `after` binding `text` as `text = value`, or None."""
+        where = self.binders.get(text, ())
+        for j in where[bisect.bisect_right(where, after) :]:
+            _budget.check()
+            if text in self.simple[j]:
+                return Binding(j, self.simple[j][text])
+        return None
 
     def rebound(self, names: frozenset[str] | set[str], after: int, before: int) -> bool:
         """Whether a statement strictly between `after` and `before` binds one of `names`."""

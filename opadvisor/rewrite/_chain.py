@@ -15,8 +15,11 @@ it (`entry`: the Name that links it to the previous segment, or the chain's base
 node (`top`). The codemod picks the longest run of segments it can rewrite (`candidates`), and
 `temps_problem` checks that the intermediate values it folds away are read nowhere else.
 
-Grammar: pre steps apply in the order scale -> mask (and for SDPA: qk -> scale -> mask), each at most
-once; post steps are zero and dropout in either order, each at most once (then pv for SDPA).
+Grammar: the attention pattern declared in `rules/patterns.py` (the profile matcher reads the same
+declaration): pre steps apply in its order, scale -> mask (for SDPA: qk -> scale -> mask), each at most
+once; post steps in its order up to its swaps (zero and dropout either way), each at most once, then pv
+for SDPA, which ends the chain. The source matcher adds its own step, `cast` (the probabilities cast back
+after a float32 softmax, which the profile sees as a pass-through op), allowed anywhere after the softmax.
 """
 
 from __future__ import annotations
@@ -31,15 +34,24 @@ from libcst.metadata import PositionProvider, ScopeProvider
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
+from opadvisor.rewrite._bindings import block_index
 from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite.base import Target, target_facts
 from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.patterns import (
+    ATTENTION,
+    DROPOUT,
+    FUSED_SOFTMAX,
+    MASK,
+    PV,
+    QK,
+    SCALE,
+    SOFTMAX,
+    ZERO,
+    Pattern,
+)
 
-PRE_FUSED = ("mask", "scale")  # inward from the softmax
-PRE_SDPA = ("mask", "scale", "qk")
-POST_FUSED = ("cast", "zero", "dropout")
-POST_SDPA = ("cast", "zero", "dropout", "pv")
-ARITHMETIC = frozenset({"scale", "mask"})  # steps written as arithmetic: folded only as profiled
+CAST = "cast"  # the source matcher's own step (see the module's docstring)
 
 
 @dataclass
@@ -134,8 +146,8 @@ class ChainFinder:
         self.cm = codemod
         self.stmts = list(stmts)
         self.sdpa = sdpa
-        self.pre_kinds = PRE_SDPA if sdpa else PRE_FUSED
-        self.post_kinds = POST_SDPA if sdpa else POST_FUSED
+        self.pattern: Pattern = ATTENTION if sdpa else FUSED_SOFTMAX
+        self.pre_kinds = tuple(reversed(self.pattern.before()))  # inward from the softmax
         self._class_infos: dict[int, mt.ClassInfo] = {}
         # What the profile saw at the site being matched (None: static mode, the source alone decides):
         # steps it did not see are not folded, and operands must be of the kind it saw.
@@ -151,7 +163,7 @@ class ChainFinder:
         arithmetic op the source alone cannot tell from others: a per-head tensor, a position bias).
         Calls the source names (dropout, softmax, masked_fill(0), the products) need no profile: an
         inactive dropout runs no op to see."""
-        return self.facts is None or kind not in ARITHMETIC or self.facts.has(kind)
+        return self.facts is None or kind not in self.pattern.arithmetic() or self.facts.has(kind)
 
     def scale_problem(self, factor: cst.BaseExpression) -> str | None:
         """Why `factor` cannot be passed as a Python-number scale, or None."""
@@ -190,9 +202,9 @@ class ChainFinder:
         if not isinstance(value, cst.Call):
             return None, None
         if mt.resolves_to(self.cm, value.func, mt.DROPOUT_MODULES):
-            return "dropout", value
+            return DROPOUT, value
         if mt.resolves_to(self.cm, value.func, mt.SOFTMAX_MODULES):
-            return "softmax", value
+            return SOFTMAX, value
         return None, None
 
     def class_value(self, func: cst.BaseExpression) -> cst.BaseExpression | None:
@@ -281,9 +293,9 @@ class ChainFinder:
         if step is None:
             return None
         problem = None
-        if kind == "scale":
+        if kind == SCALE:
             problem = self.scale_problem(step.params["factor"])  # type: ignore[arg-type]
-        elif kind == "mask":
+        elif kind == MASK:
             problem = self.mask_problem(step.params["mask"], step.params.get("fill") is None)  # type: ignore[arg-type]
         if problem is not None:
             self.refused.append((kind, step.node, problem))
@@ -291,10 +303,10 @@ class ChainFinder:
         return step
 
     def _peel_pre(self, node: cst.BaseExpression, kind: str, prefer: frozenset[str]) -> Step | None:
-        if kind == "mask":
+        if kind == MASK:
             fill = self._masked_fill(node)
             if fill is not None:
-                return Step("mask", node, fill[0], {"mask": fill[1], "fill": fill[2]})
+                return Step(MASK, node, fill[0], {"mask": fill[1], "fill": fill[2]})
             if isinstance(node, cst.BinaryOperation) and isinstance(node.operator, cst.Add):
                 flow, other = node.left, node.right
                 if (isinstance(node.right, cst.Name) and node.right.value in prefer) or (
@@ -305,14 +317,14 @@ class ChainFinder:
                     other
                 ) is not None:
                     return None
-                return Step("mask", node, flow, {"mask": other, "fill": None})
+                return Step(MASK, node, flow, {"mask": other, "fill": None})
             return None
-        if kind == "scale":
+        if kind == SCALE:
             if not isinstance(node, cst.BinaryOperation):
                 return None
             if isinstance(node.operator, cst.Divide):
                 if mt.is_scalarish(node.right, prefer):
-                    return Step("scale", node, node.left, {"factor": node.right}, divide=True)
+                    return Step(SCALE, node, node.left, {"factor": node.right}, divide=True)
                 return None
             if isinstance(node.operator, cst.Multiply):
                 left_ok = mt.is_scalarish(node.left, prefer) and not self._is_op(node.left)
@@ -321,18 +333,18 @@ class ChainFinder:
                     right_ok = not isinstance(mt.unparen(node.right), cst.Name | cst.Attribute)
                     left_ok = not right_ok and not isinstance(mt.unparen(node.left), cst.Name | cst.Attribute)
                 if right_ok:  # `x * c`
-                    return Step("scale", node, node.left, {"factor": node.right})
+                    return Step(SCALE, node, node.left, {"factor": node.right})
                 if left_ok:  # `c * x`
-                    return Step("scale", node, node.right, {"factor": node.left})
+                    return Step(SCALE, node, node.right, {"factor": node.left})
             return None
-        if kind == "qk":
+        if kind == QK:
             mm = self._matmul(node)
             if mm is None:
                 return None
             k = self._transposed(mm[1])
             if k is None:
                 return None
-            return Step("qk", node, None, {"q": mm[0], "k": k})
+            return Step(QK, node, None, {"q": mm[0], "k": k})
         raise ValueError(kind)
 
     def peel_softmax(self, node: cst.BaseExpression) -> Step | None:
@@ -364,14 +376,14 @@ class ChainFinder:
             args = mt.bind_args(node, ("input", "dim", "onnx_trace"))
             if args is None or "dim" not in args:
                 return None
-            step = Step("softmax", node, args["input"].value, {"dim": args["dim"].value})
+            step = Step(SOFTMAX, node, args["input"].value, {"dim": args["dim"].value})
             step.params["upcast"] = cst.Name("True")
             return step
         elif (upcast := self._softmax_attribute(node.func)) is not None:
             args = mt.bind_args(node, ("input", "dim"))
             if args is None or "dim" not in args:
                 return None
-            step = Step("softmax", node, args["input"].value, {"dim": args["dim"].value})
+            step = Step(SOFTMAX, node, args["input"].value, {"dim": args["dim"].value})
             if upcast:
                 step.params["upcast"] = cst.Name("True")
             return step
@@ -379,7 +391,7 @@ class ChainFinder:
             return self._softmax_module(node)
         if args is None:
             return None
-        step = Step("softmax", node, source if source is not None else args["input"].value, {})
+        step = Step(SOFTMAX, node, source if source is not None else args["input"].value, {})
         step.params["dim"] = args["dim"].value if "dim" in args else None
         if "dim" not in args:
             step.problem = "the softmax has no explicit dim"
@@ -463,7 +475,7 @@ class ChainFinder:
             ctor = node.func
         else:
             kind, ctor = self.module_kind(node.func)
-            if kind != "softmax":
+            if kind != SOFTMAX:
                 return None
         if ctor is None:
             return None
@@ -472,7 +484,7 @@ class ChainFinder:
         if call_args is None or ctor_args is None:
             return None
         dim = ctor_args.get("dim")
-        step = Step("softmax", node, call_args["input"].value, {"dim": dim.value if dim else None})
+        step = Step(SOFTMAX, node, call_args["input"].value, {"dim": dim.value if dim else None})
         if dim is None:
             step.problem = "the nn.Softmax module has no explicit dim"
         return step
@@ -500,17 +512,17 @@ class ChainFinder:
         return None
 
     def _peel_post(self, node: cst.BaseExpression, kind: str) -> Step | None:
-        if kind == "cast":
+        if kind == CAST:
             target = _cast_back(node) or self._cast_to_named_dtype(node)
             if target is None:
                 return None
-            return Step("cast", node, node.func.value, {"to": target})  # type: ignore[union-attr]
-        if kind == "zero":
+            return Step(CAST, node, node.func.value, {"to": target})  # type: ignore[union-attr]
+        if kind == ZERO:
             fill = self._masked_fill(node)
             if fill is not None and mt.is_zero(fill[2]):
-                return Step("zero", node, fill[0], {"mask": fill[1]})
+                return Step(ZERO, node, fill[0], {"mask": fill[1]})
             return None
-        if kind == "dropout":
+        if kind == DROPOUT:
             if not isinstance(node, cst.Call):
                 return None
             if mt.resolves_to(self.cm, node.func, mt.DROPOUT_FUNCS):
@@ -519,29 +531,29 @@ class ChainFinder:
                     return None
                 p = args["p"].value if "p" in args else cst.Float("0.5")
                 training = args["training"].value if "training" in args else None
-                return Step("dropout", node, args["input"].value, {"p": p, "training": training})
+                return Step(DROPOUT, node, args["input"].value, {"p": p, "training": training})
             if mt.resolves_to(self.cm, node.func, mt.TORCH_DROPOUT):
                 args = mt.bind_args(node, ("input", "p", "train"), required=3)
                 if args is None:
                     return None
                 return Step(
-                    "dropout",
+                    DROPOUT,
                     node,
                     args["input"].value,
                     {"p": args["p"].value, "training": args["train"].value},
                 )
             kind_, _ctor = self.module_kind(node.func)
-            if kind_ == "dropout":
+            if kind_ == DROPOUT:
                 args = mt.bind_args(node, ("input",))
                 if args is None:
                     return None
-                return Step("dropout", node, args["input"].value, {"module": node.func})
+                return Step(DROPOUT, node, args["input"].value, {"module": node.func})
             return None
-        if kind == "pv":
+        if kind == PV:
             mm = self._matmul(node)
             if mm is None:
                 return None
-            return Step("pv", node, mm[0], {"v": mm[1]})
+            return Step(PV, node, mm[0], {"v": mm[1]})
         raise ValueError(kind)
 
     # ---- walking a statement ---------------------------------------------------------------------------
@@ -566,9 +578,7 @@ class ChainFinder:
             if op is None:
                 return steps, current
             step = None
-            for kind in self.post_kinds:
-                if kind in used:
-                    continue
+            for kind in self.post_kinds(used):
                 candidate = self.peel_post(op, kind)
                 if candidate is not None and candidate.input is current:
                     step = candidate
@@ -578,8 +588,14 @@ class ChainFinder:
             steps.append(step)
             used.add(step.kind)
             current = op
-            if step.kind == "pv":
+            if step.kind == PV:  # the product ends the chain
                 return steps, current
+
+    def post_kinds(self, used: set[str]) -> tuple[str, ...]:
+        """The steps that may be applied next after the softmax, once the `used` ones were: a cast not
+        yet met, then what the declared pattern allows next."""
+        declared = self.pattern.next_after([k for k in used if k != CAST])
+        return declared if CAST in used else (CAST, *declared)
 
     def _peel_down(
         self, node: cst.BaseExpression, start: int, prefer: frozenset[str]
@@ -675,7 +691,7 @@ class ChainFinder:
             isinstance(entry, cst.Name)
             and i - 1 >= lower
             and pos < len(self.pre_kinds)
-            and (segments[0].steps[0].kind != "qk")
+            and (segments[0].steps[0].kind != QK)
         ):
             prev = self.stmts[i - 1]
             small = _small(prev)
@@ -695,7 +711,7 @@ class ChainFinder:
             conditional = self._conditional_mask(i - 1, entry, pos)
             if conditional is not None:
                 segments.insert(0, conditional)
-                pos = self.pre_kinds.index("mask") + 1
+                pos = self.pre_kinds.index(MASK) + 1
                 i -= 1
                 continue
             assign = _assign_name(prev)
@@ -709,24 +725,24 @@ class ChainFinder:
             segments.insert(0, Segment(i - 1, list(reversed(steps)), inner, assign[1], assign[0]))
             entry, pos = inner, new_pos
             i -= 1
-            if steps[-1].kind == "qk":
+            if steps[-1].kind == QK:
                 break
 
     def _aug_step(self, small: cst.AugAssign, entry: cst.Name, pos: int) -> Step | None:
         """`x += mask`, `x *= scale`, `x /= scale` as the chain's step; None where it cannot be one (a
         refusal with a reason is recorded)."""
-        kind = {cst.AddAssign: "mask", cst.MultiplyAssign: "scale", cst.DivideAssign: "scale"}.get(
+        kind = {cst.AddAssign: MASK, cst.MultiplyAssign: SCALE, cst.DivideAssign: SCALE}.get(
             type(small.operator)
         )
         if kind is None or kind not in self.pre_kinds[pos:] or not self.allows(kind):
             return None
-        if kind == "scale" and not mt.is_scalarish(small.value, frozenset({entry.value})):
+        if kind == SCALE and not mt.is_scalarish(small.value, frozenset({entry.value})):
             return None
-        problem = self.scale_problem(small.value) if kind == "scale" else self.mask_problem(small.value, True)
+        problem = self.scale_problem(small.value) if kind == SCALE else self.mask_problem(small.value, True)
         if problem is not None:
             self.refused.append((kind, small, problem))
             return None
-        params = {"mask": small.value, "fill": None} if kind == "mask" else {"factor": small.value}
+        params = {"mask": small.value, "fill": None} if kind == MASK else {"factor": small.value}
         return Step(
             kind,
             small.value,
@@ -738,7 +754,7 @@ class ChainFinder:
     def _extend_forwards(self, segments: list[Segment], index: int, used: set[str]) -> None:
         """Append the statements below `index` that post-process the chain's result."""
         j = index
-        while j + 1 < len(self.stmts) and segments[-1].target is not None and "pv" not in used:
+        while j + 1 < len(self.stmts) and segments[-1].target is not None and PV not in used:
             name = segments[-1].target
             nxt = self.stmts[j + 1]
             reads = self._reads_of(name, nxt)
@@ -764,7 +780,7 @@ class ChainFinder:
             isinstance(stmt, cst.If)
             and stmt.orelse is None
             and isinstance(stmt.body, cst.IndentedBlock)
-            and "mask" in self.pre_kinds[pos:]
+            and MASK in self.pre_kinds[pos:]
         ):
             return None
         name = entry.value
@@ -788,7 +804,7 @@ class ChainFinder:
             # the fused call takes the view whether or not the test holds (Swin's `num_win = mask.shape[0]`)
             self.refused.append(
                 (
-                    "mask",
+                    MASK,
                     step.node,
                     f"the view of the scores reads `{bound[0]}`, which is set only under `if {mt.code(stmt.test)}:`",
                 )
@@ -800,7 +816,7 @@ class ChainFinder:
             step.params["inlined"] = cst.Tuple([cst.Element(v) for v in inlined.values()])
         problem = self.mask_problem(step.params["mask"], step.params.get("fill") is None)  # type: ignore[arg-type]
         if problem is not None:
-            self.refused.append(("mask", step.node, problem))
+            self.refused.append((MASK, step.node, problem))
             return None
         return Segment(index, [step], cst.Name(name), step.node, name, aug=bool(step.params.get("aug")))
 
@@ -809,14 +825,14 @@ class ChainFinder:
         small = _small(stmt)
         if isinstance(small, cst.AugAssign) and isinstance(small.operator, cst.AddAssign):
             if isinstance(small.target, cst.Name) and small.target.value == name:
-                step = Step("mask", small.value, small.target, {"mask": small.value, "fill": None})
+                step = Step(MASK, small.value, small.target, {"mask": small.value, "fill": None})
                 step.params["aug"] = cst.Name("True")
                 return step
             return None
         assign = _assign_name(stmt)
         if assign is None or assign[0] != name:
             return None
-        step = self._peel_pre(assign[1], "mask", frozenset({name}))
+        step = self._peel_pre(assign[1], MASK, frozenset({name}))
         if step is None:
             return None
         flowing = step.input
@@ -876,18 +892,18 @@ class ChainFinder:
         read it except for its dtype, device or shape (T5's `scores += position_bias` after the bias is
         built from `scores.device`)."""
         first = chain.segments[0]
-        if not first.aug:
-            return True
-        for stmt in reversed(self.stmts[: first.index]):
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == first.target:
-                return not isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript)
+        if not first.aug or first.target is None:
+            return not first.aug
+        bound = block_index(self.stmts).simple_before(first.target, first.index)
+        if bound is None or bound.value is None:
+            return False
+        for stmt in self.stmts[bound.index + 1 : first.index]:
             if any(
                 n.value == first.target and not _metadata_read(self.cm, n) and not _attribute_name(self.cm, n)
                 for n in mt.names_in(stmt)
             ):
                 return False
-        return False
+        return not isinstance(bound.value, cst.Name | cst.Attribute | cst.Subscript)
 
     def temps_problem(
         self,
@@ -958,11 +974,8 @@ class ChainFinder:
         return not (is_meta and _metadata_read(self.cm, node))
 
     def _rebound_before(self, name: str, after_index: int, where: tuple[int, int]) -> bool:
-        for stmt in self.stmts[after_index + 1 :]:
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == name:
-                return self.pos(_small(stmt))[1] <= where
-        return False
+        bound = block_index(self.stmts).simple_after(name, after_index)
+        return bound is not None and self.pos(_small(self.stmts[bound.index]))[1] <= where
 
 
 FLOAT32 = frozenset({"torch.float32", "torch.float"})
@@ -1007,17 +1020,17 @@ def _cast_back(node: cst.BaseExpression) -> cst.BaseExpression | None:
 def upcast_problem(chain: Chain, facts: AttentionFacts | None) -> str | None:
     """A softmax in float32 whose result is not cast back (before anything else reads it): the fused call
     returns the scores' dtype, the original float32, unless the profile shows the scores are float32."""
-    softmax = chain.step("softmax")
+    softmax = chain.step(SOFTMAX)
     if softmax is None or "upcast" not in softmax.params:
         return None
-    if chain.step("cast") is not None or (facts is not None and facts.scores_dtype == "float32"):
+    if chain.step(CAST) is not None or (facts is not None and facts.scores_dtype == "float32"):
         return None
     return "the softmax runs in float32 and its float32 result is used as it is; the fused call keeps the scores' dtype"
 
 
 def cast_problem(chain: Chain, facts: AttentionFacts | None) -> str | None:
     """A cast after the softmax that the profile shows is not back to the scores' dtype."""
-    cast = chain.step("cast")
+    cast = chain.step(CAST)
     if cast is None or facts is None or not facts.out_dtype or not facts.scores_dtype:
         return None
     if facts.out_dtype != facts.scores_dtype:
@@ -1186,7 +1199,7 @@ class SoftmaxChainRewriter(BlockRewriter):
     def unmatched_reason(
         self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
     ) -> str | None:
-        softmax = target.step_line("softmax")
+        softmax = target.step_line(SOFTMAX)
         if softmax is None:
             return None
         text = lines[softmax[0] - 1].strip() if 0 < softmax[0] <= len(lines) else ""
@@ -1197,7 +1210,7 @@ class SoftmaxChainRewriter(BlockRewriter):
 
     def _is_profiled_softmax(self, stmts: Sequence[cst.BaseStatement], index: int, target: Target) -> bool:
         """Whether the softmax of statement `index` is the one the facts describe (by its line)."""
-        profiled = target.step_line("softmax")
+        profiled = target.step_line(SOFTMAX)
         if profiled is None:
             return True
         start, end = self.stmt_lines(stmts, index, index)

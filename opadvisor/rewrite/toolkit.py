@@ -24,6 +24,7 @@ from opadvisor.rewrite._blocks import BlockEdit, BlockRewriter
 from opadvisor.rewrite._budget import analysing
 from opadvisor.rewrite._budget import check as check_budget
 from opadvisor.rewrite._chain import (
+    CAST,
     Chain,
     ChainFinder,
     Segment,
@@ -92,6 +93,7 @@ from opadvisor.rewrite._walk import Transformer, Visitor
 __all__ = [
     "BlockEdit",
     "BlockRewriter",
+    "CAST",
     "Chain",
     "ChainFinder",
     "Converter",

@@ -1,9 +1,11 @@
-"""The attention chain that fused_softmax and sdpa_attention share.
+"""The attention chain that fused_softmax and sdpa_attention share, as the profile shows it.
 
     q @ k^T  ->  scale  ->  mask (masked_fill with a large negative, or + additive mask)  ->  softmax
              ->  masked_fill(..., 0)  ->  dropout  ->  @ v
 
-Every link but softmax is optional here; each rule asks for the links it needs (fused_softmax: mask and
+The steps, their order, which are optional and which may swap (the zeroing and the dropout) are declared
+once in `rules/patterns.py` (the source matcher reads the same declaration); this module says which ops
+each step runs as (`STEP_OPS`). Every link but softmax is optional; each rule asks for the links it needs (fused_softmax: mask and
 softmax; sdpa_attention: both matrix products and softmax). Shapes tie the links together: the scores
 that the mask, softmax, zero-fill and dropout see have one shape, the products' output / input match it
 in element count (a bmm on [B*H, T, T] then a view is the same tensor), softmax runs over the last dim.
@@ -18,10 +20,10 @@ from opadvisor.profile.model import Op
 from opadvisor.rules._chains import (
     MASK_PREP_OPS,
     PASS_THROUGH_OPS,
-    Chain,
     ChainMatch,
-    Link,
+    StepOps,
     broadcastable,
+    declared_chain,
     find_chains,
     names,
     numel,
@@ -32,6 +34,8 @@ from opadvisor.rules._chains import (
 )
 from opadvisor.rules._index import ProfileIndex
 from opadvisor.rules._source import load_profiled_source, locate_each
+from opadvisor.rules.patterns import ATTENTION as PATTERN
+from opadvisor.rules.patterns import DROPOUT, MASK, PV, QK, SCALE, SOFTMAX, ZERO
 
 MASK_FILL_MAX = -1e4  # a fill at or below this (or -inf) masks a score out; 0 after softmax zeroes it
 SAMPLING_OPS = names("topk", "sort", "kthvalue", "argsort", "multinomial")
@@ -133,22 +137,21 @@ def _pv(op: Op, bound: dict[str, Op]) -> bool:
     return numel(shape(op, 0)) == numel(shape(bound["softmax"], 0))
 
 
-ATTENTION = Chain(
-    (
-        Link("qk", MATMUL_OPS, optional=True, test=_qk),
-        Link("scale", names("div", "mul", "div_", "mul_"), optional=True, test=_scale),
-        Link("mask", names("masked_fill", "masked_fill_", "add", "add_"), optional=True, test=_mask),
-        Link("softmax", SOFTMAX_OPS, test=_softmax),
-        Link("zero", names("masked_fill", "masked_fill_"), optional=True, test=_zero),
-        Link("dropout", DROPOUT_OPS, optional=True, test=_dropout),
-        Link("pv", MATMUL_OPS, optional=True, test=_pv),
-    ),
-    skip=_skip,
-    max_between=12,
-)
+# how each declared step shows in the profile: the ops it runs as, and what else must hold of them
+STEP_OPS: StepOps = {
+    QK: (MATMUL_OPS, _qk),
+    SCALE: (names("div", "mul", "div_", "mul_"), _scale),
+    MASK: (names("masked_fill", "masked_fill_", "add", "add_"), _mask),
+    SOFTMAX: (SOFTMAX_OPS, _softmax),
+    ZERO: (names("masked_fill", "masked_fill_"), _zero),
+    DROPOUT: (DROPOUT_OPS, _dropout),
+    PV: (MATMUL_OPS, _pv),
+}
+
+ATTENTION = declared_chain(PATTERN, STEP_OPS, skip=_skip, max_between=12)
 
 
-ATTENTION_LABELS = tuple(link.label for link in ATTENTION.links)
+ATTENTION_LABELS = PATTERN.names
 
 
 @dataclass

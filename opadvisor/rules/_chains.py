@@ -23,7 +23,9 @@ functions, and an op of another function that does real work between two links b
 
 Semantics: matches are searched left to right, start at the earliest op that can bind any leading link
 (a leading optional link that cannot bind is skipped), prefer binding an optional link over skipping it,
-and never overlap (the search resumes after the last op of a match). Work is linear in the number of ops
+and never overlap (the search resumes after the last op of a match). A chain's `swaps` name pairs of
+adjacent links that may also run in the other order: each order is tried at a start, and the one binding
+the most links wins (the declared order on a tie). Work is linear in the number of ops
 for the chains rules use (a bounded look-ahead per start position).
 
 The shape/dtype helpers below read the profile's `input_shapes` / `input_dtypes` / `scalars` lists and
@@ -39,6 +41,7 @@ from typing import Any
 
 from opadvisor.profile.model import Op
 from opadvisor.rules._index import Frame, ProfileIndex
+from opadvisor.rules.patterns import Pattern
 
 __all__ = [
     "Chain",
@@ -48,6 +51,7 @@ __all__ = [
     "MASK_PREP_OPS",
     "PASS_THROUGH_OPS",
     "broadcastable",
+    "declared_chain",
     "dims",
     "dtype_of",
     "find_chains",
@@ -186,6 +190,31 @@ class Chain:
     links: tuple[Link, ...]
     skip: Callable[[Op], bool] = _default_skip  # may run between two bound ops
     max_between: int = 8
+    swaps: tuple[frozenset[str], ...] = ()  # pairs of adjacent links (by label) that may run either way
+
+    def orders(self) -> list[tuple[Link, ...]]:
+        """The link orders to try: the declared one, then each with one `swaps` pair swapped."""
+        out = [self.links]
+        labels = [link.label for link in self.links]
+        for pair in self.swaps:
+            i, j = sorted(labels.index(label) for label in pair)
+            order = list(self.links)
+            order[i], order[j] = order[j], order[i]
+            out.append(tuple(order))
+        return out
+
+
+StepOps = dict[str, tuple[frozenset[str], Test]]  # a declared step -> (the ops it runs as, their test)
+
+
+def declared_chain(pattern: Pattern, step_ops: StepOps, **options: Any) -> Chain:
+    """The chain of a declared pattern (`rules/patterns.py`: its steps, order, optional ones and swaps),
+    each step binding the ops `step_ops` names for it; `options`: Chain's skip and max_between."""
+    links = tuple(
+        Link(s.name, step_ops[s.name][0], optional=s.optional, test=step_ops[s.name][1])
+        for s in pattern.steps
+    )
+    return Chain(links, swaps=pattern.swaps, **options)
 
 
 @dataclass
@@ -205,6 +234,11 @@ class ChainMatch:
 
     def has(self, label: str) -> bool:
         return label in self.ops
+
+    def ran(self, labels: Sequence[str]) -> list[str]:
+        """The bound labels among `labels`, in the order their ops ran (a chain's swaps may reorder them)."""
+        label_of = {id(op): label for label, op in self.ops.items()}
+        return [label_of[id(op)] for op in self.order if label_of.get(id(op)) in labels]
 
     def lines(self) -> tuple[int, int]:
         """(first, last) 1-based line over the bound ops that carry a line."""
@@ -250,25 +284,45 @@ def _match_at(
     return None
 
 
+def _leading_names(links: Sequence[Link]) -> frozenset[str]:
+    """Names any leading link could bind: a cheap pre-filter per start position."""
+    out: frozenset[str] = frozenset()
+    for link in links:
+        out |= link.names
+        if not link.optional:
+            break
+    return out
+
+
+def _best_at(
+    ops: Sequence[Op], i: int, chain: Chain, orders: list[tuple[Link, ...]], frame_of: dict[int, Frame]
+) -> tuple[list[int], dict[str, Op]] | None:
+    """The match starting at ops[i] that binds the most links over the chain's orders (the declared order
+    on a tie), as (positions, bound), or None."""
+    best: tuple[list[int], dict[str, Op]] | None = None
+    for links in orders:
+        bound: dict[str, Op] = {}
+        pos = _match_at(ops, i, links, 0, bound, chain, None, frame_of)
+        if pos is not None and (best is None or len(pos) > len(best[0])):
+            best = (pos, bound)
+    return best
+
+
 def match_sequence(ops: Sequence[Op], chain: Chain, frame_of: dict[int, Frame]) -> list[ChainMatch]:
     """Every non-overlapping match of `chain` in one thread's forward root ops, left to right."""
     out: list[ChainMatch] = []
-    links = chain.links
-    first_names: frozenset[str] = frozenset()
-    for link in links:  # names any leading link could bind: a cheap pre-filter per start position
-        first_names |= link.names
-        if not link.optional:
-            break
+    orders = chain.orders()
+    first_names = frozenset().union(*(_leading_names(links) for links in orders))
     i = 0
     while i < len(ops):
         if ops[i].name not in first_names or ops[i].id not in frame_of:
             i += 1
             continue
-        bound: dict[str, Op] = {}
-        pos = _match_at(ops, i, links, 0, bound, chain, None, frame_of)
-        if pos is None:
+        best = _best_at(ops, i, chain, orders, frame_of)
+        if best is None:
             i += 1
             continue
+        pos, bound = best
         order = [ops[p] for p in pos]
         out.append(ChainMatch(frame_of[order[0].id], dict(bound), order, list(ops[pos[0] : pos[-1] + 1])))
         i = pos[-1] + 1

@@ -29,6 +29,15 @@ from opadvisor.profile.model import Op
 from opadvisor.rules._chains import GEMM_OPS, PASS_THROUGH_OPS, dtype_of, names, norm_dtype, shape
 from opadvisor.rules._index import ProfileIndex, module_related, owner_module
 from opadvisor.rules._source import load_profiled_source, locate_each
+from opadvisor.rules.patterns import (
+    DROPOUT,
+    GELU_ERF,
+    GELU_TANH,
+    REGION_CHAINS,
+    RELPOS_GATHER,
+    SIGMOID_GATE,
+    SILU,
+)
 
 __all__ = [
     "Region",
@@ -215,9 +224,8 @@ def find_regions(ix: ProfileIndex, owned: Callable[[Op], bool], min_ops: int = 2
     return list(sites.values())
 
 
-# Chains whose fix rewrites the whole function's pattern at once, though a matrix product splits the ops into
-# several regions (DeBERTa's two relative-position terms each follow their own score product).
-WHOLE_FUNCTION_CHAINS = frozenset({"relpos_gather"})
+# Chains whose fix rewrites the whole function's pattern at once (declared in rules/patterns.py).
+WHOLE_FUNCTION_CHAINS = frozenset(c.name for c in REGION_CHAINS.values() if c.whole_function)
 
 
 def merge_same_fix(sites: list[Site]) -> list[Site]:
@@ -248,14 +256,8 @@ _GELU_TANH = names("mul", "add", "pow", "tanh", "div", "mul_", "add_", "sub", "r
 _GELU_ERF = names("mul", "add", "div", "erf", "mul_", "add_", "sub", "rsub")
 _DROPOUT_APPLY = names("masked_fill", "masked_fill_", "mul", "mul_", "div", "div_", "where")
 
-CHAIN_LABELS = {
-    "gelu_tanh": "tanh GELU written by hand",
-    "gelu_erf": "erf GELU written by hand",
-    "silu": "SiLU written by hand (x * sigmoid(x))",
-    "sigmoid_gate": "x * sigmoid(c * x) written by hand (QuickGELU when c = 1.702)",
-    "dropout": "dropout written by hand",
-    "relpos_gather": "relative-position gather with its elementwise neighbours",
-}
+# the recognised chains are declared in rules/patterns.py (the source rewrite reads the same table)
+CHAIN_LABELS = {c.name: c.label for c in REGION_CHAINS.values()}
 
 
 def chain_of(ops: Sequence[Op]) -> str | None:
@@ -264,17 +266,17 @@ def chain_of(ops: Sequence[Op]) -> str | None:
     present = set(ns)
     # one GELU: a single tanh (erf) among a handful of multiplies and adds (a cube: pow, or more multiplies)
     if ns.count("aten::tanh") == 1 and present <= _GELU_TANH and 5 <= len(ns) <= 10:
-        return "gelu_tanh"
+        return GELU_TANH
     if ns.count("aten::erf") == 1 and present <= _GELU_ERF and 3 <= len(ns) <= 7:
-        return "gelu_erf"
+        return GELU_ERF
     if ns == ["aten::sigmoid", "aten::mul"] and shape(ops[0], 0) in (shape(ops[1], 0), shape(ops[1], 1)):
-        return "silu"
+        return SILU
     if ns == ["aten::mul", "aten::sigmoid", "aten::mul"] and _scaled_by_scalar(ops[0]):
-        return "sigmoid_gate"
+        return SIGMOID_GATE
     if present & RANDOM_OPS and present & _DROPOUT_APPLY:
-        return "dropout"
+        return DROPOUT
     if "aten::gather" in present and present & names("clamp", "clamp_", "clip"):
-        return "relpos_gather"
+        return RELPOS_GATHER
     return None
 
 

@@ -104,6 +104,18 @@ def test_block_index_lookup_and_rebinding():
     assert index.rebound({"a"}, 0, 3) and not index.rebound({"a"}, 0, 2)
 
 
+def test_block_index_simple_bindings():
+    """`name = value` look-ups (ChainFinder's temporaries, sdpa's mask values, fused_dropout_add's in-place
+    check) go through the block's one index: other bindings (`+=`, a loop) are stepped over."""
+    stmts = list(cst.parse_module("a = q @ k\na += m\nfor a in c:\n    pass\nb = a\na = b\n").body)
+    index = block_index(stmts)
+    assert index.lookup("a", before=3).value is None  # the nearest binding is the loop ...
+    found = index.simple_before("a", before=3)  # ... the nearest `a = value` is the first statement
+    assert found.index == 0 and cst.Module([]).code_for_node(found.value) == "q @ k"
+    assert index.simple_before("a", before=3, start=1) is None
+    assert index.simple_after("a", after=0).index == 4 and index.simple_after("a", after=4) is None
+
+
 def test_over_budget_names_class_and_method():
     with _budget.analysis_budget(0.0):
         _budget.enter("M")

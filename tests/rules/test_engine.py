@@ -8,6 +8,7 @@ import pytest
 
 from opadvisor.errors import UserError
 from opadvisor.profile.model import Op, Profile, Step
+from opadvisor.rules._attention import attention_sites
 from opadvisor.rules._chains import Chain, Link, find_chains, matmul_mnk, names, out_shape
 from opadvisor.rules._index import index_of, module_related, owner_module
 from opadvisor.rules.engine import analyse, run_rules, select_rules
@@ -63,6 +64,30 @@ def bert_chain(start=0, module="layers.0.attn"):
 def test_attention_chain_on_synthetic_ops():
     findings = run_rules([profile(bert_chain())], select=["fused_softmax", "sdpa_attention"])
     assert sorted(f.rule for f in findings) == ["fused_softmax", "sdpa_attention"]
+
+
+def _zero(i):
+    return op(i, "aten::masked_fill", [S, [2, 1, 1, 8], None], [None, None, 0.0])
+
+
+def _dropout(i):
+    return op(
+        i, "aten::dropout", [S, None, None], [None, 0.1, True], module="layers.0.attn.drop", cls="Dropout"
+    )
+
+
+@pytest.mark.parametrize("order", ["zero, dropout", "dropout, zero"])
+def test_attention_chain_zero_and_dropout_in_either_order(order):
+    """The declaration lets the zeroing and the dropout swap (they commute): the profile binds both in
+    either order, and the product after them, as the source matcher does."""
+    ops = bert_chain()[:4]
+    ops += [_zero(4), _dropout(5)] if order == "zero, dropout" else [_dropout(4), _zero(5)]
+    ops.append(op(6, "aten::matmul", [S, S]))
+    (site,) = attention_sites(index_of(profile(ops)))
+    assert set(site.match.ops) == {"qk", "scale", "mask", "softmax", "zero", "dropout", "pv"}
+    assert [o.id for o in site.match.order] == list(range(7))
+    (finding,) = run_rules([profile(ops)], select=["fused_softmax"])
+    assert finding.details["ops"] == ["scale", "mask", "softmax", *order.split(", ")]  # in the order they ran
 
 
 def test_a_real_op_of_another_function_breaks_the_chain():

@@ -64,7 +64,7 @@ class AttentionFacts(Facts):
 def attention_facts(site: AttentionSite, labels: tuple[str, ...]) -> AttentionFacts:
     """The facts of one site, over the links in `labels` that it bound."""
     ops = site.match.ops
-    present = [x for x in labels if x in ops]
+    present = site.match.ran(labels)
     softmax = ops["softmax"]
     scores = shape(softmax, 0)
     facts = AttentionFacts(

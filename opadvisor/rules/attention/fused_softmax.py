@@ -39,14 +39,15 @@ from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
 from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.patterns import FUSED_SOFTMAX, SCALE
 
 ID = "fused_softmax"
 TITLE = "Masked softmax as separate kernels"
 FIX = "safe"
 ALTERNATIVES = ("sdpa_attention",)  # rules whose fix rewrites the same lines another way
 
-LABELS = ("mask", "softmax", "zero", "dropout")
-FACT_LABELS = ("scale", *LABELS)  # the fix folds a scale in front of the mask too
+FACT_LABELS = FUSED_SOFTMAX.names  # the fix folds a scale in front of the mask too
+LABELS = tuple(label for label in FACT_LABELS if label != SCALE)  # what the finding reports and costs
 SAMPLING_LOOKBACK = 40  # frame ops before the mask searched for top-k / sort
 
 
@@ -71,7 +72,7 @@ def eligible(site: AttentionSite) -> bool:
 
 
 def chain_ops(site: AttentionSite) -> list:
-    return [site.match.ops[x] for x in LABELS if x in site.match.ops]
+    return [site.match.ops[x] for x in site.match.ran(LABELS)]
 
 
 def detect(profile: Profile) -> list[Finding]:
@@ -87,7 +88,7 @@ def detect(profile: Profile) -> list[Finding]:
         first = sites[0].match
         if ix.gpu and sum(ix.kernel_count(op) for op in occurrences[0]) < 2:
             continue  # already one kernel (or none): nothing to fuse
-        head = " -> ".join(_word(label, first.ops[label]) for label in LABELS if label in first.ops)
+        head = " -> ".join(_word(label, first.ops[label]) for label in first.ran(LABELS))
         total_us = ix.site_cost_us(op for occ in occurrences for op in occ)
         n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
         saving = ix.per_step_ms(total_us) * (1 - 1 / n_fwd) if ix.gpu and n_fwd > 1 else None

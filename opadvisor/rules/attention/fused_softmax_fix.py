@@ -38,6 +38,7 @@ import libcst as cst
 from opadvisor.rewrite import toolkit as ed
 from opadvisor.rewrite import toolkit as mt
 from opadvisor.rewrite.toolkit import (
+    CAST,
     BlockEdit,
     Chain,
     ChainFinder,
@@ -52,16 +53,17 @@ from opadvisor.rewrite.toolkit import (
     small_statement as _small,
 )
 from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.patterns import DROPOUT, MASK, SCALE, SOFTMAX, ZERO
 
 KERNEL = "opadvisor.kernels.masked_softmax"
 
 _LABELS = {
-    "cast": "cast back",
-    "scale": "scale",
-    "mask": "masked_fill",
-    "softmax": "softmax",
-    "zero": "masked_fill(0)",
-    "dropout": "dropout",
+    CAST: "cast back",
+    SCALE: "scale",
+    MASK: "masked_fill",
+    SOFTMAX: "softmax",
+    ZERO: "masked_fill(0)",
+    DROPOUT: "dropout",
 }
 
 
@@ -69,7 +71,7 @@ def describe(chain: Chain) -> str:
     labels = []
     for step in chain.steps:
         label = _LABELS[step.kind]
-        if step.kind == "mask" and step.params.get("fill") is None:
+        if step.kind == MASK and step.params.get("fill") is None:
             label = "+ mask"
         labels.append(label)
     return " -> ".join(labels)
@@ -89,11 +91,11 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
         if self.target_for_lines(start, end) is None:
             return None
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
-        if not any(step.kind != "softmax" for step in chain.steps):
+        if not any(step.kind != SOFTMAX for step in chain.steps):
             if finder.refused:  # a plain softmax once what could not be folded is left out
                 self.skip(anchor, f"not fused: {self.refused_words(finder)}")
             return None
-        softmax = chain.step("softmax")
+        softmax = chain.step(SOFTMAX)
         assert softmax is not None
         if softmax.problem:
             self.skip(anchor, f"not fused: {softmax.problem}")
@@ -116,11 +118,11 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
 
     def _candidate_problem(self, finder: ChainFinder, cand: Chain) -> str | None:
         kinds = cand.kinds()
-        if not any(k != "softmax" for k in kinds):
+        if not any(k != SOFTMAX for k in kinds):
             return "nothing left to fuse"
-        zero = cand.step("zero")
+        zero = cand.step(ZERO)
         if zero is not None:
-            mask = cand.step("mask")
+            mask = cand.step(MASK)
             if mask is None or mask.params.get("fill") is None:
                 return "the zeroing after the softmax has no matching masked_fill before it"
             if not mask.params["mask"].deep_equals(zero.params["mask"]):  # type: ignore[union-attr]
@@ -141,7 +143,7 @@ class FusedSoftmaxCodemod(SoftmaxChainRewriter):
         x, keep_first = _scores_of(first, single)
         positional: list[cst.BaseExpression] = [x]
         carried: list[cst.CSTNode] = [first.entry] if (single or keep_first) else []
-        mask = cand.step("mask")
+        mask = cand.step(MASK)
         meta_name = x.value if isinstance(x, cst.Name) else None
         reshape, restore = (mask.params.get("reshape"), mask.params.get("restore")) if mask else (None, None)
         if reshape is not None:  # the mask applies to a view of the scores: the call takes that view
@@ -208,10 +210,10 @@ def _keywords(cand: Chain, carried: list[cst.CSTNode]) -> list[tuple[str, cst.Ba
     """The kernel call's keywords (dim, scale, fill_value, zero_masked, dropout_p, training) from the chain's
     steps; what they read is added to `carried`."""
     keywords: list[tuple[str, cst.BaseExpression]] = []
-    softmax = cand.step("softmax")
+    softmax = cand.step(SOFTMAX)
     assert softmax is not None
-    mask = cand.step("mask")
-    scale = cand.step("scale")
+    mask = cand.step(MASK)
+    scale = cand.step(SCALE)
     dim = softmax.params.get("dim")
     if dim is not None and mt.int_value(dim) != -1:
         keywords.append(("dim", dim))
@@ -227,9 +229,9 @@ def _keywords(cand: Chain, carried: list[cst.CSTNode]) -> list[tuple[str, cst.Ba
         if not mt.is_neg_inf(fill):
             keywords.append(("fill_value", fill))
             carried.append(fill)
-    if cand.step("zero") is not None:
+    if cand.step(ZERO) is not None:
         keywords.append(("zero_masked", cst.Name("True")))
-    dropout = cand.step("dropout")
+    dropout = cand.step(DROPOUT)
     if dropout is not None:
         keywords.extend(_dropout_keywords(dropout, carried))
     return keywords

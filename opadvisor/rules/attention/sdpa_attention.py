@@ -64,7 +64,7 @@ def detect(profile: Profile) -> list[Finding]:
     findings: list[Finding] = []
     for (path, line, end), sites in groups.items():
         first = sites[0].match
-        labels = [x for x in ATTENTION_LABELS if x in first.ops]
+        labels = first.ran(ATTENTION_LABELS)
         occurrences = [[s.match.ops[x] for x in labels] for s in sites]
         if ix.gpu and sum(ix.kernel_count(op) for op in occurrences[0]) < 2:
             continue  # ran on the CPU in a GPU profile, or already fused: nothing to measure or fuse

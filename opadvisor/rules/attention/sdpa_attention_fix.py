@@ -57,17 +57,16 @@ from opadvisor.rewrite.toolkit import (
     ChainFinder,
     SoftmaxChainRewriter,
     Step,
+    block_index,
     cast_problem,
     guarded,
     upcast_problem,
 )
 from opadvisor.rewrite.toolkit import (
-    assign_name as _assign_name,
-)
-from opadvisor.rewrite.toolkit import (
     small_statement as _small,
 )
 from opadvisor.rules.attention import AttentionFacts
+from opadvisor.rules.patterns import DROPOUT, MASK, PV, QK, SCALE, SOFTMAX, ZERO
 
 SDPA = "torch.nn.functional.scaled_dot_product_attention"
 VERY_NEGATIVE = -1e4
@@ -103,7 +102,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         if self.target_for_lines(start, end) is None:
             return None
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
-        if "qk" not in kinds or "pv" not in kinds:
+        if QK not in kinds or PV not in kinds:
             if finder.refused:
                 self.skip(anchor, f"not rewritten: {self.refused_words(finder)}")
             elif self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
@@ -130,7 +129,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         if problem is not None:
             self.skip(anchor, f"not rewritten: {problem}")
             return None
-        qk, pv = chain.step("qk"), chain.step("pv")
+        qk, pv = chain.step(QK), chain.step(PV)
         assert qk is not None and pv is not None
         q, k, v = qk.params["q"], qk.params["k"], pv.params["v"]
         assert q is not None and k is not None and v is not None
@@ -201,7 +200,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
     ) -> tuple[str | None, list[tuple[str, cst.BaseExpression]], list[cst.CSTNode]]:
         keywords: list[tuple[str, cst.BaseExpression]] = []
         carried: list[cst.CSTNode] = []
-        softmax = chain.step("softmax")
+        softmax = chain.step(SOFTMAX)
         assert softmax is not None
         if softmax.problem:
             return softmax.problem, keywords, carried
@@ -210,7 +209,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         dtype_problem = upcast_problem(chain, finder.facts) or cast_problem(chain, finder.facts)
         if dtype_problem is not None:
             return dtype_problem, keywords, carried
-        mask, zero, scale, dropout = (chain.step(k) for k in ("mask", "zero", "scale", "dropout"))
+        mask, zero, scale, dropout = (chain.step(k) for k in (MASK, ZERO, SCALE, DROPOUT))
         if mask is not None and mask.params.get("reshape") is not None:
             return (
                 "the mask is added to a view of the scores in another shape (3-D scores, 4-D mask), "
@@ -435,14 +434,9 @@ def _square_ones(cm: cst.MetadataDependent, node: cst.BaseExpression) -> bool:
 
 def _local_value(finder: ChainFinder, name: cst.Name) -> cst.BaseExpression | None:
     """The value a name was last given in the block before the chain (a mask built in the same function)."""
-    value = None
-    for stmt in finder.stmts:
-        if mt.contains(stmt, name):
-            break
-        assign = _assign_name(stmt)
-        if assign is not None and assign[0] == name.value:
-            value = assign[1]
-    return value
+    at = next((k for k, stmt in enumerate(finder.stmts) if mt.contains(stmt, name)), len(finder.stmts))
+    bound = block_index(finder.stmts).simple_before(name.value, at)
+    return bound.value if bound is not None else None
 
 
 def _a_product(node: cst.BaseExpression) -> bool:

@@ -33,19 +33,29 @@ from dataclasses import dataclass, field
 
 from opadvisor.profile.model import Op, Profile
 from opadvisor.rules._attention import DROPOUT_OPS, dropout_active
-from opadvisor.rules._chains import Chain, Link, dtype_of, names, numel, out_shape, scalar_float, shape
+from opadvisor.rules._chains import (
+    StepOps,
+    declared_chain,
+    dtype_of,
+    names,
+    numel,
+    out_shape,
+    scalar_float,
+    shape,
+)
 from opadvisor.rules._chains import find_chains as _find
 from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import ProfileIndex, index_of
 from opadvisor.rules._source import load_profiled_source, locate_each
 from opadvisor.rules.facts import Facts, Operand, operand, operand_kind
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.patterns import BIAS, DROPOUT, DROPOUT_ADD, RESIDUAL
 
 ID = "fused_dropout_add"
 TITLE = "Bias + dropout + residual as separate kernels"
 FIX = "safe"
 
-LABELS = ("bias", "dropout", "residual")
+LABELS = DROPOUT_ADD.names
 
 # opadvisor.kernels.dropout_add.SMALL_NUMEL, which the kernels package owns (importing it here would import
 # torch into every `suggest`); tests/rules/test_chain_rules.py checks the two agree.
@@ -118,14 +128,13 @@ def _residual(op: Op, bound: dict[str, Op]) -> bool:
     )
 
 
-CHAIN = Chain(
-    (
-        Link("bias", names("linear", "add"), optional=True, test=_bias),
-        Link("dropout", DROPOUT_OPS, test=_dropout),
-        Link("residual", names("add", "add_"), test=_residual),
-    ),
-    max_between=6,
-)
+# how each declared step shows in the profile
+STEP_OPS: StepOps = {
+    BIAS: (names("linear", "add"), _bias),
+    DROPOUT: (DROPOUT_OPS, _dropout),
+    RESIDUAL: (names("add", "add_"), _residual),
+}
+CHAIN = declared_chain(DROPOUT_ADD, STEP_OPS, max_between=6)
 
 
 def detect(profile: Profile) -> list[Finding]:

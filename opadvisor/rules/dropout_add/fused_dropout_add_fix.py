@@ -40,10 +40,12 @@ from opadvisor.rewrite.toolkit import (
     ChainFinder,
     Segment,
     Step,
+    block_index,
 )
 from opadvisor.rewrite.toolkit import assign_name as _assign_name
 from opadvisor.rewrite.toolkit import small_statement as _small
 from opadvisor.rules.dropout_add.fused_dropout_add import DropoutAddFacts
+from opadvisor.rules.patterns import DROPOUT, RESIDUAL
 
 KERNEL = "opadvisor.kernels.bias_dropout_add"
 PARAMETER = frozenset({"torch.nn.Parameter", "torch.nn.parameter.Parameter"})
@@ -184,7 +186,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
     def unmatched_reason(
         self, target: Target, functions: list[tuple[str, int, int]], lines: list[str]
     ) -> str | None:
-        drop, add = target.step_line("dropout"), target.step_line("residual")
+        drop, add = target.step_line(DROPOUT), target.step_line(RESIDUAL)
         if drop is None or add is None:
             return None
         inner, outer = _innermost(functions, drop[0]), _innermost(functions, add[0])
@@ -210,7 +212,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
             small = _small(stmt)
             if small is None:
                 continue
-            drops = [d for d in (finder.peel_post(c, "dropout") for c in mt.nodes_of(small, cst.Call)) if d]
+            drops = [d for d in (finder.peel_post(c, DROPOUT) for c in mt.nodes_of(small, cst.Call)) if d]
             for drop in drops:
                 edit = self._edit_for(finder, stmts, index, drop, indent, link=len(drops) == 1)
                 if edit is not None:
@@ -306,7 +308,7 @@ class FusedDropoutAddCodemod(BlockRewriter):
     def _is_profiled_site(self, stmts: Sequence[cst.BaseStatement], first: int, target: Target) -> bool:
         """Whether the dropout of statement `first` is the one profiled (a call: its line is exact; the
         residual add is found from it, and the profile may place an operator's line a little early)."""
-        profiled = target.step_line("dropout")
+        profiled = target.step_line(DROPOUT)
         start, end = self.stmt_lines(stmts, first, first)
         return profiled is None or (start <= profiled[1] and profiled[0] <= end)
 
@@ -395,16 +397,13 @@ class FusedDropoutAddCodemod(BlockRewriter):
         self, finder: ChainFinder, stmts: Sequence[cst.BaseStatement], index: int, aug: cst.AugAssign
     ) -> str | None:
         name = aug.target.value  # type: ignore[union-attr]
-        for stmt in reversed(stmts[:index]):
-            assign = _assign_name(stmt)
-            if assign is not None and assign[0] == name:
-                if isinstance(assign[1], cst.Name | cst.Attribute | cst.Subscript):
-                    break
-                for other in stmts:  # `y = x` makes y share x's tensor: `x +=` updates both
-                    alias = _assign_name(other)
-                    if alias is not None and isinstance(alias[1], cst.Name) and alias[1].value == name:
-                        return f"`{name} += ...` also updates `{alias[0]}`, which shares its tensor"
-                return None
+        bound = block_index(stmts).simple_before(name, index)
+        if bound is not None and not isinstance(bound.value, cst.Name | cst.Attribute | cst.Subscript):
+            for other in stmts:  # `y = x` makes y share x's tensor: `x +=` updates both
+                alias = _assign_name(other)
+                if alias is not None and isinstance(alias[1], cst.Name) and alias[1].value == name:
+                    return f"`{name} += ...` also updates `{alias[0]}`, which shares its tensor"
+            return None
         return (
             f"`{name} += ...` updates in place a tensor that may be shared (a function argument or a copy of a "
             "name); the fused call would not"

@@ -49,10 +49,10 @@ from libcst.metadata.scope_provider import ClassScope, FunctionScope, Scope
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rewrite.toolkit import (
     bind_args,
+    block_index,
     class_info,
     code,
     enclosing_class,
-    nearest_before,
     number_value,
     qualified,
     reference,
@@ -117,20 +117,6 @@ def _attempt(method: Callable[..., bool]) -> Callable[..., bool]:
 
 
 @dataclass
-class _BlockNames:
-    """Per statement of a block the names it binds (`bound_names`) and their values; per name, the
-    statements binding it (ascending). Built once per block."""
-
-    values: list[dict[str, cst.BaseExpression]]
-    binders: dict[str, list[int]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for k, names in enumerate(self.values):
-            for name in names:
-                self.binders.setdefault(name, []).append(k)
-
-
-@dataclass
 class _Match:
     """One layer norm found in a block: statement indices, operands, and what makes it unsafe."""
 
@@ -154,13 +140,13 @@ class _BlockMatcher:
         codemod: ManualLayerNormCodemod,
         stmts: Sequence[cst.BaseStatement],
         start: int,
-        bound: _BlockNames,
+        values: list[dict[str, cst.BaseExpression]],
     ) -> None:
         self.codemod = codemod
         self.stmts = stmts
         self.start = start  # first statement of the window of consecutive simple statements
-        self.names = bound  # built once per block
-        self.bound = bound.values
+        self.index = block_index(stmts)  # what each statement binds, any way: built once per block
+        self.bound = values  # per statement, the values the layer norm reads its names as
 
     # ---- the statements -------------------------------------------------------------------------------------
     def value_of(self, k: int) -> cst.BaseExpression:
@@ -168,16 +154,18 @@ class _BlockMatcher:
 
     def binding(self, name: str, at: int) -> int | None:
         """The statement of the window that last bound `name` before statement `at` (None: before it)."""
-        return nearest_before(self.names.binders.get(name, ()), at, self.start)
+        found = self.index.lookup(name, at, self.start)
+        return None if found is None else found.index
 
     def deref(self, expr: cst.BaseExpression, at: int, mt: _Match) -> tuple[cst.BaseExpression, int]:
         # each step goes to a statement before `at` (relative to the binding followed): it ends
         while isinstance(expr, cst.Name):
             k = self.binding(expr.value, at)
-            if k is None:
+            value = None if k is None else self.bound[k].get(expr.value)
+            if k is None or value is None:  # bound before the window, or some other way (`x += 1`): a leaf
                 break
             mt.used.add(k)
-            expr, at = self.bound[k][expr.value], k
+            expr, at = value, k
         return expr, at
 
     # ---- patterns -------------------------------------------------------------------------------------------
@@ -524,17 +512,17 @@ class ManualLayerNormCodemod(RuleCodemod):
         # profile mode: a match's statements end at its output, so an output ending before every target
         # matches nothing wanted (not analysed)
         first_line = min((t.line for t in self.targets), default=0) if self.targets is not None else 0
-        bound: _BlockNames | None = None
+        values: list[dict[str, cst.BaseExpression]] | None = None
         for i, stmt in enumerate(original):
             if not isinstance(stmt, cst.SimpleStatementLine):
                 start = i + 1  # the window: consecutive simple statements (no control flow between)
                 continue
             if not _is_output_stmt(stmt) or (first_line and self.lines_of(stmt)[1] < first_line):
                 continue
-            if bound is None:
-                bound = _BlockNames([self._values_bound(s) for s in original])
+            if values is None:
+                values = [self._values_bound(s) for s in original]
             try:
-                mt = _BlockMatcher(self, original, start, bound).match(i)
+                mt = _BlockMatcher(self, original, start, values).match(i)
             except _NoMatch:
                 mt = None
             if mt is not None and mt.x is not None:

@@ -77,6 +77,7 @@ from opadvisor.rules._regions import (
 from opadvisor.rules._source import load_profiled_source
 from opadvisor.rules.facts import Facts, absent_as
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.patterns import DROPOUT, REGION_CHAINS
 
 ID = "fuse_region"
 TITLE = "Hot chain of memory-bound kernels"
@@ -139,15 +140,8 @@ VIEW_BACKWARD = tuple(
     "Unbind AsStrided Reshape Detach".split()
 )
 
-# chain -> (what apply writes, in words); unnamed regions get the regional compile
-FIXES = {
-    "gelu_tanh": 'torch.nn.functional.gelu(x, approximate="tanh")',
-    "gelu_erf": "torch.nn.functional.gelu(x)",
-    "silu": "torch.nn.functional.silu(x)",
-    "sigmoid_gate": "opadvisor.kernels.quick_gelu(x) (when c is 1.702), else the regional compile",
-    "dropout": "opadvisor.kernels.dropout(x, p)",
-    "relpos_gather": "opadvisor.kernels.disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)",
-}
+# chain -> what apply writes, in words (declared in rules/patterns.py); unnamed regions get the regional compile
+FIXES = {c.name: c.fix for c in REGION_CHAINS.values()}
 COMPILE_FIX = "@opadvisor.kernels.compile_region on {function} (regional torch.compile)"
 BLOCK_FIX = (
     'opadvisor.patch(model, rules=["compile_blocks"]): every {block} runs one compiled forward, shared by '
@@ -349,7 +343,7 @@ def _finding(ix: ProfileIndex, site: Site) -> Finding | None:
             **({"module": site.block, "block": function.split(".")[0]} if site.block else {}),
         ).to_details(),
         notes=(["the fused dropout draws its own random mask: losses agree in distribution"]
-               if site.chain == "dropout" else []),
+               if site.chain == DROPOUT else []),
     )  # fmt: skip
     f.time_ms_per_step = time_ms
     f.evidence.time_ms_per_step = time_ms

@@ -59,32 +59,12 @@ from opadvisor.rewrite.toolkit import (
     qualified,
     simple_binding,
 )
+from opadvisor.rules.patterns import DROPOUT, GELU_TANH, REGION_CHAINS, RELPOS_GATHER
 from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 KERNELS = "opadvisor.kernels"
 COMPILE_REGION = f"{KERNELS}.compile_region"
 AUTOGRAD_FUNCTION = frozenset({"torch.autograd.Function", "torch.autograd.function.Function"})
-# the chain a finding names -> the source forms that serve it
-SERVES = {
-    "gelu_tanh": "gelu_tanh",
-    "gelu_erf": "gelu_erf",
-    "silu": "silu",
-    "quick_gelu": "sigmoid_gate",
-    "dropout": "dropout",
-    "relpos": "relpos_gather",
-}
-WORDS = {
-    "gelu_tanh": "a tanh GELU",
-    "gelu_erf": "an erf GELU",
-    "silu": "SiLU",
-    "sigmoid_gate": "x * sigmoid(c * x)",
-    "quick_gelu": "QuickGELU",
-    "dropout": "a dropout",
-    "relpos": "DeBERTa's relative-position scores",
-    "relpos_gather": "DeBERTa's relative-position scores",
-}
-
-
 # ---- the codemod ---------------------------------------------------------------------------------------------
 
 
@@ -157,12 +137,13 @@ class FuseRegionCodemod(BlockRewriter):
             if i is None:
                 continue
             chain = self._chain(self.targets[i])
-            if chain == SERVES[kind]:
+            if chain == kind:
                 self.served.add(i)
                 return True
-            if chain in WORDS and chain != SERVES[kind]:
+            if chain in REGION_CHAINS:
                 self.served.add(i)
-                self.skip(node, f"the profile saw {WORDS[chain]} here, the source computes {WORDS[kind]}")
+                saw, computes = REGION_CHAINS[chain].words, REGION_CHAINS[kind].found_words
+                self.skip(node, f"the profile saw {saw} here, the source computes {computes}")
             return False
         return False
 
@@ -179,7 +160,7 @@ class FuseRegionCodemod(BlockRewriter):
                 self.plan.functions[name].calls += 1
         for name, fn in self.plan.functions.items():
             i = self._function_targeted(name)
-            if i is not None and self.targets is not None and self._chain(self.targets[i]) == "dropout":
+            if i is not None and self.targets is not None and self._chain(self.targets[i]) == DROPOUT:
                 self.served.add(i)
                 if not fn.calls:
                     line = self.plan.class_lines[name][0]
@@ -208,7 +189,7 @@ class FuseRegionCodemod(BlockRewriter):
                     continue
                 callers = {id(f): f for c in calls.get(name, []) if (f := self._enclosing_def(c)) is not None}
                 self.served.add(i)
-                if self._chain(t) == "dropout" and name in self.plan.refused:
+                if self._chain(t) == DROPOUT and name in self.plan.refused:
                     why = self.plan.refused[name]
                     self.skipped.append(
                         Note(t.line, f"{name}: not replaced by opadvisor.kernels.dropout: {why}")
@@ -344,24 +325,22 @@ class FuseRegionCodemod(BlockRewriter):
         x = conv.leaves[x_text]
         removed, why = self._temporaries(stmts, k, node, [x], resolver)
         if why is not None:
-            self.skip(node, f"{WORDS[kind]} written by hand, not rewritten: {why}")
+            self.skip(node, f"{REGION_CHAINS[kind].found_words} written by hand, not rewritten: {why}")
             return None
-        if kind == "gelu_tanh":
+        if kind == GELU_TANH:
             new = cst.Call(
                 self.ref("torch.nn.functional.gelu"),
                 [cst.Arg(x, comma=_comma()), cst.Arg(cst.SimpleString('"tanh"'), keyword=cst.Name("approximate"),
                                                      equal=_equal())],
             )  # fmt: skip
         else:
-            func = {"gelu_erf": "torch.nn.functional.gelu", "silu": "torch.nn.functional.silu",
-                    "quick_gelu": f"{KERNELS}.quick_gelu"}[kind]  # fmt: skip
-            new = cst.Call(self.ref(func), [cst.Arg(x)])
+            new = cst.Call(self.ref(REGION_CHAINS[kind].function), [cst.Arg(x)])
         new = new.with_changes(lpar=node.lpar, rpar=node.rpar) if getattr(node, "lpar", None) else new
-        self.record_change(node, f"{WORDS[kind]} written by hand -> {code(new.func)}")
+        self.record_change(node, f"{REGION_CHAINS[kind].found_words} written by hand -> {code(new.func)}")
         return BlockEdit(k, k, {id(node): new}, carried=[x], removed=removed)
 
     def _dropout_edit(self, stmts, k, node, dm: DropoutMatch, resolver: Resolver) -> BlockEdit | None:
-        if not self._wants(self._spans(stmts, k, resolver.used), "dropout", node):
+        if not self._wants(self._spans(stmts, k, resolver.used), DROPOUT, node):
             return None
         removed, why = self._temporaries(stmts, k, node, [dm.x, dm.p], resolver)
         if why is not None:
@@ -381,7 +360,7 @@ class FuseRegionCodemod(BlockRewriter):
         if fn is None:
             return updated_node
         i = self._function_targeted(name)  # type: ignore[arg-type]
-        if self.targets is not None and (i is None or self._chain(self.targets[i]) != "dropout"):
+        if self.targets is not None and (i is None or self._chain(self.targets[i]) != DROPOUT):
             return updated_node
         args = list(updated_node.args)
         if len(args) != len(fn.params) or any(a.keyword is not None or a.star for a in args):
@@ -408,7 +387,7 @@ class FuseRegionCodemod(BlockRewriter):
         spans = [self.stmt_lines(stmts, j, j) for j in [*(g[0] for g in gathers), *(a for a in accs)]]
         last = accs[-1]
         anchor = stmts[last].body[0]  # type: ignore[attr-defined]
-        if not self._wants(spans, "relpos", anchor):
+        if not self._wants(spans, RELPOS_GATHER, anchor):
             return None
         c2p = next((g for g in gathers if not g[4]), None)
         p2c = next((g for g in gathers if g[4]), None)

@@ -195,6 +195,8 @@ def test_apply_on_the_fsdp_example(fsdp_applied: Path) -> None:
     text = (fsdp_applied / FSDP_EXAMPLE.name).read_text()
     assert "for block_ in model.blocks:" in text
     assert "model.set_requires_gradient_sync((i + 1) % args.accum == 0)" in text
+    # the root unit keeps its gathered parameters between micro-steps; the blocks reshard as before
+    assert "model.set_reshard_after_backward((i + 1) % args.accum == 0, recurse=False)" in text
     policy = "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)"
     assert text.count(policy) == 2 and "from torch.distributed.fsdp import MixedPrecisionPolicy" in text
 

@@ -18,11 +18,12 @@ loop is the innermost `for` holding the forward, in one of the two shapes people
         optimizer.step()
 
 FSDP2: `model.set_requires_gradient_sync(LAST)` becomes the first statement of the micro-step loop's body.
-Where the root's `fully_shard` is the file's only one (one unit holds the whole model), the next statement
-is `model.set_reshard_after_backward(LAST)`: the gathered parameters stay between micro-steps instead of
-being gathered again by the next forward. That unit holds them unsharded through its whole forward and
-backward anyway, so the peak memory does not grow; with one unit per block it would (every block kept
-gathered), so it is not written there (fsdp_reshard judges that trade from the measured memory).
+The next statement is `model.set_reshard_after_backward(LAST, recurse=False)`: the root unit's gathered
+parameters stay between micro-steps instead of being gathered again by the next forward, which gathers them
+first thing anyway (and FSDP2 by default does not reshard the root after its forward): the peak memory does
+not grow. `recurse=False` leaves any per-block units (written now or later by
+fsdp_root_only) resharding as they did; keeping every block gathered is fsdp_reshard's trade, judged from
+the measured memory. Where one unit holds the whole model this saves all but one gather per step.
 DDP: the statements of the micro-step (in (a) those before the `if`, in (b) the whole body) run under
 `with contextlib.nullcontext() if LAST else model.no_sync():` (DDP reads the flag at the forward, so the
 forward must be inside), and `contextlib` is imported.
@@ -64,7 +65,6 @@ class _Edit:
     model: str
     last: str  # the expression that is true on the last micro-step
     stop: int | None  # (a) DDP: the statements before this index run under no_sync; None: the whole body
-    keep_gathered: bool = False  # FSDP2, one unit: no reshard after the backward of a micro-step either
 
 
 class GradAccumSyncCodemod(RuleCodemod):
@@ -114,9 +114,10 @@ class GradAccumSyncCodemod(RuleCodemod):
     @staticmethod
     def _fsdp_calls(edit: _Edit) -> tuple[list[cst.BaseStatement], str]:
         """The statements that open an FSDP2 micro-step, and what they do in words."""
-        calls = [f"{edit.model}.set_requires_gradient_sync({edit.last})"]
-        if edit.keep_gathered:
-            calls.append(f"{edit.model}.set_reshard_after_backward({edit.last})")
+        calls = [
+            f"{edit.model}.set_requires_gradient_sync({edit.last})",
+            f"{edit.model}.set_reshard_after_backward({edit.last}, recurse=False)",
+        ]
         statements = [cst.parse_statement(c + "\n") for c in calls]
         statements[0] = statements[0].with_changes(
             leading_lines=[cst.EmptyLine(comment=cst.Comment(COMMENT))]
@@ -159,11 +160,7 @@ class GradAccumSyncCodemod(RuleCodemod):
         if isinstance(found, str):
             return found
         last, stop = found
-        one_unit = facts.wrapper == "fsdp" and self._fully_shard_calls(module) == 1
-        return loop, _Edit(target, facts.wrapper, model, last, stop, keep_gathered=one_unit)
-
-    def _fully_shard_calls(self, module: cst.Module) -> int:
-        return sum(1 for c in nodes_of(module, cst.Call) if resolves_to(self, c.func, FULLY_SHARD_NAMES))
+        return loop, _Edit(target, facts.wrapper, model, last, stop)
 
     def _model_name(self, module: cst.Module, target: Target, wrapper: str) -> str:
         """The model's expression, or "!" + why there is none."""

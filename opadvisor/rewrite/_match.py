@@ -31,6 +31,9 @@ EMBEDDING_CLASSES = frozenset({"torch.nn.Embedding", "torch.nn.modules.sparse.Em
 TRIL_FUNCS = frozenset({"torch.tril"})
 TRIU_FUNCS = frozenset({"torch.triu"})
 ONES_FUNCS = frozenset({"torch.ones"})
+AUTOCASTS = frozenset(
+    {"torch.autocast", "torch.cuda.amp.autocast", "torch.amp.autocast", "torch.cpu.amp.autocast"}
+)
 
 _EMPTY = cst.Module([])
 

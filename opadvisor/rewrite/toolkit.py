@@ -53,6 +53,7 @@ from opadvisor.rewrite._compile_edits import (
 from opadvisor.rewrite._dropout_match import DropoutMatch, DropoutMatcher
 from opadvisor.rewrite._edit import atomic, invert, reciprocal, template
 from opadvisor.rewrite._match import (
+    AUTOCASTS,
     EMBEDDING_CLASSES,
     LINEAR_CLASSES,
     ONES_FUNCS,
@@ -91,6 +92,7 @@ from opadvisor.rewrite._parallel import (
 from opadvisor.rewrite._walk import Transformer, Visitor
 
 __all__ = [
+    "AUTOCASTS",
     "BlockEdit",
     "BlockRewriter",
     "CAST",

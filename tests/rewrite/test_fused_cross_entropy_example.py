@@ -58,3 +58,49 @@ def test_rewritten_example_trains_like_the_original(tmp_path: Path, example: str
     else:
         assert torch.cuda.is_available()
         assert after == pytest.approx(before, rel=2e-2, abs=1e-3)
+
+
+LM_LOSS = """import torch
+import torch.nn.functional as F
+
+torch.manual_seed(0)
+vocab = 1001
+head = torch.nn.Linear(32, vocab)
+x = torch.randn(4, 8, 32)
+y = torch.randint(0, vocab, (4, 8))
+y[0, :3] = -100
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    logits = head(x)
+    loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+loss.backward()
+print("loss", repr(loss.item()), loss.dtype)
+print("grad", repr(head.weight.grad.double().norm().item()), repr(head.bias.grad.double().sum().item()))
+"""
+
+
+@pytest.mark.slow
+def test_the_float32_copy_dropped_under_autocast_keeps_values_and_gradients(tmp_path: Path) -> None:
+    """`F.cross_entropy(logits.float().view(...))` under bf16 autocast: the rewrite calls the kernel on the
+    16-bit logits (no float32 copy), and the loss, its dtype and the gradients are the original's (the kernel
+    itself runs, through the interpreter)."""
+    original, script = tmp_path / "original.py", tmp_path / "lm.py"
+    original.write_text(LM_LOSS)
+    script.write_text(LM_LOSS)
+    done = opadvisor_here(tmp_path, "apply", "--rule", "fused_cross_entropy", str(script))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cross_entropy(logits.view(-1, vocab), y.view(-1))" in script.read_text()
+    assert "float32 copy of the logits dropped" in done.stdout + done.stderr
+    outputs = []
+    for path in (original, script):
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        ran = subprocess.run(
+            [sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+        )
+        assert ran.returncode == 0, ran.stderr[-3000:]
+        outputs.append(ran.stdout.split())
+    before, after = outputs
+    assert before[2] == after[2] == "torch.float32"
+    values = [float(v) for i, v in enumerate(before) if i in (1, 4, 5)]
+    assert [float(v) for i, v in enumerate(after) if i in (1, 4, 5)] == pytest.approx(
+        values, rel=1e-6, abs=1e-9
+    )

@@ -38,6 +38,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 
 from opadvisor.rewrite.base import Note, RuleCodemod, Target
 from opadvisor.rewrite.toolkit import (
+    AUTOCASTS,
     after_docstring_and_imports,
     code,
     config_block,
@@ -65,9 +66,6 @@ CUDNN_SETTINGS = frozenset(
         "torch.backends.cudnn.fp32_precision",
         "torch.backends.fp32_precision",
     }
-)
-AUTOCASTS = frozenset(
-    {"torch.autocast", "torch.cuda.amp.autocast", "torch.amp.autocast", "torch.cpu.amp.autocast"}
 )
 STEP_METHODS = frozenset({"backward", "step", "zero_grad"})
 _KEYWORDS = {

@@ -15,6 +15,13 @@ the arguments, their comments and layout stay as written. The function is found 
 (`import torch.nn.functional as F`, `from torch.nn.functional import cross_entropy as ce`, `torch.nn.
 functional.cross_entropy`).
 
+A float32 copy of the logits made for the loss alone (`logits.float()`, `.to(torch.float32)`, anywhere in a
+chain of views on the first argument: `logits.float().view(-1, V)`) is dropped where the call runs inside
+`with torch.autocast(...)` with a 16-bit dtype and not switched off by an `enabled=` expression: the
+kernel computes in float32 from the 16-bit logits, and autocast makes the loss float32 either way, so the
+values are the same and the copy (tokens x vocabulary x 4 bytes, written, read, and its gradient cast back)
+is saved. Outside autocast the cast stays: there it decides the loss's dtype.
+
 Fix safety: safe. The fused loss computes log-sum-exp in float32 from the logits as they are: the same
 function, more precisely than eager, which rounds the log-probabilities to the logits' 16-bit dtype
 before the loss (also under autocast on CUDA); losses differ by at most half a bf16 step of their value.
@@ -32,11 +39,14 @@ import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rewrite.toolkit import reference, resolves_to
+from opadvisor.rewrite.toolkit import AUTOCASTS, keyword, reference, resolves_to
 
 KERNEL = "opadvisor.kernels.cross_entropy"
 CROSS_ENTROPY_FUNCS = frozenset({"torch.nn.functional.cross_entropy"})
 LOSS_MODULES = frozenset({"torch.nn.CrossEntropyLoss", "torch.nn.modules.loss.CrossEntropyLoss"})
+FLOAT32 = frozenset({"torch.float32", "torch.float"})
+HALF = frozenset({"torch.bfloat16", "torch.float16", "torch.half"})
+VIEWS = frozenset({"view", "reshape", "flatten", "contiguous"})  # the chain a copy may sit in
 
 
 class FusedCrossEntropyCodemod(RuleCodemod):
@@ -49,7 +59,37 @@ class FusedCrossEntropyCodemod(RuleCodemod):
     def visit_Module(self, node: cst.Module) -> bool:
         self._module = node
         self._loss_module_line: int | None = None
+        self._autocast_depth = 0  # enclosing `with` statements that surely run under 16-bit autocast
         return True
+
+    def visit_With(self, node: cst.With) -> None:
+        self._autocast_depth += self._half_autocast(node)
+
+    def leave_With(self, original_node: cst.With, updated_node: cst.With) -> cst.With:
+        self._autocast_depth -= self._half_autocast(original_node)
+        return updated_node
+
+    def _half_autocast(self, node: cst.With) -> bool:
+        """Whether one of the `with`'s items is an autocast to a 16-bit dtype that is surely enabled."""
+        return any(
+            isinstance(item.item, cst.Call) and self._is_half_autocast(item.item) for item in node.items
+        )
+
+    def _is_half_autocast(self, call: cst.Call) -> bool:
+        if not resolves_to(self, call.func, AUTOCASTS):
+            return False
+        enabled = keyword(call, "enabled")
+        if enabled is not None and not (
+            isinstance(enabled.value, cst.Name) and enabled.value.value == "True"
+        ):
+            return False
+        dtype_arg = keyword(call, "dtype")
+        dtype = dtype_arg.value if dtype_arg is not None else None
+        positional = [a for a in call.args if a.keyword is None]
+        if dtype is None and resolves_to(self, call.func, {"torch.autocast", "torch.amp.autocast"}):
+            dtype = positional[1].value if len(positional) > 1 else None
+        # no dtype: autocast's default, float16 on CUDA and bfloat16 on the CPU
+        return dtype is None or resolves_to(self, dtype, HALF)
 
     def visit_Call(self, node: cst.Call) -> None:
         if self._loss_module_line is None and resolves_to(self, node.func, LOSS_MODULES):
@@ -66,10 +106,32 @@ class FusedCrossEntropyCodemod(RuleCodemod):
         if target is None:
             return updated_node
         self.answered.add(target)
-        self.record_change(
-            original_node, "F.cross_entropy -> opadvisor.kernels.cross_entropy (one pass over the logits)"
-        )
-        return updated_node.with_changes(func=reference(self.context, self._module, KERNEL))
+        words = "F.cross_entropy -> opadvisor.kernels.cross_entropy (one pass over the logits)"
+        args = list(updated_node.args)
+        first = original_node.args[0] if original_node.args else None
+        if self._autocast_depth and first is not None and first.keyword is None and args[0].keyword is None:
+            # read on the original node: qualified names are metadata of the original tree
+            uncast = self._without_float_copy(first.value)
+            if uncast is not None:
+                args[0] = args[0].with_changes(value=uncast)
+                words += "; the float32 copy of the logits dropped (autocast: the loss is float32 either way)"
+        self.record_change(original_node, words)
+        return updated_node.with_changes(func=reference(self.context, self._module, KERNEL), args=args)
+
+    def _without_float_copy(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        """`node` with the float32 cast in its chain of views removed, or None where it has none."""
+        if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)):
+            return None
+        method, receiver = node.func.attr.value, node.func.value
+        if method == "float" and not node.args:
+            return receiver
+        named = node.args[0].keyword.value if len(node.args) == 1 and node.args[0].keyword else None
+        if method == "to" and len(node.args) == 1 and named in (None, "dtype"):
+            return receiver if resolves_to(self, node.args[0].value, FLOAT32) else None
+        if method in VIEWS:
+            inner = self._without_float_copy(receiver)
+            return None if inner is None else node.with_changes(func=node.func.with_changes(value=inner))
+        return None
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         self.note_unreached(self._unmatched)

@@ -109,6 +109,7 @@ from . import _backend, _hf_masks
 from . import dropout_add as _dropout_add
 from . import linear as _linear
 from . import region as _region
+from .casts import autocast_shared
 
 __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
@@ -434,9 +435,10 @@ def _bert_attention(module: nn.Module, state: _State, hidden_states, *args, **kw
     attention_mask = _arguments(module, (hidden_states, *args), kwargs).get("attention_mask")
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.attention_head_size)
-    q = module.query(hidden_states).view(*hidden_shape).transpose(1, 2)
-    k = module.key(hidden_states).view(*hidden_shape).transpose(1, 2)
-    v = module.value(hidden_states).view(*hidden_shape).transpose(1, 2)
+    qx, kx, vx = autocast_shared(hidden_states, 3)  # one 16-bit copy for the three projections
+    q = module.query(qx).view(*hidden_shape).transpose(1, 2)
+    k = module.key(kx).view(*hidden_shape).transpose(1, 2)
+    v = module.value(vx).view(*hidden_shape).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -779,7 +781,8 @@ def _check_swiglu_mlp(module: nn.Module) -> str | None:
 def _swiglu_mlp(module: nn.Module, state: _State, x):
     from . import silu_mul
 
-    return module.down_proj(silu_mul(module.gate_proj(x), module.up_proj(x)))
+    gx, ux = autocast_shared(x, 2)  # one 16-bit copy for the gate and up projections
+    return module.down_proj(silu_mul(module.gate_proj(gx), module.up_proj(ux)))
 
 
 def _check_llama_attention(module: nn.Module) -> str | None:
@@ -805,9 +808,10 @@ def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **k
     namespace = sys.modules[type(module).__module__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
-    q = module.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    k = module.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    qx, kx, vx = autocast_shared(hidden_states, 3)  # one 16-bit copy for the three projections
+    q = module.q_proj(qx).view(hidden_shape).transpose(1, 2)
+    k = module.k_proj(kx).view(hidden_shape).transpose(1, 2)
+    v = module.v_proj(vx).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
     cache = _kv_cache(args, kwargs)
@@ -1025,9 +1029,11 @@ def _deberta_attention(
             hidden_states, attention_mask, output_attentions, query_states, relative_pos, rel_embeddings
         )
     heads = module.num_attention_heads
-    q = _deberta_heads(module.query_proj(hidden_states if query_states is None else query_states), heads)
-    k = _deberta_heads(module.key_proj(hidden_states), heads)
-    v = _deberta_heads(module.value_proj(hidden_states), heads)
+    # one 16-bit copy of the hidden states for the projections that read them
+    shared = autocast_shared(hidden_states, 3 if query_states is None else 2)
+    q = _deberta_heads(module.query_proj(shared[2] if query_states is None else query_states), heads)
+    k = _deberta_heads(module.key_proj(shared[0]), heads)
+    v = _deberta_heads(module.value_proj(shared[1]), heads)
     factor = 1 + ("c2p" in module.pos_att_type) + ("p2c" in module.pos_att_type)
     scale = _deberta_scale_of(q.shape[-1] * factor, q.dtype)
     bias = None

@@ -274,3 +274,35 @@ def test_llama_attention_with_the_rope_kernel_is_the_original(attn, reference_pa
     assert_same_training(original, model)
     for got, want in zip(_decode(model.eval(), ids()), _decode(original.eval(), ids()), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _saved_bytes_and_grads(model: nn.Module) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for backward (each storage once) in one bf16-autocast step, the loss, the grads."""
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids(), labels=ids()).loss
+    loss.backward()
+    return sum(saved.values()), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_under_autocast_each_block_keeps_one_16_bit_copy_of_its_projections_input(
+    monkeypatch, reference_path
+) -> None:
+    """q/k/v (and gate/up) read one bf16 copy of the float32 normed hidden states, not one each: two copies
+    fewer per attention and one per MLP, with the same loss and gradients as when each projection casts."""
+    model = opadvisor.patch(tiny(), quiet=True)
+    _saved_bytes_and_grads(model)  # the first call runs the checks
+    shared, loss, grads = _saved_bytes_and_grads(model)
+    monkeypatch.setattr(P, "autocast_shared", lambda x, n: (x,) * n)  # each projection casts for itself
+    own, want_loss, want_grads = _saved_bytes_and_grads(model)
+    copy = 2 * 16 * 32 * 2  # one bf16 copy of the [2, 16, 32] hidden states
+    assert own - shared == 2 * (2 + 1) * copy  # two layers: two in the attention, one in the MLP
+    assert torch.equal(loss, want_loss)
+    assert all(torch.equal(grads[n], g) for n, g in want_grads.items())

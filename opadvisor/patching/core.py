@@ -92,6 +92,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import opadvisor.kernels as kernels
+from opadvisor.kernels import autocast_shared
+from opadvisor.kernels import dropout_add as _dropout_add
+from opadvisor.kernels import linear as _linear
+from opadvisor.kernels import region as _region
 from opadvisor.libraries import (
     FIXES,
     HF_ATTENTION_CLASSES,
@@ -104,12 +109,6 @@ from opadvisor.libraries import (
     llama_family_classes,
     repeated_blocks,
 )
-
-import opadvisor.kernels as kernels
-from opadvisor.kernels import autocast_shared
-from opadvisor.kernels import dropout_add as _dropout_add
-from opadvisor.kernels import linear as _linear
-from opadvisor.kernels import region as _region
 
 from . import hf_masks as _hf_masks
 

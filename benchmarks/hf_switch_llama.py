@@ -1,4 +1,4 @@
-"""A user's training script for issue 31's run-time attention switch (kernels/patch.py `hf_attn_switch`):
+"""A user's training script for issue 31's run-time attention switch (opadvisor/patching/ `hf_attn_switch`):
 a transformers Llama (8 x 1024, seq 1024, batch 4, bf16 autocast on CUDA) built with its attention
 implementation passed as a variable (`--attn`, "eager" by default), so `opadvisor apply` cannot write the
 switch as a literal and inserts `opadvisor.patch(model, ...)`, which sets it at run time.

@@ -31,7 +31,7 @@ every fallback that is not the documented size dispatch warns once with its reas
 does not import Triton.
 """
 
-from ._backend import backend
+from ._backend import EAGER, backend, cuda_graph_capturing, is_kv_cache
 from ._dispatch import dispatch_counts, reset_dispatch_counts
 from ._rng import fixed_dropout_seed
 from .activations import (
@@ -61,6 +61,9 @@ from .seeded_dropout import dropout, dropout_backend, reference_dropout
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
 __all__ = [
+    "EAGER",
+    "cuda_graph_capturing",
+    "is_kv_cache",
     "autocast_shared",
     "PaddedLinear",
     "backend",

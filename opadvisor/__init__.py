@@ -1,6 +1,6 @@
 """opadvisor: find where a PyTorch training script loses GPU time, fix it, and prove the fix.
 
-`opadvisor.patch(model)` / `opadvisor.unpatch(model)` (opadvisor/kernels/patch.py) are imported on first
+`opadvisor.patch(model)` / `opadvisor.unpatch(model)` (opadvisor/patching/) are imported on first
 use: importing opadvisor does not import torch.
 """
 
@@ -22,9 +22,9 @@ def step() -> None:
 
 
 def __getattr__(name: str) -> Any:
-    """`opadvisor.patch`, `opadvisor.unpatch`, `opadvisor.patch_report`: opadvisor.kernels.patch's."""
+    """`opadvisor.patch`, `opadvisor.unpatch`, `opadvisor.patch_report`: opadvisor.patching's."""
     if name in _LAZY:
-        from opadvisor.kernels import patch as _patch
+        import opadvisor.patching as _patch
 
         return getattr(_patch, _LAZY[name])
     raise AttributeError(f"module 'opadvisor' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """What opadvisor can do about code that lives in an installed library: the fixes, by module class.
 
 Plain data, importable without torch: `suggest` reads it to say whether a finding in library code has a
-fix, `apply` to write it, and `opadvisor.kernels.patch` (the runtime side) to know which modules it may
+fix, `apply` to write it, and `opadvisor.patching` (the runtime side) to know which modules it may
 swap. Three kinds of fix:
 
 - a *switch* the library already has, written by `opadvisor apply` into the user's code: HuggingFace's

@@ -56,7 +56,7 @@ from opadvisor.rewrite._match import code, qualified
 from opadvisor.rewrite.base import RuleCodemod, Target
 from opadvisor.rules.facts import Facts
 
-PATCH_NAMES = frozenset({"opadvisor.patch", "opadvisor.kernels.patch.patch"})
+PATCH_NAMES = frozenset({"opadvisor.patch", "opadvisor.patching.patch"})
 
 
 @dataclass
@@ -287,7 +287,7 @@ def _patch_assignment(stmt: cst.BaseStatement) -> tuple[str, list[str] | None, b
     ):
         return None
     call = assign.value
-    if code(call.func) not in ("opadvisor.patch", "opadvisor.kernels.patch.patch") or not call.args:
+    if code(call.func) not in ("opadvisor.patch", "opadvisor.patching.patch") or not call.args:
         return None
     target = code(assign.targets[0].target)
     if code(call.args[0].value) != target:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.kernels import patch as P
+from opadvisor.patching import core as P
 
 
 def fixes(model: nn.Module) -> set[str]:

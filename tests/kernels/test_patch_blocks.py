@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.kernels import patch as P
+from opadvisor.patching import core as P
 from test_patch import batch, losses, tiny_bert, tiny_gpt2
 
 import opadvisor

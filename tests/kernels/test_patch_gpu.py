@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import cuda_graphed
-from opadvisor.kernels import patch as P
+from opadvisor.patching import core as P
 
 import opadvisor
 

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.kernels import patch as P
+from opadvisor.patching import core as P
 from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor

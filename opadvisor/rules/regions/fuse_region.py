@@ -46,7 +46,7 @@ Fix and its safety
     block's forward (also on a CPU profile, whatever its share of the step there: the module each op ran
     in says it is the model's, and the Python issuing the ops, most of a CPU step, is cut too). Its fix is
     `opadvisor.patch(model, rules=["compile_blocks"])` after the model's construction: each block instance
-    runs one compiled forward shared by all (regional torch.compile; see opadvisor/kernels/patch.py), safe
+    runs one compiled forward shared by all (regional torch.compile; see opadvisor/patching/), safe
     as the regional compile is. `opadvisor verify`
     compares losses with dropout disabled; for a replaced hand-written dropout the original it runs has
     the same replacement (which it can disable), so the rest of the rewrite is still checked exactly.

@@ -92,6 +92,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import opadvisor.kernels as kernels
+from opadvisor.kernels import autocast_shared
+from opadvisor.kernels import dropout_add as _dropout_add
+from opadvisor.kernels import linear as _linear
+from opadvisor.kernels import region as _region
 from opadvisor.libraries import (
     FIXES,
     HF_ATTENTION_CLASSES,
@@ -105,11 +110,7 @@ from opadvisor.libraries import (
     repeated_blocks,
 )
 
-from . import _backend, _hf_masks
-from . import dropout_add as _dropout_add
-from . import linear as _linear
-from . import region as _region
-from .casts import autocast_shared
+from . import hf_masks as _hf_masks
 
 __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
@@ -393,7 +394,7 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[s
 def _kv_cache(args: tuple, kwargs: dict[str, Any]) -> Any:
     """The transformers KV cache (a `transformers.cache_utils.Cache`) among a call's arguments, by position
     or under any name, or None. (An empty DynamicCache is falsy: compared with None, never tested for truth.)"""
-    return next((v for v in (*args, *kwargs.values()) if _backend.is_kv_cache(v)), None)
+    return next((v for v in (*args, *kwargs.values()) if kernels.is_kv_cache(v)), None)
 
 
 def _update_cache(module: nn.Module, cache: Any, k: torch.Tensor, v: torch.Tensor, arguments: dict[str, Any]):
@@ -464,12 +465,14 @@ def _fold_bias(residual: torch.Tensor) -> bool:
     """Whether bias_dropout_add takes the bias out of the GEMM: only where its fused kernel (or the CPU
     reference) runs; where it would run the plain chain (small CUDA tensors) the bias stays in the GEMM's
     epilogue, as in the original, so the chain is not one op longer."""
-    return _dropout_add.bias_dropout_add_backend(residual) != _backend.EAGER
+    return _dropout_add.bias_dropout_add_backend(residual) != kernels.EAGER
 
 
 def _linear_dropout_add(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor, p: float, training: bool):
     """residual + dropout(linear(x)), the bias added inside the fused kernel where it runs."""
-    from . import bias_dropout_add  # looked up at call time: verify's harness swaps it for a p=0 version
+    from opadvisor.kernels import (
+        bias_dropout_add,
+    )  # looked up at call time: verify's harness swaps it for a p=0 version
 
     if _fold_bias(residual):
         return bias_dropout_add(F.linear(x, linear.weight), linear.bias, residual, p, training)
@@ -609,7 +612,7 @@ def _encoder_layer(
         h = module.dropout(module.activation(module.linear1(x)))
         return _linear_dropout_add(module.linear2, h, residual, module.dropout2.p, True)
 
-    from . import bias_dropout_add
+    from opadvisor.kernels import bias_dropout_add
 
     x = src
     if module.norm_first:
@@ -630,7 +633,7 @@ def _check_linear(module: nn.Module) -> str | None:
 def _padded_linear(module: nn.Module, state: _State, input):
     if not _linear.should_pad(input):
         return F.linear(input, module.weight, module.bias)
-    from . import padded_linear
+    from opadvisor.kernels import padded_linear
 
     return padded_linear(input, module.weight, module.bias)
 
@@ -694,7 +697,7 @@ def _bert_mlm(module: nn.Module, state: _State, *args, **kwargs):
     out = state.original(*args, **kwargs)
     if labels is None:
         return out
-    from . import cross_entropy  # looked up at call time, as bias_dropout_add
+    from opadvisor.kernels import cross_entropy  # looked up at call time, as bias_dropout_add
 
     logits = out[0]
     loss = cross_entropy(logits.view(-1, module.config.vocab_size), labels.view(-1))
@@ -722,7 +725,7 @@ def _causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss (labels shifted left, -100 ignored, a sum over num_items_in_batch when
     given) without its float32 copy of the logits: the kernel computes in float32 from the 16-bit values."""
-    from . import cross_entropy
+    from opadvisor.kernels import cross_entropy
 
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -754,7 +757,7 @@ def _check_rms_norm(module: nn.Module) -> str | None:
 
 
 def _rms_norm(module: nn.Module, state: _State, hidden_states):
-    from . import rms_norm  # looked up at call time, as bias_dropout_add
+    from opadvisor.kernels import rms_norm  # looked up at call time, as bias_dropout_add
 
     return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
@@ -779,7 +782,7 @@ def _check_swiglu_mlp(module: nn.Module) -> str | None:
 
 
 def _swiglu_mlp(module: nn.Module, state: _State, x):
-    from . import silu_mul
+    from opadvisor.kernels import silu_mul
 
     gx, ux = autocast_shared(x, 2)  # one 16-bit copy for the gate and up projections
     return module.down_proj(silu_mul(module.gate_proj(gx), module.up_proj(ux)))
@@ -799,7 +802,7 @@ def _check_llama_attention(module: nn.Module) -> str | None:
 
 def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **kwargs):
     """LlamaAttention.forward with the rotary embedding as one kernel per tensor (q, k)."""
-    from . import rotary_embedding
+    from opadvisor.kernels import rotary_embedding
 
     arguments = _arguments(module, (hidden_states, *args), kwargs)
     position_embeddings = arguments.get("position_embeddings")
@@ -878,7 +881,7 @@ def _fused_causal_lm_loss(
     **kwargs: Any,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss over lm_head(hidden) (see `_causal_lm_loss`), the logits never whole."""
-    from . import linear_cross_entropy
+    from opadvisor.kernels import linear_cross_entropy
 
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -978,7 +981,7 @@ def _deberta_relative_bias(
 ) -> torch.Tensor | None:
     """The c2p + p2c relative-position scores [B, H, Sq, Sk] (None when pos_att_type has neither): the
     position tables' products with q and k, gathered, scaled and summed by opadvisor.kernels.disentangled_bias."""
-    from . import disentangled_bias  # looked up at call time, as bias_dropout_add
+    from opadvisor.kernels import disentangled_bias  # looked up at call time, as bias_dropout_add
 
     c2p, p2c = "c2p" in module.pos_att_type, "p2c" in module.pos_att_type
     if not (c2p or p2c):
@@ -1351,7 +1354,7 @@ def _check_hf_switch(module: nn.Module) -> str | None:
     return _no_hooks(module)
 
 
-# The switch goes to transformers' SDPA attention under opadvisor's name (`_hf_masks`: its masks skip themselves
+# The switch goes to transformers' SDPA attention under opadvisor's name (`hf_masks`: its masks skip themselves
 # where no token is padded, under torch.compile and CUDA-graph capture too), from the eager attention or from
 # transformers' own SDPA (which builds full masks there); undone to what the model ran before.
 _SWITCHED_FROM = ("eager", "sdpa")
@@ -1630,7 +1633,7 @@ def patch_report(model: nn.Module) -> PatchReport | None:
 # ---- calling a patched module, and the first-call check ----------------------------------------------------
 def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwargs: dict) -> Any:
     if state.status == "pending":
-        if torch.compiler.is_compiling() or _backend.cuda_graph_capturing():
+        if torch.compiler.is_compiling() or kernels.cuda_graph_capturing():
             return state.original(*args, **kwargs)  # the check runs eagerly, at a later call
         problem = _first_call_check(module, state, patcher, args, kwargs)
         if problem is not None:

@@ -17,10 +17,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.patching import core as P
 from patch_testlib import with_replacement
 
 import opadvisor
+from opadvisor.patching import core as P
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,11 +13,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.patching import core as P
 from test_patch import batch, losses, tiny_bert, tiny_gpt2
 
 import opadvisor
 from opadvisor.libraries import repeated_blocks
+from opadvisor.patching import core as P
 
 BLOCKS = ["compile_blocks"]
 

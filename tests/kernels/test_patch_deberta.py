@@ -14,11 +14,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.patching import core as P
 from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import deberta_v2_class
+from opadvisor.patching import core as P
 
 transformers = pytest.importorskip("transformers")
 deberta = importlib.import_module("transformers.models.deberta_v2.modeling_deberta_v2")

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 from opadvisor.kernels import cuda_graphed
-from opadvisor.patching import core as P
 
 import opadvisor
+from opadvisor.patching import core as P
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu

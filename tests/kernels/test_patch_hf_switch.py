@@ -134,8 +134,9 @@ def test_a_bert_encoder_gets_the_switch_beside_its_own_attention_patch() -> None
 
 
 def test_a_switch_whose_first_call_differs_falls_back_to_eager(monkeypatch) -> None:
-    from opadvisor.patching import hf_masks as _hf_masks
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from opadvisor.patching import hf_masks as _hf_masks
 
     _hf_masks.register()
     sdpa = ALL_ATTENTION_FUNCTIONS[SWITCHED]
@@ -190,8 +191,9 @@ def test_an_unpadded_bert_call_gets_no_mask_under_tracing(monkeypatch) -> None:
 def test_a_causal_model_under_tracing_runs_is_causal_without_a_mask(monkeypatch) -> None:
     """GPT-2 running transformers' SDPA: switched, a call without padding gets no mask under tracing (SDPA's
     is_causal instead: the same values); a padded call, or one with a cache offset, keeps its mask."""
-    from opadvisor.patching import hf_masks as _hf_masks
     from transformers import masking_utils
+
+    from opadvisor.patching import hf_masks as _hf_masks
 
     config = transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32)
     torch.manual_seed(0)

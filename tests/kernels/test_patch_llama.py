@@ -13,11 +13,11 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-from opadvisor.patching import core as P
 from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import llama_family_classes
+from opadvisor.patching import core as P
 
 transformers = pytest.importorskip("transformers")
 

@@ -58,11 +58,11 @@ def _skip(op: Op) -> bool:
 
 
 def _scores_numel(bound: dict[str, Op]) -> int | None:
-    for label in ("mask", "scale", "softmax"):
+    for label in (MASK, SCALE, SOFTMAX):
         if label in bound:
             return numel(shape(bound[label], 0))
-    if "qk" in bound:
-        return numel(out_shape(bound["qk"]))
+    if QK in bound:
+        return numel(out_shape(bound[QK]))
     return None
 
 
@@ -111,9 +111,9 @@ def _softmax(op: Op, bound: dict[str, Op]) -> bool:
     dim = scalar(op, 1)
     if s0 is None or not isinstance(dim, int) or dim not in (-1, len(s0) - 1):
         return False
-    if "mask" in bound:
-        mshape = shape(bound["mask"], 0)
-        other = shape(bound["mask"], 1)
+    if MASK in bound:
+        mshape = shape(bound[MASK], 0)
+        other = shape(bound[MASK], 1)
         # the mask may apply to a view of the scores (BART's [b, h, t, s] view of [b * h, t, s] scores)
         viewed = numel(mshape) == numel(s0) and mshape is not None and mshape[-1:] == s0[-1:]
         if (
@@ -126,15 +126,15 @@ def _softmax(op: Op, bound: dict[str, Op]) -> bool:
 
 
 def _zero(op: Op, bound: dict[str, Op]) -> bool:
-    return scalar_float(op, 2) == 0.0 and shape(op, 0) == shape(bound["softmax"], 0)
+    return scalar_float(op, 2) == 0.0 and shape(op, 0) == shape(bound[SOFTMAX], 0)
 
 
 def _dropout(op: Op, bound: dict[str, Op]) -> bool:
-    return dropout_active(op) and shape(op, 0) == shape(bound["softmax"], 0)
+    return dropout_active(op) and shape(op, 0) == shape(bound[SOFTMAX], 0)
 
 
 def _pv(op: Op, bound: dict[str, Op]) -> bool:
-    return numel(shape(op, 0)) == numel(shape(bound["softmax"], 0))
+    return numel(shape(op, 0)) == numel(shape(bound[SOFTMAX], 0))
 
 
 # how each declared step shows in the profile: the ops it runs as, and what else must hold of them

@@ -173,6 +173,8 @@ class RegionChain:
     words: str  # in a sentence ("the profile saw a tanh GELU here")
     source_words: str = ""  # the narrower form the source rewrite reads, when there is one
     function: str = ""  # an activation: the call that replaces it (applied to x)
+    # the replacing call's keyword arguments after x, each (name, its value as Python source)
+    keywords: tuple[tuple[str, str], ...] = ()
     # one fix rewrites the whole function's pattern at once, though a matrix product splits the profile's
     # ops into several regions (DeBERTa's two relative-position terms each follow their own score product)
     whole_function: bool = False
@@ -192,6 +194,7 @@ REGION_CHAINS: dict[str, RegionChain] = {
             'torch.nn.functional.gelu(x, approximate="tanh")',
             "a tanh GELU",
             function="torch.nn.functional.gelu",
+            keywords=(("approximate", '"tanh"'),),
         ),
         RegionChain(
             GELU_ERF,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 from opadvisor.rewrite import _chain
-from opadvisor.rules import _attention, _regions
+from opadvisor.rules import _attention, _regions, patterns
 from opadvisor.rules.attention import fused_softmax
 from opadvisor.rules.dropout_add import fused_dropout_add
 from opadvisor.rules.patterns import (
@@ -61,3 +64,38 @@ def test_region_chains_declared_once():
     activations = {name for name, c in REGION_CHAINS.items() if c.function}
     assert activations == {"gelu_tanh", "gelu_erf", "silu", "sigmoid_gate"}
     assert _regions.WHOLE_FUNCTION_CHAINS == {"relpos_gather"}
+
+
+def _step_name_keys(tree: ast.AST) -> list[int]:
+    """Lines where a step name is spelled as a string used as a key (`ops["softmax"]`, `"qk" in bound`);
+    a call's argument names (`step.params["mask"]`, `args["mask"]`) are not step names."""
+    names = set(patterns.ATTENTION.names) | set(patterns.DROPOUT_ADD.names)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            owner = node.value
+            argnames = (isinstance(owner, ast.Attribute) and owner.attr == "params") or (
+                isinstance(owner, ast.Name) and owner.id == "args"
+            )
+            if node.slice.value in names and not argnames:
+                lines.append(node.lineno)
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            if node.left.value in names and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+                lines.append(node.lineno)
+    return lines
+
+
+# files whose same-spelled strings are their own names: manual_layernorm's "bias" is the norm's bias role
+_OWN_NAMES = {"manual_layernorm.py"}
+
+
+def test_step_names_are_spelled_once() -> None:
+    # issue 32: the rule code reads a step through its symbol in rules/patterns.py, never a second spelling
+    root = Path(patterns.__file__).parents[1]
+    found = {}
+    for path in [*(root / "rules").rglob("*.py"), *(root / "rewrite").rglob("*.py")]:
+        if path.name in _OWN_NAMES:
+            continue
+        if path.name != "patterns.py" and (lines := _step_name_keys(ast.parse(path.read_text()))):
+            found[str(path.relative_to(root))] = lines
+    assert found == {}

@@ -32,6 +32,7 @@ from opadvisor.profile.model import Op
 from opadvisor.rules._attention import AttentionSite, fill_value
 from opadvisor.rules._chains import dtype_of, numel, scalar, scalar_float, shape
 from opadvisor.rules.facts import Facts, Operand, operand
+from opadvisor.rules.patterns import DROPOUT, MASK, QK, SCALE, SOFTMAX, ZERO
 
 __all__ = ["AttentionFacts", "attention_facts"]
 
@@ -65,7 +66,7 @@ def attention_facts(site: AttentionSite, labels: tuple[str, ...]) -> AttentionFa
     """The facts of one site, over the links in `labels` that it bound."""
     ops = site.match.ops
     present = site.match.ran(labels)
-    softmax = ops["softmax"]
+    softmax = ops[SOFTMAX]
     scores = shape(softmax, 0)
     facts = AttentionFacts(
         ops=present,
@@ -79,11 +80,11 @@ def attention_facts(site: AttentionSite, labels: tuple[str, ...]) -> AttentionFa
         out_dtype=_out_dtype(ops, present),
         inplace=[x for x in present if ops[x].name.endswith("_")],
     )
-    if "scale" in present:
-        facts.scale = operand(ops["scale"], _other_side(ops["scale"], scores))
-        facts.scale_divides = ops["scale"].name.startswith("aten::div")
-    if "mask" in present:
-        mask = ops["mask"]
+    if SCALE in present:
+        facts.scale = operand(ops[SCALE], _other_side(ops[SCALE], scores))
+        facts.scale_divides = ops[SCALE].name.startswith("aten::div")
+    if MASK in present:
+        mask = ops[MASK]
         if mask.name.startswith("aten::add"):
             facts.mask_kind = "additive"
             facts.mask = operand(mask, _other_side(mask, scores))
@@ -91,9 +92,9 @@ def attention_facts(site: AttentionSite, labels: tuple[str, ...]) -> AttentionFa
             facts.mask_kind = "masked_fill"
             facts.mask = operand(mask, 1)
             facts.fill_value = fill_value(mask)
-    facts.zero_fill = "zero" in present
-    if "dropout" in present:
-        facts.dropout_p = scalar_float(ops["dropout"], 1)
+    facts.zero_fill = ZERO in present
+    if DROPOUT in present:
+        facts.dropout_p = scalar_float(ops[DROPOUT], 1)
     return facts
 
 
@@ -107,12 +108,12 @@ def _other_side(op: Op, scores: list[int] | None) -> int:
 
 
 def _scores_dtype(ops: dict[str, Op], present: list[str]) -> str | None:
-    for label in ("scale", "mask"):
+    for label in (SCALE, MASK):
         if label in present:
             return dtype_of(ops[label], _scores_side(ops[label]))
-    if "qk" in present:
-        return dtype_of(ops["qk"], 0)
-    return dtype_of(ops["softmax"], 0)
+    if QK in present:
+        return dtype_of(ops[QK], 0)
+    return dtype_of(ops[SOFTMAX], 0)
 
 
 def _scores_side(op: Op) -> int:
@@ -121,5 +122,5 @@ def _scores_side(op: Op) -> int:
 
 
 def _out_dtype(ops: dict[str, Op], present: list[str]) -> str | None:
-    after = present[present.index("softmax") + 1 :] if "softmax" in present else []
+    after = present[present.index(SOFTMAX) + 1 :] if SOFTMAX in present else []
     return dtype_of(ops[after[0]], 0) if after else None

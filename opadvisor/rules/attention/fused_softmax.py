@@ -39,7 +39,7 @@ from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
 from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
-from opadvisor.rules.patterns import FUSED_SOFTMAX, SCALE
+from opadvisor.rules.patterns import DROPOUT, FUSED_SOFTMAX, MASK, QK, SCALE, SOFTMAX, ZERO
 
 ID = "fused_softmax"
 TITLE = "Masked softmax as separate kernels"
@@ -55,18 +55,18 @@ def _is_sampling(site: AttentionSite) -> bool:
     """A mask built from top-k / sort just before: sampling logits, not attention scores."""
     m = site.match
     frame = m.frame
-    pos = frame.positions[m.ops["mask"].id]
+    pos = frame.positions[m.ops[MASK].id]
     return any(op.name in SAMPLING_OPS for op in frame.ops[max(0, pos - SAMPLING_LOOKBACK) : pos])
 
 
 def eligible(site: AttentionSite) -> bool:
     """True when the occurrence is a masked softmax this rule reports."""
     m = site.match
-    if "mask" not in m.ops or "softmax" not in m.ops or _is_sampling(site):
+    if MASK not in m.ops or SOFTMAX not in m.ops or _is_sampling(site):
         return False
     # without the q @ k^T in the same function, ask for attention-shaped scores ([..., heads, q, k])
-    if "qk" not in m.ops:
-        scores = m.ops["softmax"].input_shapes[0] or []
+    if QK not in m.ops:
+        scores = m.ops[SOFTMAX].input_shapes[0] or []
         return len(scores) >= 3
     return True
 
@@ -98,7 +98,7 @@ def detect(profile: Profile) -> list[Finding]:
             notes.append(
                 "fill is -inf: a fully masked row gives NaN in the original; the fused kernel gives 0"
             )
-        if "dropout" in first.ops:
+        if DROPOUT in first.ops:
             notes.append("the fused dropout draws its own random mask: losses agree in distribution")
         findings.append(
             build_finding(
@@ -122,8 +122,8 @@ def detect(profile: Profile) -> list[Finding]:
 
 
 def _word(label: str, op) -> str:
-    if label == "mask":
+    if label == MASK:
         return "masked_fill" if "masked_fill" in op.name else "+ mask"
-    if label == "zero":
+    if label == ZERO:
         return "masked_fill(0)"
-    return {"softmax": "softmax", "dropout": "dropout"}[label]
+    return {SOFTMAX: "softmax", DROPOUT: "dropout"}[label]

@@ -37,6 +37,7 @@ from opadvisor.rules._findings import build_finding
 from opadvisor.rules._index import index_of
 from opadvisor.rules.attention import attention_facts
 from opadvisor.rules.finding import Finding
+from opadvisor.rules.patterns import DROPOUT, MASK, PV, QK, SCALE, SOFTMAX, ZERO
 
 ID = "sdpa_attention"
 TITLE = "Hand-written attention"
@@ -47,10 +48,10 @@ ALTERNATIVES = ("fused_softmax",)
 
 def eligible(site: AttentionSite) -> bool:
     m = site.match
-    if not all(x in m.ops for x in ("qk", "softmax", "pv")):
+    if not all(x in m.ops for x in (QK, SOFTMAX, PV)):
         return False
     frame = m.frame
-    pos = frame.positions[m.ops["qk"].id]
+    pos = frame.positions[m.ops[QK].id]
     return not any(op.name in SAMPLING_OPS for op in frame.ops[max(0, pos - 40) : pos])
 
 
@@ -72,7 +73,7 @@ def detect(profile: Profile) -> list[Finding]:
         saving = None
         if ix.gpu:
             saving = ix.per_step_ms(ix.site_cost_us(op for occ in elementwise for op in occ))
-        zero = "zero" in first.ops
+        zero = ZERO in first.ops
         facts = attention_facts(sites[0], ATTENTION_LABELS)
         notes = []
         if zero:
@@ -103,14 +104,14 @@ def detect(profile: Profile) -> list[Finding]:
 
 def _word(label: str, op) -> str:
     words = {
-        "qk": "q@k",
-        "scale": "scale",
-        "softmax": "softmax",
-        "zero": "masked_fill(0)",
-        "dropout": "dropout",
+        QK: "q@k",
+        SCALE: "scale",
+        SOFTMAX: "softmax",
+        ZERO: "masked_fill(0)",
+        DROPOUT: "dropout",
     }
-    if label == "mask":
+    if label == MASK:
         return "masked_fill" if "masked_fill" in op.name else "+ mask"
-    if label == "pv":
+    if label == PV:
         return "@v"
     return words[label]

@@ -106,7 +106,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
             if finder.refused:
                 self.skip(anchor, f"not rewritten: {self.refused_words(finder)}")
             elif self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
-                self.skip(anchor, f"not rewritten: {self._missing_product(stmts, chain, 'qk' not in kinds)}")
+                self.skip(anchor, f"not rewritten: {self._missing_product(stmts, chain, QK not in kinds)}")
             return None
         problem, keywords, carried = self._arguments(finder, chain)
         if problem is None:

@@ -104,7 +104,7 @@ def _bias(op: Op, bound: dict[str, Op]) -> bool:
 
 
 def _produced(bound: dict[str, Op]) -> list[int] | None:
-    b = bound.get("bias")
+    b = bound.get(BIAS)
     if b is None:
         return None
     return out_shape(b) if b.name == "aten::linear" else shape(b, 0)
@@ -118,7 +118,7 @@ def _dropout(op: Op, bound: dict[str, Op]) -> bool:
 
 
 def _residual(op: Op, bound: dict[str, Op]) -> bool:
-    want = shape(bound["dropout"], 0)
+    want = shape(bound[DROPOUT], 0)
     s0, s1 = shape(op, 0), shape(op, 1)
     # a learned table added (a positional embedding parameter) is no residual stream: it only has the
     # dropout output's shape when the batch is 1
@@ -179,21 +179,21 @@ def _finding(
     items: list[tuple[dict[str, Op], dict[str, tuple[int, int]]]],
 ) -> Finding | None:
     first, lines = items[0]
-    bias = first.get("bias")
+    bias = first.get(BIAS)
     bias_kind = None if bias is None else ("linear" if bias.name == "aten::linear" else "add")
     # the linear stays a GEMM: cost and kernels are the elementwise ops the fused kernel replaces
     occurrences = [[ops[x] for x in LABELS if x in ops and ops[x].name != "aten::linear"] for ops, _ in items]
     n_fwd = sum(ix.kernel_count(op) for op in occurrences[0]) if ix.gpu else len(occurrences[0])
     if ix.gpu and n_fwd < 2:
         return None
-    size = numel(shape(first["dropout"], 0))
+    size = numel(shape(first[DROPOUT], 0))
     too_small = ix.gpu and size is not None and size < KERNEL_MIN_NUMEL
     saving = None
     if too_small:
         saving = 0.0  # outside CUDA graphs the bundled function runs this same chain at this size
     elif ix.gpu:
         saving = ix.per_step_ms(ix.site_cost_us(op for occ in occurrences for op in occ)) * (1 - 1 / n_fwd)
-    residual = first["residual"]
+    residual = first[RESIDUAL]
     return build_finding(
         ix,
         rule=ID,
@@ -249,16 +249,16 @@ def _facts(
         ops=[x for x in LABELS if x in first],
         op_names=[first[x].name for x in LABELS if x in first],
         lines={k: list(v) for k, v in lines.items()},
-        shape=shape(first["dropout"], 0),
-        dtype=dtype_of(first["dropout"], 0),
+        shape=shape(first[DROPOUT], 0),
+        dtype=dtype_of(first[DROPOUT], 0),
         bias=bias_kind if has_bias else None,
         producer="linear" if bias_kind == "linear" else None,
         bias_operand=operand(bias, 1) if bias_kind == "add" else None,
         residual_shape=shape(residual, 0),
         residual_kinds=[operand_kind(residual, 0), operand_kind(residual, 1)],
         inplace=residual.name.endswith("_"),
-        dropout_p=scalar_float(first["dropout"], 1),
-        dropout_inplace=first["dropout"].name.endswith("_"),
+        dropout_p=scalar_float(first[DROPOUT], 1),
+        dropout_inplace=first[DROPOUT].name.endswith("_"),
     )
 
 

@@ -59,7 +59,7 @@ from opadvisor.rewrite.toolkit import (
     qualified,
     simple_binding,
 )
-from opadvisor.rules.patterns import DROPOUT, GELU_TANH, REGION_CHAINS, RELPOS_GATHER
+from opadvisor.rules.patterns import DROPOUT, REGION_CHAINS, RELPOS_GATHER
 from opadvisor.rules.regions.fuse_region import FuseRegionFacts
 
 KERNELS = "opadvisor.kernels"
@@ -327,14 +327,7 @@ class FuseRegionCodemod(BlockRewriter):
         if why is not None:
             self.skip(node, f"{REGION_CHAINS[kind].found_words} written by hand, not rewritten: {why}")
             return None
-        if kind == GELU_TANH:
-            new = cst.Call(
-                self.ref("torch.nn.functional.gelu"),
-                [cst.Arg(x, comma=_comma()), cst.Arg(cst.SimpleString('"tanh"'), keyword=cst.Name("approximate"),
-                                                     equal=_equal())],
-            )  # fmt: skip
-        else:
-            new = cst.Call(self.ref(REGION_CHAINS[kind].function), [cst.Arg(x)])
+        new = _activation_call(self.ref(REGION_CHAINS[kind].function), x, REGION_CHAINS[kind].keywords)
         new = new.with_changes(lpar=node.lpar, rpar=node.rpar) if getattr(node, "lpar", None) else new
         self.record_change(node, f"{REGION_CHAINS[kind].found_words} written by hand -> {code(new.func)}")
         return BlockEdit(k, k, {id(node): new}, carried=[x], removed=removed)
@@ -828,3 +821,9 @@ def _accumulation(stmts, after: int, name: str):
         if _reads(stmt, name, set()):
             return None
     return None
+
+
+def _activation_call(func: cst.BaseExpression, x: cst.BaseExpression, keywords) -> cst.Call:
+    """The activation's call on x with the declaration's keyword arguments (`approximate="tanh"`)."""
+    kw = [cst.Arg(cst.parse_expression(v), keyword=cst.Name(k), equal=_equal()) for k, v in keywords]
+    return cst.Call(func, [cst.Arg(x, comma=_comma()) if kw else cst.Arg(x), *kw])

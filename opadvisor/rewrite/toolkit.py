@@ -35,6 +35,7 @@ from opadvisor.rewrite._chain import (
     upcast_problem,
 )
 from opadvisor.rewrite._chain import _assign_name as assign_name
+from opadvisor.rewrite._chain import _float32_cast as float32_cast
 from opadvisor.rewrite._chain import _small as small_statement
 from opadvisor.rewrite._compile_edits import (
     after_docstring_and_imports,
@@ -120,6 +121,7 @@ __all__ = [
     "analysing",
     "append_keywords",
     "assign_name",
+    "float32_cast",
     "assignment",
     "atomic",
     "bind_args",

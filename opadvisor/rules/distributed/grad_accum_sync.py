@@ -26,9 +26,9 @@ Fix and its safety
     micro-step's statements run under `model.no_sync()` unless it is the last (`with
     contextlib.nullcontext() if LAST else model.no_sync():`); for FSDP2, `model.set_requires_gradient_sync(
     LAST)` and `model.set_reshard_after_backward(LAST, recurse=False)` before the forward (the root unit's
-    parameters stay gathered for the next micro-step instead of being gathered again). LAST is the condition under which the loop steps the optimizer (`(i + 1) %
-    accum == 0`), or, for a loop of micro-steps inside the step loop (`for m in range(accum):`), `m ==
-    accum - 1`. Safe: the reduction is linear, so reducing the sum once gives the same gradients (up to
+    parameters stay gathered for the next micro-step instead of being gathered again). LAST is the
+    condition under which the loop steps the optimizer (`(i + 1) % accum == 0`), or, for a loop of
+    micro-steps inside the step loop (`for m in range(accum):`), `m == accum - 1`. Safe: the reduction is linear, so reducing the sum once gives the same gradients (up to
     float rounding). FSDP2 then keeps unsharded gradients between micro-steps (more memory).
 """
 

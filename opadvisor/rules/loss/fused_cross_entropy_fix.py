@@ -39,12 +39,11 @@ import libcst as cst
 from libcst.metadata import PositionProvider, QualifiedNameProvider
 
 from opadvisor.rewrite.base import RuleCodemod, Target
-from opadvisor.rewrite.toolkit import AUTOCASTS, keyword, reference, resolves_to
+from opadvisor.rewrite.toolkit import AUTOCASTS, float32_cast, keyword, reference, resolves_to
 
 KERNEL = "opadvisor.kernels.cross_entropy"
 CROSS_ENTROPY_FUNCS = frozenset({"torch.nn.functional.cross_entropy"})
 LOSS_MODULES = frozenset({"torch.nn.CrossEntropyLoss", "torch.nn.modules.loss.CrossEntropyLoss"})
-FLOAT32 = frozenset({"torch.float32", "torch.float"})
 HALF = frozenset({"torch.bfloat16", "torch.float16", "torch.half"})
 VIEWS = frozenset({"view", "reshape", "flatten", "contiguous"})  # the chain a copy may sit in
 
@@ -120,18 +119,13 @@ class FusedCrossEntropyCodemod(RuleCodemod):
 
     def _without_float_copy(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
         """`node` with the float32 cast in its chain of views removed, or None where it has none."""
-        if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)):
+        uncast = float32_cast(self, node)
+        if uncast is not None or not (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute)):
+            return uncast
+        if node.func.attr.value not in VIEWS:
             return None
-        method, receiver = node.func.attr.value, node.func.value
-        if method == "float" and not node.args:
-            return receiver
-        named = node.args[0].keyword.value if len(node.args) == 1 and node.args[0].keyword else None
-        if method == "to" and len(node.args) == 1 and named in (None, "dtype"):
-            return receiver if resolves_to(self, node.args[0].value, FLOAT32) else None
-        if method in VIEWS:
-            inner = self._without_float_copy(receiver)
-            return None if inner is None else node.with_changes(func=node.func.with_changes(value=inner))
-        return None
+        inner = self._without_float_copy(node.func.value)
+        return None if inner is None else node.with_changes(func=node.func.with_changes(value=inner))
 
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         self.note_unreached(self._unmatched)

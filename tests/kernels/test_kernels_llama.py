@@ -36,7 +36,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 def _grads(fn, *inputs: torch.Tensor, seed: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     out = fn(*leaves)
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)
+    # drawn on the CPU (the same numbers on every device), then moved to the output's device
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device, out.dtype)
     out.backward(dy)
     return out.detach(), [leaf.grad for leaf in leaves]
 

@@ -12,7 +12,8 @@
   the cell's own parameters.
 - ``dropout(x, p, training=True)``: ``F.dropout`` whose backward recomputes the mask from a seed.
 - ``quick_gelu(x)``: ``x * sigmoid(1.702 * x)``, one kernel each way.
-- ``silu_mul(g, u)``: ``F.silu(g) * u`` (a SwiGLU MLP's gate), one kernel each way, g and u saved only.
+- ``silu_mul(g, u)``: ``F.silu(g) * u`` (a SwiGLU MLP's gate), one kernel each way, g and u saved only;
+  ``silu_mul_linear(g, u, weight)``: the down projection of it, whose backward computes it again.
 - ``rms_norm(x, weight, eps)``: transformers' RMSNorm (LlamaRMSNorm and its copies), one kernel each way.
 - ``rotary_embedding(x, cos, sin)``: transformers' rotary embedding of q or k, one kernel each way.
 - ``linear_cross_entropy(hidden, weight, target, ...)``: an LM head's matrix product and cross-entropy,
@@ -41,6 +42,7 @@ from .activations import (
     reference_silu_mul,
     silu_mul,
     silu_mul_backend,
+    silu_mul_linear,
 )
 from .casts import autocast_shared
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
@@ -105,4 +107,5 @@ __all__ = [
     "rotary_embedding_backend",
     "silu_mul",
     "silu_mul_backend",
+    "silu_mul_linear",
 ]

@@ -7,6 +7,7 @@ quick_gelu:  y = x * sigmoid(1.702 x)
              dx = dy * (s + 1.702 x s (1 - s)),   s = sigmoid(1.702 x)
 silu_mul:    y = g * sigmoid(g) * u               (a SwiGLU MLP's act(gate(x)) * up(x), SiLU as act)
              dg = dy * u * s (1 + g (1 - s)),  du = dy * g * s,   s = sigmoid(g)
+             (the backward kernel can write y again too: silu_mul_linear keeps g and u, not y)
 The dropout keep mask is `_rng`'s Philox stream (the one `bias_dropout_add` uses), recomputed in backward.
 """
 
@@ -81,13 +82,17 @@ def silu_mul_fwd_kernel(G, U, Y, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64:
 
 
 @triton.jit
-def silu_mul_bwd_kernel(G, U, DY, DG, DU, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr):
+def silu_mul_bwd_kernel(
+    G, U, DY, DG, DU, Y, n, BLOCK: tl.constexpr, RNE: tl.constexpr, I64: tl.constexpr, WRITE_Y: tl.constexpr
+):
     offs = widen(tl.program_id(0), I64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=ok, other=0.0).to(tl.float32)
     dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
+    if WRITE_Y:  # the forward's y again, computed as the forward kernel does (silu_mul_linear's backward)
+        tl.store(Y + offs, rne_bf16(g * tl.sigmoid(g) * u, RNE).to(Y.dtype.element_ty), mask=ok)
     # y = silu(g) * u: du = dy * g s; dg = dy * u * (s + g s (1 - s))
     tl.store(DU + offs, rne_bf16(dy * g * s, RNE).to(DU.dtype.element_ty), mask=ok)
     tl.store(DG + offs, rne_bf16(dy * u * s * (1.0 + g * (1.0 - s)), RNE).to(DG.dtype.element_ty), mask=ok)

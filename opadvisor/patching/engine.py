@@ -22,9 +22,7 @@ from .shared import _NOTHING_TO_GAIN, STATE, _is_library, _Patcher, _qualified
 
 __all__ = ["PatchReport", "patch", "patch_report", "unpatch"]
 
-
-REPORT = "_opadvisor_patch_report"
-
+REPORT = "_opadvisor_patch_report"  # the model's PatchReport (an entry in its __dict__)
 
 # Library classes whose name says they are a model block: an unrecognised one is reported by name.
 _BLOCK_WORDS = ("Attention", "MLP", "SelfOutput", "FeedForward", "EncoderLayer", "DecoderLayer")

@@ -16,7 +16,7 @@ from .fingerprint import _fingerprint_problem
 from .shared import _no_hooks, _State, _types
 
 
-# -- the Llama family: RMSNorm, SwiGLU MLP, the LM head and its loss -----------------------------------------------
+# -- the Llama family: RMSNorm, SwiGLU MLP, the attention's rotary embedding ---------------------------------------
 def _llama_prefix(cls: type, block: str) -> str:
     return cls.__name__[: -len(block)]
 

@@ -121,6 +121,7 @@ def _causal_lm_loss(
     return loss
 
 
+# -- the Llama family's LM head and its loss as one kernel (hf_linear_cross_entropy, unsafe) -------------------
 def _check_linear_cross_entropy(module: nn.Module) -> str | None:
     problem = _check_causal_lm(module)
     head = getattr(module, "lm_head", None)

@@ -21,8 +21,6 @@ from opadvisor.libraries import LibraryFix
 from .report import PatchReport
 
 STATE = "_opadvisor_patch"  # the per-instance record (an entry in the module's __dict__)
-
-
 _NOTHING_TO_GAIN = "aligned"  # what a check returns for a module it leaves without reporting it
 
 
@@ -32,7 +30,7 @@ class _State:
 
     fix: str
     path: str
-    prev: Any  # module.__dict__["forward"] before (or _MISSING)
+    prev: Any  # module.__dict__["forward"] before (or install._MISSING)
     original: Callable[..., Any]
     report: PatchReport | None = None  # the patch's report: a module that falls back moves to `left`
     status: str = "pending"  # "pending" -> "ok" | "failed"

@@ -102,7 +102,7 @@ def main() -> int:
     if opts.device == "cuda" and not torch.cuda.is_available():
         print("needs a CUDA device (--device cpu --tiny: smoke test)", file=sys.stderr)
         return 2
-    from opadvisor.patching import core as patch_module
+    from opadvisor.patching import compile_blocks as patch_module
 
     graphs: list[int] = []
 

@@ -67,7 +67,7 @@ for phase in sys.argv[1].split(","):
     ts = run(model, opt, 15)
     states = {}
     for mod in model.modules():
-        st = mod.__dict__.get(sys.modules["opadvisor.patching.core"].STATE)
+        st = mod.__dict__.get(sys.modules["opadvisor.patching.shared"].STATE)
         if st is not None and getattr(st, "shared", None) is not None:
             states[str(_region.region_state(st.shared.forward))] = (
                 states.get(str(_region.region_state(st.shared.forward)), 0) + 1

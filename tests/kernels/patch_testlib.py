@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from opadvisor.patching import core as P
+import opadvisor
+from opadvisor.patching import registry
+from opadvisor.patching.shared import _Patcher
 
 
 def fixes(model: nn.Module) -> set[str]:
     """The fixes `patch` installed on the model (its report's patched entries)."""
-    return {fix for _, _, fix in P.patch_report(model).patched}
+    return {fix for _, _, fix in opadvisor.patch_report(model).patched}
 
 
 def forwards(model: nn.Module) -> dict[str, object]:
@@ -25,9 +27,10 @@ def forwards(model: nn.Module) -> dict[str, object]:
 def with_replacement(monkeypatch: pytest.MonkeyPatch, fix: str, forward: Callable[..., object]) -> None:
     """The patcher of `fix` with another replacement forward (a wrong one, say), for this test only."""
     patchers = [
-        P._Patcher(p.fix, p.check, forward, p.main_output) if p.fix.name == fix else p for p in P._PATCHERS
+        _Patcher(p.fix, p.check, forward, p.main_output) if p.fix.name == fix else p
+        for p in registry.PATCHERS
     ]
-    monkeypatch.setattr(P, "_PATCHERS", tuple(patchers))
+    monkeypatch.setattr(registry, "PATCHERS", tuple(patchers))
 
 
 def sgd_losses(model: nn.Module, inputs: Callable[[], dict[str, Any]], steps: int = 2) -> list[float]:

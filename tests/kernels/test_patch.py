@@ -20,7 +20,10 @@ import torch.nn as nn
 from patch_testlib import with_replacement
 
 import opadvisor
-from opadvisor.patching import core as P
+from opadvisor.patching import check as first_call
+from opadvisor.patching.arguments import _named_parameters
+from opadvisor.patching.fingerprint import _fingerprint_problem
+from opadvisor.patching.shared import STATE, _qualified
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,7 +116,7 @@ def test_bert_patch_then_unpatch_is_exact(capsys) -> None:
     assert opadvisor.unpatch(model) is model
     assert model.config._attn_implementation == "eager"
     assert _forwards(model) == forwards and all("forward" not in m.__dict__ for m in model.modules())
-    assert not any(P.STATE in m.__dict__ for m in model.modules()) and P.patch_report(model) is None
+    assert not any(STATE in m.__dict__ for m in model.modules()) and opadvisor.patch_report(model) is None
     after_state = model.state_dict()
     assert list(after_state) == list(state) and all(torch.equal(after_state[k], v) for k, v in state.items())
     with torch.no_grad():
@@ -129,7 +132,7 @@ def test_patched_bert_trains_with_the_originals_losses(kernel_path) -> None:
 def test_patched_gpt2_trains_with_the_originals_losses(kernel_path) -> None:
     original = tiny_gpt2()
     patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
-    report = P.patch_report(patched)
+    report = opadvisor.patch_report(patched)
     fixes = {fix for _, _, fix in report.patched}
     assert fixes == {"hf_gpt2_attention", "hf_gelu_tanh", "padded_linear", "hf_causal_lm_loss"}
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
@@ -156,7 +159,7 @@ def _decode(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
 def test_patched_gpt2_decodes_through_its_kv_cache_as_the_original() -> None:
     original = tiny_gpt2().eval()
     patched = opadvisor.patch(copy.deepcopy(original), quiet=True)
-    assert "hf_gpt2_attention" in {fix for _, _, fix in P.patch_report(patched).patched}
+    assert "hf_gpt2_attention" in {fix for _, _, fix in opadvisor.patch_report(patched).patched}
     ids = batch()["input_ids"]
     with torch.no_grad():
         for got, want in zip(_decode(patched, ids), _decode(original, ids), strict=True):
@@ -188,7 +191,7 @@ def test_encoder_layer_and_multihead_attention(kernel_path) -> None:
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
     original = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     patched = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
-    fixes = {fix for _, _, fix in P.patch_report(patched).patched}
+    fixes = {fix for _, _, fix in opadvisor.patch_report(patched).patched}
     assert fixes == {"transformer_encoder_layer", "mha_weights_off"}
     x = torch.randn(2, 8, 32)
     pad = torch.zeros(2, 8, dtype=torch.bool)
@@ -209,7 +212,7 @@ def test_encoder_layer_and_multihead_attention(kernel_path) -> None:
 def test_per_instance_never_the_class(capsys) -> None:
     teacher, student = tiny_bert(), tiny_bert(seed=1)
     opadvisor.patch(student)
-    assert not any(P.STATE in m.__dict__ for m in teacher.modules())
+    assert not any(STATE in m.__dict__ for m in teacher.modules())
     cls = transformers.models.bert.modeling_bert.BertSelfOutput
     assert cls.forward.__qualname__ == "BertSelfOutput.forward"  # the class is untouched
     assert "forward" in student.bert.encoder.layer[0].attention.output.__dict__
@@ -217,7 +220,7 @@ def test_per_instance_never_the_class(capsys) -> None:
 
 def test_rules_select_and_unknown_rules_are_refused(capsys) -> None:
     model = opadvisor.patch(tiny_bert(), rules=["fused_dropout_add"])
-    assert {fix for _, _, fix in P.patch_report(model).patched} == {"hf_bert_output"}
+    assert {fix for _, _, fix in opadvisor.patch_report(model).patched} == {"hf_bert_output"}
     with pytest.raises(ValueError, match="unknown rule"):
         opadvisor.patch(tiny_bert(), rules=["no_such_rule"])
 
@@ -309,7 +312,7 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 "hf_deberta_positions": [],
             }[fix.name]
             for key, function, prefix in checks:
-                assert P._fingerprint_problem(cls, key, function, prefix) is None, qualified
+                assert _fingerprint_problem(cls, key, function, prefix) is None, qualified
 
 
 def test_importing_opadvisor_does_not_import_torch() -> None:
@@ -327,7 +330,7 @@ def test_first_call_checks_pass_under_bf16_autocast(build, kernel_path) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**batch()).loss
         loss.backward()
-    assert not P.patch_report(model).left and len(P.patch_report(model).patched) >= 5
+    assert not opadvisor.patch_report(model).left and len(opadvisor.patch_report(model).patched) >= 5
 
 
 # ---- the LM heads' loss (hf_mlm_loss, hf_causal_lm_loss) ---------------------------------------------------
@@ -354,10 +357,10 @@ def test_lm_loss_patch_gives_the_loss_and_gradients_of_the_original(build, kerne
     original = build()
     patched = opadvisor.patch(copy.deepcopy(original), rules=rule, quiet=True)
     fix = "hf_mlm_loss" if isinstance(original, transformers.BertForMaskedLM) else "hf_causal_lm_loss"
-    assert P.patch_report(patched).patched == [("", P._qualified(type(original)), fix)]
+    assert opadvisor.patch_report(patched).patched == [("", _qualified(type(original)), fix)]
     data = batch()
     data["labels"] = _labels_with_ignored(data["input_ids"])
-    labels_at = P._named_parameters(type(original).forward).index("labels") - 1  # without self
+    labels_at = _named_parameters(type(original).forward).index("labels") - 1  # without self
     positional = [None] * labels_at + [data["labels"]]
     positional[0] = data["input_ids"]
     calls = [((), data), ((), {**data, "return_dict": False}), (tuple(positional), {})]
@@ -389,8 +392,8 @@ def test_lm_loss_patch_leaves_a_replaced_loss_function_alone(capsys) -> None:
     model = tiny_gpt2()
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     opadvisor.patch(model, rules=["fused_cross_entropy"], quiet=True)
-    (left,) = [entry for entry in P.patch_report(model).left if entry[0] == ""]
-    assert left[2].startswith("its loss_function was replaced") and not P.patch_report(model).patched
+    (left,) = [entry for entry in opadvisor.patch_report(model).left if entry[0] == ""]
+    assert left[2].startswith("its loss_function was replaced") and not opadvisor.patch_report(model).patched
     assert "forward" not in model.__dict__
 
 
@@ -399,17 +402,21 @@ def test_a_bias_gradient_is_judged_at_its_weights_scale() -> None:
     # left is rounding noise at the scale of the key weight's gradient, which must not fail the check, while
     # a bias gradient off by more than that tolerance still does.
     scale_of = {"key.weight": 2.0, "key.bias": 0.1, "other": 50.0}
-    assert P._bias_floor("key.bias", scale_of) == 2.0
-    assert P._bias_floor("key.weight", scale_of) == 0.0
-    assert P._bias_floor("input 0", scale_of) == 0.0
+    assert first_call._bias_floor("key.bias", scale_of) == 2.0
+    assert first_call._bias_floor("key.weight", scale_of) == 0.0
+    assert first_call._bias_floor("input 0", scale_of) == 0.0
     ref = torch.full((4,), 0.1)
     noisy = ref + 0.05  # 0.5 of its own scale, 0.025 of its weight's
     assert (
-        P._compare("gradient of key.bias", ref, noisy, 0.04, floor=P._bias_floor("key.bias", scale_of))
+        first_call._compare(
+            "gradient of key.bias", ref, noisy, 0.04, floor=first_call._bias_floor("key.bias", scale_of)
+        )
         is None
     )
     wrong = ref + 0.5  # 0.25 of its weight's scale
-    assert P._compare("gradient of key.bias", ref, wrong, 0.04, floor=P._bias_floor("key.bias", scale_of))
+    assert first_call._compare(
+        "gradient of key.bias", ref, wrong, 0.04, floor=first_call._bias_floor("key.bias", scale_of)
+    )
 
 
 def test_16_bit_differences_are_judged_against_a_float32_run(monkeypatch) -> None:
@@ -417,14 +424,14 @@ def test_16_bit_differences_are_judged_against_a_float32_run(monkeypatch) -> Non
     layers of a bf16 attention on a GPU: the hand-written softmax rounds its scores, SDPA does not). With a
     tolerance too tight for bf16 rounding, the exact replacement still passes (it is no further from a
     float32 run of the original than the original is); a wrong one still falls back, saying both distances."""
-    monkeypatch.setattr(P, "_TOLERANCE", {d: 1e-6 for d in P._TOLERANCE})
+    monkeypatch.setattr(first_call, "_TOLERANCE", {d: 1e-6 for d in first_call._TOLERANCE})
     x = (torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 3).bfloat16().requires_grad_()
     model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
     act = model.transformer.h[0].mlp.act
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         act(x)
-    assert P.STATE in act.__dict__ and act.__dict__[P.STATE].status == "ok"
+    assert STATE in act.__dict__ and act.__dict__[STATE].status == "ok"
 
     with_replacement(monkeypatch, "hf_gelu_tanh", lambda m, s, x: torch.nn.functional.gelu(x) * 1.01)
     model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
@@ -441,17 +448,20 @@ def test_the_float32_judgement_weighs_each_tensor_by_the_originals_own_error() -
     far = exact * 1.2  # 20%
     grads = {"weight": exact * 10}
     ref, good, bad = (original, {"weight": original * 10}), (close, grads), (far, grads)
-    assert P._judged_against_float32(ref, good, (exact, grads), 0.04, "differs") is None
-    said = P._judged_against_float32(ref, bad, (exact, grads), 0.04, "differs")
+    assert first_call._judged_against_float32(ref, good, (exact, grads), 0.04, "differs") is None
+    said = first_call._judged_against_float32(ref, bad, (exact, grads), 0.04, "differs")
     assert said is not None and said.startswith("differs; against a float32 run") and "output is 0.2" in said
-    lost = P._judged_against_float32(ref, (close, {"weight": None}), (exact, grads), 0.04, "differs")
+    lost = first_call._judged_against_float32(ref, (close, {"weight": None}), (exact, grads), 0.04, "differs")
     assert lost is not None and "gradient of weight is 1" in lost  # a lost gradient is all of it away
     # a key bias's gradient is zero in exact arithmetic: both 16-bit runs' noise is judged at the weight's scale
     noise = {"key.weight": exact * 10, "key.bias": exact * 1e-9}
     ref_noise = {"key.weight": original * 10, "key.bias": exact * 1e-3}
     new_noise = {"key.weight": close * 10, "key.bias": -exact * 3e-3}
     assert (
-        P._judged_against_float32((original, ref_noise), (close, new_noise), (exact, noise), 0.04, "") is None
+        first_call._judged_against_float32(
+            (original, ref_noise), (close, new_noise), (exact, noise), 0.04, ""
+        )
+        is None
     )
 
 
@@ -470,18 +480,18 @@ def test_the_float32_judgement_takes_scattered_rounding_and_refuses_a_wrong_row(
     out = torch.ones(4)
     ref = (out, {"query.weight": original})
     assert (
-        P._judged_against_float32(
+        first_call._judged_against_float32(
             ref, (out, {"query.weight": scattered}), (out, {"query.weight": exact}), 0.04, ""
         )
         is None
     )
-    said = P._judged_against_float32(
+    said = first_call._judged_against_float32(
         ref, (out, {"query.weight": wrong_row}), (out, {"query.weight": exact}), 0.04, ""
     )
     assert said is not None and "query.weight" in said
     small_row = exact.clone()
     small_row[7, :2] += 0.25 * scale  # under the norm tolerance as a whole, far at its elements
-    said = P._judged_against_float32(
+    said = first_call._judged_against_float32(
         ref, (out, {"query.weight": small_row}), (out, {"query.weight": exact}), 0.04, ""
     )
     assert said is not None and "at its largest element" in said
@@ -500,8 +510,8 @@ def test_a_deep_copy_of_a_patched_model_is_patched_on_its_own(reference_path) ->
         for p in model.parameters():
             p.add_(1.0)
     torch.testing.assert_close(twin(**data).loss, expected(**data).loss, rtol=1e-4, atol=1e-5)
-    patched = [m for m in twin.modules() if P.STATE in m.__dict__]
-    assert patched and all(m.__dict__[P.STATE].original.__self__ is m for m in patched)
+    patched = [m for m in twin.modules() if STATE in m.__dict__]
+    assert patched and all(m.__dict__[STATE].original.__self__ is m for m in patched)
     opadvisor.unpatch(twin)
     assert all("forward" not in m.__dict__ for m in twin.modules())
     torch.testing.assert_close(twin(**data).loss, expected(**data).loss)

@@ -17,7 +17,8 @@ from test_patch import batch, losses, tiny_bert, tiny_gpt2
 
 import opadvisor
 from opadvisor.libraries import repeated_blocks
-from opadvisor.patching import core as P
+from opadvisor.patching.compile_blocks import BLOCK_COMPILE_OPTIONS
+from opadvisor.patching.shared import STATE
 
 BLOCKS = ["compile_blocks"]
 
@@ -31,7 +32,7 @@ def graphs(monkeypatch) -> list[int]:
         seen.append(len(gm.graph.nodes))
         return gm.forward
 
-    monkeypatch.setitem(P.BLOCK_COMPILE_OPTIONS, "backend", counting)
+    monkeypatch.setitem(BLOCK_COMPILE_OPTIONS, "backend", counting)
     torch._dynamo.reset()
     yield seen
     torch._dynamo.reset()
@@ -50,14 +51,14 @@ def test_the_blocks_share_one_graph_and_never_recompile(graphs, capsys) -> None:
     opadvisor.patch(model, rules=BLOCKS, quiet=True)
     losses(model, 3)
     assert len(graphs) == 2
-    assert all(P.STATE in layer.__dict__ for layer in model.bert.encoder.layer)  # the check passed
+    assert all(STATE in layer.__dict__ for layer in model.bert.encoder.layer)  # the check passed
 
 
 def test_compile_blocks_is_asked_for_by_name_only(graphs, capsys) -> None:
     model = tiny_bert()
     opadvisor.patch(model, quiet=True)  # rules=None: every safe patch, but not this one (compile time)
     opadvisor.patch(tiny_bert(), rules=["fuse_region"], quiet=True)
-    assert all(P.STATE not in layer.__dict__ for layer in model.bert.encoder.layer)
+    assert all(STATE not in layer.__dict__ for layer in model.bert.encoder.layer)
     losses(model, 1)
     assert graphs == []
 
@@ -74,7 +75,7 @@ def test_patch_then_unpatch_is_exact_and_trains_with_the_originals_losses(graphs
     got = losses(model, 3)
     assert got == pytest.approx(losses(reference, 3), rel=1e-5)
     opadvisor.unpatch(model)
-    assert all("forward" not in m.__dict__ and P.STATE not in m.__dict__ for m in model.modules())
+    assert all("forward" not in m.__dict__ and STATE not in m.__dict__ for m in model.modules())
     assert opadvisor.patch_report(model) is None
     fresh = tiny_bert()
     fresh.load_state_dict(model.state_dict())
@@ -86,7 +87,7 @@ def test_a_compile_failure_is_one_line_and_the_original_forward(monkeypatch, cap
     def broken(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setitem(P.BLOCK_COMPILE_OPTIONS, "backend", broken)
+    monkeypatch.setitem(BLOCK_COMPILE_OPTIONS, "backend", broken)
     torch._dynamo.reset()
     reference = tiny_bert()
     model = copy.deepcopy(reference)
@@ -94,7 +95,7 @@ def test_a_compile_failure_is_one_line_and_the_original_forward(monkeypatch, cap
     assert losses(model, 2) == pytest.approx(losses(reference, 2), rel=1e-6)
     err = capsys.readouterr().err
     assert err.count("opadvisor.kernels.compile_region: BertLayer.forward runs uncompiled") == 1, err
-    assert all(P.STATE not in layer.__dict__ for layer in model.bert.encoder.layer)
+    assert all(STATE not in layer.__dict__ for layer in model.bert.encoder.layer)
     report = opadvisor.patch_report(model)
     layers = [reason for _, cls, reason in report.left if cls.endswith("BertLayer")]
     assert not report.patched and len(layers) == 2 and all("torch.compile failed" in r for r in layers)
@@ -124,12 +125,12 @@ def test_blocks_given_a_kv_cache_fall_back_to_their_parts_patches(graphs, capsys
         if path.startswith("transformer.h.") and path.count(".") == 2
     ]
     assert len(blocks) == 2 and all("use_cache=False" in r for r in blocks)
-    assert all(P.STATE not in block.__dict__ for block in model.transformer.h)
+    assert all(STATE not in block.__dict__ for block in model.transformer.h)
 
     model = tiny_gpt2()
     opadvisor.patch(model, rules=BLOCKS, quiet=True)
     model(**batch(), use_cache=False).loss.backward()
-    assert len(graphs) >= 1 and all(P.STATE in block.__dict__ for block in model.transformer.h)
+    assert len(graphs) >= 1 and all(STATE in block.__dict__ for block in model.transformer.h)
 
 
 def test_inside_an_outer_compile_the_original_runs(graphs) -> None:

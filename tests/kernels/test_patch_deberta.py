@@ -18,7 +18,11 @@ from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import deberta_v2_class
-from opadvisor.patching import core as P
+from opadvisor.patching import deberta as deberta_patch
+from opadvisor.patching.bert import _check_bert_output
+from opadvisor.patching.fingerprint import source_fingerprint
+from opadvisor.patching.lm_loss import _check_bert_mlm
+from opadvisor.patching.shared import STATE
 
 transformers = pytest.importorskip("transformers")
 deberta = importlib.import_module("transformers.models.deberta_v2.modeling_deberta_v2")
@@ -91,10 +95,10 @@ def test_patched_deberta_trains_as_the_original_and_unpatches_exactly(kind, refe
     opadvisor.patch(model, unsafe=True, quiet=True)
     # without relative attention the encoder builds no positions: nothing to patch there, nothing said
     assert fixes(model) == FIXES - ({"hf_deberta_positions"} if kind == "absolute" else set())
-    assert not P.patch_report(model).left
+    assert not opadvisor.patch_report(model).left
     assert_same_training(original, model)
     opadvisor.unpatch(model)
-    assert forwards(model) == before and not any(P.STATE in m.__dict__ for m in model.modules())
+    assert forwards(model) == before and not any(STATE in m.__dict__ for m in model.modules())
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
 
@@ -154,7 +158,7 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(**batch()).loss
         loss.backward()
-    assert fixes(model) == FIXES and not P.patch_report(model).left
+    assert fixes(model) == FIXES and not opadvisor.patch_report(model).left
 
 
 def test_a_changed_class_is_refused_by_name(monkeypatch, capsys, reference_path) -> None:
@@ -179,7 +183,7 @@ def test_a_changed_helper_is_refused_by_name(monkeypatch, reference_path) -> Non
     model = opadvisor.patch(tiny(), quiet=True)
     left = {
         why
-        for _, cls, why in P.patch_report(model).left
+        for _, cls, why in opadvisor.patch_report(model).left
         if cls == deberta_v2_class("DisentangledSelfAttention")
     }
     assert len(left) == 1 and "changed deberta_v2.scaled_size_sqrt" in left.pop()
@@ -189,7 +193,7 @@ def test_a_replaced_dropout_is_left_with_the_reason(reference_path) -> None:
     model = tiny()
     model.deberta.encoder.layer[0].attention.self.pos_dropout = nn.Identity()
     opadvisor.patch(model, quiet=True)
-    left = [(path, why) for path, _, why in P.patch_report(model).left]
+    left = [(path, why) for path, _, why in opadvisor.patch_report(model).left]
     assert left == [
         (
             "deberta.encoder.layer.0.attention.self",
@@ -200,7 +204,7 @@ def test_a_replaced_dropout_is_left_with_the_reason(reference_path) -> None:
 
 def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, reference_path) -> None:
     def wrong(module, state, hidden_states, *args, **kwargs):
-        out, weights = P._deberta_attention(module, state, hidden_states, *args, **kwargs)
+        out, weights = deberta_patch._deberta_attention(module, state, hidden_states, *args, **kwargs)
         return out * 1.1, weights
 
     with_replacement(monkeypatch, "hf_deberta_attention", wrong)
@@ -211,19 +215,21 @@ def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, re
     torch.testing.assert_close(got, original(**batch()).loss)
     assert all("forward" not in m.__dict__ for m in model.modules())
     fell_back = [
-        path for path, _, why in P.patch_report(model).left if why.startswith("fell back at its first")
+        path
+        for path, _, why in opadvisor.patch_report(model).left
+        if why.startswith("fell back at its first")
     ]
-    assert len(fell_back) == 2 and not P.patch_report(model).patched
+    assert len(fell_back) == 2 and not opadvisor.patch_report(model).patched
 
 
 def test_the_installed_transformers_is_the_code_the_deberta_patches_reproduce() -> None:
     """The fingerprints hold for the installed transformers; a @torch.jit.script helper (5.17 scripts
     scaled_size_sqrt and build_rpos) is read through its Python function, so it hashes as the plain one."""
     checks = {
-        "DisentangledSelfAttention": P._check_deberta_attention,
-        "DebertaV2Encoder": P._check_deberta_encoder,
-        "DebertaV2ForMaskedLM": P._check_bert_mlm,
-        "DebertaV2Output": P._check_bert_output,
+        "DisentangledSelfAttention": deberta_patch._check_deberta_attention,
+        "DebertaV2Encoder": deberta_patch._check_deberta_encoder,
+        "DebertaV2ForMaskedLM": _check_bert_mlm,
+        "DebertaV2Output": _check_bert_output,
     }
     for name, check in checks.items():
         cls = getattr(importlib.import_module(deberta_v2_class(name).rpartition(".")[0]), name)
@@ -232,7 +238,7 @@ def test_the_installed_transformers_is_the_code_the_deberta_patches_reproduce() 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated, 5.17 uses it
         scripted = torch.jit.script(plain)
-    assert P.source_fingerprint(scripted) == P.source_fingerprint(plain) is not None
+    assert source_fingerprint(scripted) == source_fingerprint(plain) is not None
 
 
 def test_compiled_with_fullgraph_after_one_eager_step(reference_path) -> None:
@@ -267,7 +273,9 @@ def test_positions_and_mask_terms_are_built_once(monkeypatch, reference_path) ->
     monkeypatch.setattr(
         deberta, "build_relative_position", counted("positions", deberta.build_relative_position)
     )
-    monkeypatch.setattr(P, "_deberta_build_mask_terms", counted("mask", P._deberta_build_mask_terms))
+    monkeypatch.setattr(
+        deberta_patch, "_deberta_build_mask_terms", counted("mask", deberta_patch._deberta_build_mask_terms)
+    )
     assert_same_training(original, model)
     # positions: the original's (the patched encoder's were built at the first call); mask terms: one for three layers
     assert calls == {"positions": 1, "mask": 1}
@@ -335,7 +343,7 @@ def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> No
     want = _adamw_losses(original, _gpu_batch("cuda"))
     got = _adamw_losses(model, _gpu_batch("cuda"))
     assert got == pytest.approx(want, rel=5e-3)
-    assert fixes(model) >= FIXES - {"padded_linear"} and not P.patch_report(model).left
+    assert fixes(model) >= FIXES - {"padded_linear"} and not opadvisor.patch_report(model).left
     assert dispatch_counts()["disentangled_bias"].get("kernel", 0) > 0
 
 

@@ -13,7 +13,6 @@ import torch.nn as nn
 from opadvisor.kernels import cuda_graphed
 
 import opadvisor
-from opadvisor.patching import core as P
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
@@ -67,7 +66,7 @@ def test_patched_models_train_with_the_originals_losses_under_bf16(build, vocab)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no module falls back at its first call
         got = losses(patched, vocab)
-    assert not [e for e in P.patch_report(patched).left if e[2].startswith("fell back")]
+    assert not [e for e in opadvisor.patch_report(patched).left if e[2].startswith("fell back")]
     assert got == pytest.approx(losses(original, vocab), rel=2e-2, abs=2e-2)
 
 
@@ -108,5 +107,5 @@ def test_padded_lm_head_matches_the_plain_linear() -> None:
         want = lin(x)
         opadvisor.patch(lin, quiet=True)
         got = lin(x)
-    assert P.patch_report(lin).patched == [("", "torch.nn.modules.linear.Linear", "padded_linear")]
+    assert opadvisor.patch_report(lin).patched == [("", "torch.nn.modules.linear.Linear", "padded_linear")]
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

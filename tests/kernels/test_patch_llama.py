@@ -17,7 +17,9 @@ from patch_testlib import fixes, forwards, sgd_losses, with_replacement
 
 import opadvisor
 from opadvisor.libraries import llama_family_classes
-from opadvisor.patching import core as P
+from opadvisor.patching import llama as llama_patch
+from opadvisor.patching.fingerprint import _fingerprint_problem
+from opadvisor.patching.shared import STATE
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,7 +74,7 @@ def test_patched_family_trains_as_the_original_and_unpatches_exactly(family, uns
     out = model(input_ids=ids(), labels=ids())
     assert (out.logits is None) == unsafe  # the unsafe part: no logits in training with labels
     opadvisor.unpatch(model)
-    assert forwards(model) == before and not any(P.STATE in m.__dict__ for m in model.modules())
+    assert forwards(model) == before and not any(STATE in m.__dict__ for m in model.modules())
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
 
@@ -122,7 +124,7 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
             loss = model(input_ids=ids(), labels=ids()).loss
         loss.backward()
     assert fixes(model) == UNSAFE | {"padded_linear", "hf_llama_rope", "hf_attn_switch"}
-    assert not [why for _, _, why in P.patch_report(model).left if why.startswith("fell back")]
+    assert not [why for _, _, why in opadvisor.patch_report(model).left if why.startswith("fell back")]
 
 
 def test_a_changed_class_is_refused_by_name(monkeypatch, capsys, reference_path) -> None:
@@ -140,7 +142,7 @@ def test_a_changed_class_is_refused_by_name(monkeypatch, capsys, reference_path)
 
 def test_an_mlp_whose_activation_is_not_silu_is_left_with_the_reason(reference_path) -> None:
     model = opadvisor.patch(tiny(hidden_act="gelu"), quiet=True)
-    left = {(cls.rsplit(".", 1)[-1], why) for _, cls, why in P.patch_report(model).left}
+    left = {(cls.rsplit(".", 1)[-1], why) for _, cls, why in opadvisor.patch_report(model).left}
     assert ("LlamaMLP", "its activation is GELUActivation, not SiLU (the kernel is silu(gate) * up)") in left
     assert "hf_swiglu_mlp" not in fixes(model)
 
@@ -156,9 +158,11 @@ def test_a_replacement_that_differs_falls_back_at_its_first_call(monkeypatch, re
     torch.testing.assert_close(got, original(input_ids=ids(), labels=ids()).loss)
     assert all("forward" not in m.__dict__ for m in model.modules())
     fell_back = [
-        path for path, _, why in P.patch_report(model).left if why.startswith("fell back at its first")
+        path
+        for path, _, why in opadvisor.patch_report(model).left
+        if why.startswith("fell back at its first")
     ]
-    assert len(fell_back) == 5 and not P.patch_report(model).patched
+    assert len(fell_back) == 5 and not opadvisor.patch_report(model).patched
 
 
 def test_the_installed_transformers_is_the_code_the_llama_patches_reproduce() -> None:
@@ -168,7 +172,7 @@ def test_the_installed_transformers_is_the_code_the_llama_patches_reproduce() ->
             module_name, _, name = qualified.rpartition(".")
             cls = getattr(importlib.import_module(module_name), name)
             prefix = name[: -len(block)]
-            assert P._fingerprint_problem(cls, f"{key}.forward", cls.forward, prefix) is None, qualified
+            assert _fingerprint_problem(cls, f"{key}.forward", cls.forward, prefix) is None, qualified
 
 
 def test_compiled_with_fullgraph_after_one_eager_step(monkeypatch) -> None:
@@ -200,7 +204,7 @@ def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(referenc
     "eager" back."""
     original = tiny(attn_implementation="eager")
     model = opadvisor.patch(copy.deepcopy(original), quiet=True)
-    patched = {(path, fix) for path, _, fix in P.patch_report(model).patched}
+    patched = {(path, fix) for path, _, fix in opadvisor.patch_report(model).patched}
     assert {("", "hf_causal_lm_loss"), ("model", "hf_attn_switch")} <= patched
     assert_same_training(original, model)
     assert (
@@ -269,7 +273,7 @@ def test_llama_attention_with_the_rope_kernel_is_the_original(attn, reference_pa
     decoding through the KV cache gives the original's logits."""
     original = tiny(attn_implementation=attn)
     model = opadvisor.patch(copy.deepcopy(original), rules=["hf_llama_rope"], quiet=True)
-    patched = {path for path, _, fix in P.patch_report(model).patched if fix == "hf_llama_rope"}
+    patched = {path for path, _, fix in opadvisor.patch_report(model).patched if fix == "hf_llama_rope"}
     assert patched == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
     assert_same_training(original, model)
     for got, want in zip(_decode(model.eval(), ids()), _decode(original.eval(), ids()), strict=True):
@@ -300,7 +304,9 @@ def test_under_autocast_each_block_keeps_one_16_bit_copy_of_its_projections_inpu
     model = opadvisor.patch(tiny(), quiet=True)
     _saved_bytes_and_grads(model)  # the first call runs the checks
     shared, loss, grads = _saved_bytes_and_grads(model)
-    monkeypatch.setattr(P, "autocast_shared", lambda x, n: (x,) * n)  # each projection casts for itself
+    monkeypatch.setattr(
+        llama_patch, "autocast_shared", lambda x, n: (x,) * n
+    )  # each projection casts for itself
     own, want_loss, want_grads = _saved_bytes_and_grads(model)
     copy = 2 * 16 * 32 * 2  # one bf16 copy of the [2, 16, 32] hidden states
     assert own - shared == 2 * (2 + 1) * copy  # two layers: two in the attention, one in the MLP

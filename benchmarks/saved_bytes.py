@@ -5,7 +5,8 @@
 
 A LlamaForCausalLM from a config (2 layers, hidden 256, vocabulary 16032: Llama-3.2-1B's vocabulary-to-width
 ratio) under CPU bf16 autocast; the bytes of every tensor saved for backward (each storage once, through
-`torch.autograd.graph.saved_tensors_hooks`) in the second step (the first runs opadvisor's first-call checks),
+`torch.autograd.graph.saved_tensors_hooks`; not the parameters themselves, which are kept anyway, but their
+copies) in the second step (the first runs opadvisor's first-call checks),
 the largest groups by dtype and shape, and the loss. Saved bytes are what a step's activation memory is made of;
 they do not depend on the device (the kernels run through Triton's interpreter), so they are measured here,
 where GPU peak memory cannot be.
@@ -37,9 +38,13 @@ def build(program: str) -> torch.nn.Module:
 
 def step(model: torch.nn.Module, x: torch.Tensor) -> tuple[float, dict[tuple[str, tuple], int]]:
     saved: dict[int, tuple[str, tuple, int]] = {}
+    # the parameters are kept anyway: a saved parameter (not a copy of one) costs no activation memory
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved[t.untyped_storage().data_ptr()] = (str(t.dtype), tuple(t.shape), t.untyped_storage().nbytes())
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in parameters:
+            saved[ptr] = (str(t.dtype), tuple(t.shape), t.untyped_storage().nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

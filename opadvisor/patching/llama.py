@@ -58,10 +58,11 @@ def _check_swiglu_mlp(module: nn.Module) -> str | None:
 
 
 def _swiglu_mlp(module: nn.Module, state: _State, x):
-    from opadvisor.kernels import silu_mul
+    from opadvisor.kernels import silu_mul_linear
 
     gx, ux = autocast_shared(x, 2)  # one 16-bit copy for the gate and up projections
-    return module.down_proj(silu_mul(module.gate_proj(gx), module.up_proj(ux)))
+    down = module.down_proj  # its input, silu_mul's output, is computed again in backward, not kept
+    return silu_mul_linear(module.gate_proj(gx), module.up_proj(ux), down.weight, down.bias)
 
 
 def _check_llama_attention(module: nn.Module) -> str | None:

@@ -89,7 +89,7 @@ def test_the_kernels_run_through_the_interpreter_and_keep_the_losses() -> None:
     losses = [sgd_losses(m, lambda: {"input_ids": ids(), "labels": ids()}) for m in (original, model)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     counts = dispatch_counts()
-    for op in ("rms_norm", "silu_mul", "rotary_embedding", "linear_cross_entropy"):
+    for op in ("rms_norm", "silu_mul_linear", "rotary_embedding", "linear_cross_entropy"):
         assert counts[op].get("kernel", 0) > 0, (op, counts)
 
 
@@ -248,7 +248,7 @@ def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> No
         losses.append(run)
     assert losses[1] == pytest.approx(losses[0], rel=2e-3)
     assert fixes(model) == UNSAFE | {"hf_llama_rope", "hf_attn_switch"}
-    for op in ("rms_norm", "silu_mul", "rotary_embedding", "linear_cross_entropy"):
+    for op in ("rms_norm", "silu_mul_linear", "rotary_embedding", "linear_cross_entropy"):
         assert dispatch_counts()[op].get("kernel", 0) > 0, op
 
 

@@ -43,6 +43,7 @@ def _case(name: str):  # noqa: ANN202 - a pytest param
 def test_family_as_user_code_profile_suggest_apply_verify(name: str, tmp_path: Path) -> None:
     settings = Settings(size="tiny", device="cpu", warmup=1, steps=2, verify_steps=3, timeout=TIMEOUT)
     result = run_family(FAMILIES[name], tmp_path / name, settings)
+    print(f"{name} stage seconds: {result.seconds}")  # shown with -rP: where a family's time goes
     if result.skipped:
         pytest.skip(result.skipped)
     assert not result.failures, "\n".join(result.failures)

@@ -104,6 +104,49 @@ def module_file(dotted: str) -> Path:
     return path
 
 
+def _top_level_names(module: cst.Module) -> set[str]:
+    """The classes and functions `module` defines at its top level (what another module may import)."""
+    return {stmt.name.value for stmt in module.body if isinstance(stmt, (cst.ClassDef, cst.FunctionDef))}
+
+
+class _VendoredImports(cst.CSTTransformer):
+    """`from timm.layers import Attention, DropPath` -> `from timm.layers import DropPath` plus `from
+    timm_vit.attention import Attention` when timm.layers.attention was vendored as timm_vit/attention.py: the
+    imports a user who copied the layer files too would write, so the copies are the code that runs."""
+
+    def __init__(self, vendored: dict[str, tuple[str, set[str]]]) -> None:
+        super().__init__()
+        self.vendored = vendored  # original dotted module -> (the copy's dotted module, names it defines)
+
+    def _target(self, module: str, name: str) -> str | None:
+        # `module` is the vendored module itself, or a package above it that re-exports its names
+        for dotted, (copy, names) in self.vendored.items():
+            if name in names and (dotted == module or dotted.startswith(module + ".")):
+                return copy
+        return None
+
+    def leave_SimpleStatementLine(self, original, updated):  # noqa: ANN001, ANN201 - libcst's hook
+        stmt = updated.body[0] if len(updated.body) == 1 else None
+        if not isinstance(stmt, cst.ImportFrom) or stmt.relative or isinstance(stmt.names, cst.ImportStar):
+            return updated
+        module = cst.helpers.get_full_name_for_node(stmt.module) or ""
+        kept, moved = [], {}
+        for alias in stmt.names:
+            target = self._target(module, cst.helpers.get_full_name_for_node(alias.name) or "")
+            (moved.setdefault(target, []) if target else kept).append(
+                alias.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            )
+        if not moved:
+            return updated
+        lines = (
+            [updated.with_changes(body=[stmt.with_changes(names=kept, lpar=None, rpar=None)])] if kept else []
+        )
+        for target, names in moved.items():
+            new = cst.ImportFrom(module=cst.parse_expression(target), names=names)
+            lines.append(cst.SimpleStatementLine(body=[new]))
+        return cst.FlattenSentinel(lines)
+
+
 def vendor(modules: tuple[str, ...], dest: Path) -> list[Path]:
     """Copy each module's file into `dest` (a package folder of the user's), imports made absolute."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -117,7 +160,24 @@ def vendor(modules: tuple[str, ...], dest: Path) -> list[Path]:
             source += native_init_footer(source)
         target.write_text(source)
         copied.append(target)
+    point_imports_at_copies(modules, copied, dest.name)
     return copied
+
+
+def point_imports_at_copies(modules: tuple[str, ...], copied: list[Path], pkg: str) -> None:
+    """Rewrite the copies' imports of each other's originals (through a re-exporting package too) to the
+    copies: with several modules vendored (a timm model file and the timm.layers modules it builds on), the
+    model must run the copied layers, not the installed ones."""
+    if len(modules) < 2:
+        return
+    trees = {path: cst.parse_module(path.read_text()) for path in copied}
+    vendored = {
+        dotted: (f"{pkg}.{path.stem}", _top_level_names(trees[path]))
+        for dotted, path in zip(modules, copied, strict=True)
+    }
+    for path, tree in trees.items():
+        own = {k: v for k, v in vendored.items() if v[0] != f"{pkg}.{path.stem}"}
+        path.write_text(tree.visit(_VendoredImports(own)).code)
 
 
 # ---- the families ------------------------------------------------------------------------------------------------
@@ -247,7 +307,8 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="timm_vit",
             zoo="timm",
-            modules=("timm.models.vision_transformer",),
+            # timm 1.x keeps ViT's Attention and Mlp in timm.layers: vendored too, as a user copies them
+            modules=("timm.models.vision_transformer", "timm.layers.attention", "timm.layers.mlp"),
             pkg="timm_vit",
             imports="from timm_vit.vision_transformer import VisionTransformer",
             build=(
@@ -262,7 +323,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="timm_convnext",
             zoo="timm",
-            modules=("timm.models.convnext",),
+            modules=("timm.models.convnext", "timm.layers.mlp"),  # ConvNeXt's Mlp lives in timm.layers
             pkg="timm_convnext",
             imports="from timm_convnext.convnext import ConvNeXt",
             build=(

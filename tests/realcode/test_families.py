@@ -19,7 +19,11 @@ from realcode_families import FAMILIES
 
 # What fails today, until issue 29's fixes land (h2: attribution through the script's sys.path.insert; h1:
 # bounded source analysis). strict: an entry must go once its family passes.
-KNOWN: dict[str, str] = {}
+KNOWN: dict[str, str] = {
+    # timm 1.0.31 with timm.layers.mlp vendored: profile -> suggest finds nothing at all (0 findings), where
+    # with Mlp left in the library it found fuse_region at timm/layers/mlp.py:47; not yet understood
+    "timm_convnext": "0 findings once Mlp is vendored (was fuse_region in timm/layers/mlp.py:47)",
+}
 
 TIMEOUT = 240.0  # seconds per command: a hang detector, far above a tiny model's few steps
 
@@ -43,6 +47,7 @@ def _case(name: str):  # noqa: ANN202 - a pytest param
 def test_family_as_user_code_profile_suggest_apply_verify(name: str, tmp_path: Path) -> None:
     settings = Settings(size="tiny", device="cpu", warmup=1, steps=2, verify_steps=3, timeout=TIMEOUT)
     result = run_family(FAMILIES[name], tmp_path / name, settings)
+    print(f"{name} stage seconds: {result.seconds}")  # shown with -rP: where a family's time goes
     if result.skipped:
         pytest.skip(result.skipped)
     assert not result.failures, "\n".join(result.failures)

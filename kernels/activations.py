@@ -28,6 +28,7 @@ import torch
 from . import _backend, _dispatch
 from . import _layout as layout
 from ._launch import Launcher
+from .linear_cross_entropy import compute_dtype
 
 BLOCK = 2048
 # CUDA tensors with fewer elements run the chain. Not measured for this kernel yet: the value
@@ -213,14 +214,15 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # (8192 tokens x 8192) that is 128 MiB less kept per block, about 2 GiB over 16 blocks. The values and
 # gradients are eager's: the same kernels, matrix products and casts as eager's autograd runs.
 def _linear_dtype(g: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
-    """The dtype `F.linear(y, weight)` computes in for a y of g's dtype (autocast's where it is on for g's
-    device), or None where that is not one dtype for both (F.linear then raises, or autocast leaves a
-    float64 weight alone: the chain runs and does what eager does)."""
-    device = g.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        return dtype if weight.dtype in _backend.KERNEL_DTYPES and g.dtype in _backend.KERNEL_DTYPES else None
-    return g.dtype if weight.dtype == g.dtype else None
+    """The dtype `F.linear(y, weight)` computes in for a y of g's dtype (linear_cross_entropy's
+    `compute_dtype`), or None where that is not one dtype for both (without autocast F.linear then raises;
+    autocast leaves a float64 weight alone): the chain runs there and does what eager does."""
+    dtypes = _backend.KERNEL_DTYPES
+    if g.dtype not in dtypes or weight.dtype not in dtypes:
+        return None
+    if weight.dtype != g.dtype and not torch.is_autocast_enabled(g.device.type):
+        return None
+    return compute_dtype(g, weight)
 
 
 class SiluMulLinearFunction(torch.autograd.Function):
@@ -241,11 +243,10 @@ class SiluMulLinearFunction(torch.autograd.Function):
         d2 = dout.reshape(-1, dout.shape[-1])
         # eager's mm backward for a row-major input: grad_input = grad.mm(weight), grad_weight = grad.t().mm(input)
         dy = d2.mm(w).view(g.shape)
-        y = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        # y (silu_mul's output) only for the weight's gradient: a frozen weight needs none written
+        y = torch.empty(g.shape, dtype=g.dtype, device=g.device) if ctx.needs_input_grad[2] else None
         dg, du = _silu_mul_backward(g, u, dy, y)
-        dw = None
-        if ctx.needs_input_grad[2]:
-            dw = d2.t().mm(y.to(ctx.dtype).view(-1, y.shape[-1])).to(weight.dtype)
+        dw = None if y is None else d2.t().mm(y.to(ctx.dtype).view(-1, y.shape[-1])).to(weight.dtype)
         return dg, du, dw, None
 
 

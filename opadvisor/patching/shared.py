@@ -49,10 +49,6 @@ class _Patcher:
     undo: Callable[[nn.Module], None] | None = None  # what `unpatch` runs beside restoring the forward
 
 
-def _original(module: nn.Module) -> Callable[..., Any]:
-    return module.__dict__[STATE].original
-
-
 def _no_hooks(*modules: nn.Module) -> str | None:
     for m in modules:
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:

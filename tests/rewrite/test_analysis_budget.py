@@ -3,6 +3,8 @@ rule's fix is reported as not checked, never hung and never half-written."""
 
 from __future__ import annotations
 
+import gc
+import time
 from pathlib import Path
 
 import libcst as cst
@@ -125,6 +127,36 @@ def test_over_budget_names_class_and_method():
     assert exc.value.where == "M.forward"
     assert str(exc.value) == "not checked: source analysis over budget (in `M.forward`)"
     _budget.check()  # outside a budget: nothing
+
+
+def _burn_cpu(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_garbage_collections_do_not_count_against_the_budget():
+    """A full collection in a process holding a large heap costs this thread seconds of CPU time inside a
+    pass whose own work is tiny (CI: a fixture's 0.05 s analysis skipped as over budget); the budget counts
+    the analysis only. A collection is made slow here by a callback that burns CPU when it starts."""
+
+    def slow_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            _burn_cpu(0.3)
+
+    gc.callbacks.append(slow_collection)
+    try:
+        with _budget.analysis_budget(0.2):
+            _budget.start_pass()
+            gc.collect()
+            for _ in range(_budget.CLOCK_EVERY):
+                _budget.check()  # 0.3 s in the collector, none of it analysis: within 0.2 s
+            _burn_cpu(0.25)  # the analysis itself past its budget
+            with pytest.raises(_budget.OverBudget):
+                for _ in range(_budget.CLOCK_EVERY):
+                    _budget.check()
+    finally:
+        gc.callbacks.remove(slow_collection)
 
 
 def test_over_budget_blocks_the_dry_run(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ from typing import Any
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import PositionProvider, ScopeProvider
+from libcst.metadata import GlobalScope, PositionProvider, ScopeProvider
 
 from opadvisor.rewrite import _edit as ed
 from opadvisor.rewrite import _match as mt
@@ -287,9 +287,14 @@ class ChainFinder:
         return False
 
     def peel_pre(self, node: cst.BaseExpression, kind: str, prefer: frozenset[str]) -> Step | None:
-        if not self.allows(kind):
+        if self.allows(kind):
+            step = self._peel_pre(node, kind, prefer)
+        elif kind == MASK:
+            # a call to this file's mask-adding helper is read from the source, as dropout is: its add ran in
+            # the helper's own frame, where the profile's chain (one function's ops) does not bind it
+            step = self._helper_mask(node, prefer)
+        else:
             return None
-        step = self._peel_pre(node, kind, prefer)
         if step is None:
             return None
         problem = None
@@ -318,7 +323,7 @@ class ChainFinder:
                 ) is not None:
                     return None
                 return Step(MASK, node, flow, {"mask": other, "fill": None})
-            return None
+            return self._helper_mask(node, prefer)
         if kind == SCALE:
             if not isinstance(node, cst.BinaryOperation):
                 return None
@@ -346,6 +351,11 @@ class ChainFinder:
                 return None
             return Step(QK, node, None, {"q": mm[0], "k": k})
         raise ValueError(kind)
+
+    def _helper_mask(self, node: cst.BaseExpression, prefer: frozenset[str]) -> Step | None:
+        """timm's `attn = maybe_add_mask(attn, attn_bias)`: see `_mask_helper_call`."""
+        helper = _mask_helper_call(self.cm, node, prefer)
+        return None if helper is None else Step(MASK, node, helper[0], {"mask": helper[1], "fill": None})
 
     def peel_softmax(self, node: cst.BaseExpression) -> Step | None:
         """The softmax step of `node`, its input with an upcast (`x.float()`) peeled off and recorded as
@@ -1111,6 +1121,100 @@ def _reads_as_bool(cm: cst.MetadataDependent, node: cst.BaseExpression, depth: i
     if isinstance(node, cst.Name) and depth < 3:
         return any(_reads_as_bool(cm, v, depth + 1) for v in mt.local_values(cm, node))
     return m.matches(node, m.Call(func=m.Attribute(attr=m.Name("bool") | m.Name("logical_not"))))
+
+
+def _mask_helper_call(
+    cm: cst.MetadataDependent, node: cst.BaseExpression, prefer: frozenset[str]
+) -> tuple[cst.BaseExpression, cst.BaseExpression] | None:
+    """(scores, mask) of a call to a module-level function of this file that only adds a mask: its body
+    one `return a + b`, or `return a if b is None else a + b` (timm's `maybe_add_mask(scores, attn_mask)`),
+    called with two plain positional arguments. A mask that may be None is what the fused calls take
+    (None: no mask). Anything else (a decorator, more statements, keywords) is not read through."""
+    node = mt.unparen(node)
+    if not (isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and len(node.args) == 2):
+        return None
+    if any(a.keyword is not None or a.star for a in node.args):
+        return None
+    func = _module_function(cm, node.func)
+    read = _add_mask_params(func) if func is not None else None
+    if func is None or read is None:
+        return None
+    (scores_param, mask_param), either = read
+    values = {p.name.value: a.value for p, a in zip(_function_params(func), node.args, strict=True)}
+    scores, mask = values[scores_param], values[mask_param]
+    if either and _flows(mask, prefer) and not _flows(scores, prefer):
+        scores, mask = mask, scores  # `a + b` adds either way: the chain's own value is the scores
+    return scores, mask
+
+
+def _flows(node: cst.BaseExpression, prefer: frozenset[str]) -> bool:
+    return isinstance(node, cst.Name) and node.value in prefer
+
+
+# Decorators that return the function itself (they register it for torch.fx tracing: timm's helpers)
+_IDENTITY_DECORATORS = frozenset({"torch.fx.wrap", "fx.wrap", "register_notrace_function"})
+
+
+def _module_function(cm: cst.MetadataDependent, name: cst.Name) -> cst.FunctionDef | None:
+    """The one `def NAME` (undecorated, or by an _IDENTITY_DECORATORS) at the top level of this module that `name` reads, or None."""
+    scope = cm.get_metadata(ScopeProvider, name, None)
+    if scope is None:
+        return None
+    assignments = list(scope[name.value])
+    if len(assignments) != 1:
+        return None
+    found = getattr(assignments[0], "node", None)
+    if not isinstance(found, cst.FunctionDef) or found.asynchronous:
+        return None
+    if any(mt.code(d.decorator) not in _IDENTITY_DECORATORS for d in found.decorators):
+        return None
+    return found if isinstance(getattr(assignments[0], "scope", None), GlobalScope) else None
+
+
+def _function_params(func: cst.FunctionDef) -> list[cst.Param]:
+    return [*func.params.posonly_params, *func.params.params]
+
+
+def _add_mask_params(func: cst.FunctionDef) -> tuple[tuple[str, str], bool] | None:
+    """((scores parameter, mask parameter), either) of a two-parameter function whose body only returns
+    the scores plus the mask, or the scores alone when the mask is None; `either`: a plain sum, where the
+    call site tells which argument is the scores."""
+    params = _function_params(func)
+    star = isinstance(func.params.star_arg, cst.Param | cst.ParamStar)  # else MaybeSentinel (truthy)
+    if len(params) != 2 or star or func.params.kwonly_params or func.params.star_kwarg is not None:
+        return None
+    a, b = (p.name.value for p in params)
+    body = (
+        [st for st in func.body.body if not _is_docstring(st)]
+        if isinstance(func.body, cst.IndentedBlock)
+        else []
+    )
+    small = _small(body[0]) if len(body) == 1 else None
+    if not isinstance(small, cst.Return) or small.value is None:
+        return None
+    value = mt.unparen(small.value)
+
+    def added(x: str, y: str) -> m.BaseMatcherNode:
+        return m.BinaryOperation(left=m.Name(x), operator=m.Add(), right=m.Name(y)) | m.BinaryOperation(
+            left=m.Name(y), operator=m.Add(), right=m.Name(x)
+        )
+
+    if m.matches(value, added(a, b)):
+        return (a, b), True
+    for scores, mask in ((a, b), (b, a)):
+        none = m.Name("None")
+        is_none = m.Comparison(left=m.Name(mask), comparisons=[m.ComparisonTarget(m.Is(), none)])
+        not_none = m.Comparison(left=m.Name(mask), comparisons=[m.ComparisonTarget(m.IsNot(), none)])
+        if m.matches(
+            value, m.IfExp(test=is_none, body=m.Name(scores), orelse=added(scores, mask))
+        ) or m.matches(value, m.IfExp(test=not_none, body=added(scores, mask), orelse=m.Name(scores))):
+            return (scores, mask), False
+    return None
+
+
+def _is_docstring(stmt: cst.BaseStatement) -> bool:
+    small = _small(stmt)
+    return isinstance(small, cst.Expr) and isinstance(small.value, cst.SimpleString | cst.ConcatenatedString)
 
 
 def _function_of(cm: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | None:

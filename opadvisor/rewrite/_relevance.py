@@ -9,7 +9,8 @@ A top-level `class` or `def` is read when
 - or it names a module-level name bound by a statement that names a word or a seed's name (`sm =
   F.softmax`, `from torch.nn.functional import softmax as sm`, `Drop = StableDropout`),
 - or it builds a seed class or reads its attribute (`StableDropout(...)`, `XSoftmax.apply(...)`): a
-  match at the call site.
+  match at the call site,
+- or it is a function a seed calls by name (`maybe_add_mask(attn, bias)`): a matcher may read its body.
 
 One hop from a seed is enough: a match lies where a word, an alias of one, or a seed is named. Every other
 top-level statement (imports, assignments, `if __name__ == "__main__":`, `try:` blocks) is always read. A
@@ -122,6 +123,7 @@ def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:
     texts, bound = _texts_and_names(module)
     defs = [i for i, s in enumerate(module.body) if isinstance(s, cst.ClassDef | cst.FunctionDef)]
     seeds = {i for i in defs if words.search(texts[i])}
+    seeds |= _called_by(module, defs, seeds, texts)
     named = {module.body[i].name.value for i in seeds}  # type: ignore[attr-defined]
     others = [i for i, s in enumerate(module.body) if not isinstance(s, cst.ClassDef | cst.FunctionDef)]
     aliases = _aliases(module, others, texts, bound, words, named)
@@ -143,6 +145,20 @@ def _unread(module: cst.Module, words: re.Pattern[str]) -> frozenset[int]:
         and (pattern is None or not pattern.search(texts[i]))
     ]
     return frozenset(id(module.body[i]) for i in (*unread, *tables))
+
+
+def _called_by(module: cst.Module, defs: Sequence[int], seeds: set[int], texts: Sequence[str]) -> set[int]:
+    """The top-level functions a seed calls by name (timm's `attn = maybe_add_mask(attn, bias)` in a seed
+    that names softmax): a matcher may read a small helper's body in the seed's chain."""
+    functions = {
+        module.body[i].name.value: i  # type: ignore[attr-defined]
+        for i in defs
+        if i not in seeds and isinstance(module.body[i], cst.FunctionDef)
+    }
+    if not functions or not seeds:
+        return set()
+    call = re.compile(r"\b(" + "|".join(map(re.escape, sorted(functions))) + r")\s*\(")
+    return {functions[name] for i in seeds for name in call.findall(texts[i])}
 
 
 def _plain_assignment(stmt: cst.CSTNode) -> bool:

@@ -20,9 +20,12 @@ from realcode_families import FAMILIES
 # What fails today, until issue 29's fixes land (h2: attribution through the script's sys.path.insert; h1:
 # bounded source analysis). strict: an entry must go once its family passes.
 KNOWN: dict[str, str] = {
-    # timm 1.0.31 with timm.layers.mlp vendored: profile -> suggest finds nothing at all (0 findings), where
-    # with Mlp left in the library it found fuse_region at timm/layers/mlp.py:47; not yet understood
-    "timm_convnext": "0 findings once Mlp is vendored (was fuse_region in timm/layers/mlp.py:47)",
+    # timm 1.0.31 with timm.layers.mlp vendored: 0 findings on a CPU profile, by design. Left in the library,
+    # Mlp was a repeated library block (fuse_region's block site, timm/layers/mlp.py:47, fixed by
+    # compile_blocks); vendored it is user code, where a CPU profile keeps only a named chain (a GELU or SiLU
+    # written out op by op), and ConvNeXt has none: nn.GELU is one op, the layer scale and the residual add
+    # are unnamed. A GPU profile judges those regions by their kernels (`ix.gpu` in fuse_region.detect).
+    "timm_convnext": "0 findings on a CPU profile: no named chain in user code (see KNOWN's comment)",
 }
 
 TIMEOUT = 240.0  # seconds per command: a hang detector, far above a tiny model's few steps

@@ -142,6 +142,13 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
     def _missing_product(self, stmts: Sequence[cst.BaseStatement], chain: Chain, qk: bool) -> str:
         """Why the chain does not reach q @ k^T (`qk`) or the product with v."""
         if qk:
+            between = self._read_between(stmts, chain)
+            if between is not None:
+                name, line, text = between
+                return (
+                    f"`{name}` (q @ k^T) is read at line {line} (`{text}`), between the product and the "
+                    "softmax; scaled_dot_product_attention never makes the scores that line reads"
+                )
             source = self._made_by(stmts, chain)
             if source is not None:
                 line, text = source
@@ -160,6 +167,39 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                 "scaled_dot_product_attention cannot do that"
             )
         return "no product with v found in the same block, next to the softmax"
+
+    def _read_between(self, stmts: Sequence[cst.BaseStatement], chain: Chain) -> tuple[str, int, str] | None:
+        """(name, line, text) of the first statement between `name = <q @ k^T>` and the chain (the chain's
+        base is `name`, bound there) that reads `name` without binding it (timm: `attn_bias =
+        resolve_self_attn_mask(N, attn, ...)` between `attn = q @ k.transpose(-2, -1)` and the mask)."""
+        base = mt.unparen(chain.base)
+        if not isinstance(base, cst.Name):
+            return None
+        for index in range(chain.first - 1, max(chain.first - 8, -1), -1):  # a few statements up, no more
+            stmt = stmts[index]
+            small = (
+                stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
+            )
+            bound = (
+                isinstance(small, cst.Assign)
+                and len(small.targets) == 1
+                and m.matches(small.targets[0].target, m.Name(base.value))
+            )
+            if bound:
+                if not _a_product(small.value):  # type: ignore[union-attr]
+                    return None
+                reader = next(
+                    (
+                        s
+                        for s in stmts[index + 1 : chain.first]
+                        if any(n.value == base.value for n in mt.names_in(s))
+                    ),
+                    None,
+                )
+                if reader is None:
+                    return None
+                return base.value, self.lines_of(reader)[0], mt.code(reader).strip().splitlines()[0]
+        return None
 
     def _made_by(self, stmts: Sequence[cst.BaseStatement], chain: Chain) -> tuple[int, str] | None:
         """The statement just before the chain, when it binds the scores the chain starts from (GPT-2's

@@ -106,3 +106,40 @@ def test_the_scores_read_between_the_product_and_the_chain_are_named(tmp_path: P
     assert after.decode() == TIMM_SHAPE
     (skipped,) = result.skipped
     assert "`attn` (q @ k^T) is read at line 15 (`attn_bias = mask_for(n, attn, attn_mask)`)" in str(skipped)
+
+
+SWITCHED = """import torch
+import torch.nn.functional as F
+
+
+def attend(q, k, v, n, attn_mask, fused):
+    if fused:
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    else:
+        attn = q @ k.transpose(-2, -1)
+        attn_bias = attn.new_zeros((n, n)) if attn_mask is None else attn_mask
+        attn = attn + attn_bias
+        attn = F.softmax(attn, dim=-1)
+        x = attn @ v
+    return x
+"""
+
+
+def test_a_refusal_in_the_else_of_an_sdpa_switch_names_the_switch(tmp_path: Path) -> None:
+    """timm's `if self.fused_attn:` / nanoGPT's `if self.flash:`: the code already has the fused path."""
+    from opadvisor.rewrite.base import Target
+    from opadvisor.rules.attention import AttentionFacts
+
+    path = tmp_path / "m.py"
+    path.write_text(SWITCHED)
+    facts = AttentionFacts(
+        ops=["qk", "softmax", "pv"], lines={"qk": [9, 9], "softmax": [12, 12], "pv": [13, 13]}
+    )
+    after, result = rewrite_source(SWITCHED.encode(), "sdpa_attention", [Target(9, 13, facts)], path)
+    assert after.decode() == SWITCHED
+    (skipped,) = result.skipped
+    assert skipped.message.startswith("not rewritten: the scores come from line 11")  # the profile saw no add
+    assert skipped.message.endswith(
+        "; the `if fused:` at line 6 already calls scaled_dot_product_attention, and this branch runs only "
+        "where that is false"
+    )

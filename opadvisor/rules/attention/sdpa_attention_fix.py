@@ -104,9 +104,9 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         anchor = _small(stmts[chain.first]) or stmts[chain.first]
         if QK not in kinds or PV not in kinds:
             if finder.refused:
-                self.skip(anchor, f"not rewritten: {self.refused_words(finder)}")
+                self._refuse(anchor, self.refused_words(finder))
             elif self.targets is not None:  # the profile says it is an attention: say why it is not rewritten
-                self.skip(anchor, f"not rewritten: {self._missing_product(stmts, chain, QK not in kinds)}")
+                self._refuse(anchor, self._missing_product(stmts, chain, QK not in kinds))
             return None
         problem, keywords, carried = self._arguments(finder, chain)
         if problem is None:
@@ -127,7 +127,7 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
                 else:
                     problem = f"`{name}` is read again at line {line}, so the intermediate value cannot be folded away"
         if problem is not None:
-            self.skip(anchor, f"not rewritten: {problem}")
+            self._refuse(anchor, problem)
             return None
         qk, pv = chain.step(QK), chain.step(PV)
         assert qk is not None and pv is not None
@@ -138,6 +138,32 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         call = self.call_for(self.ref(SDPA), [q, k, v], keywords, last_stmt, chain.top, indent)
         self.record_change(anchor, self._describe(chain, keywords))
         return BlockEdit(chain.first, chain.last, {id(chain.top): call}, [q, k, v, *carried])
+
+    def _refuse(self, anchor: cst.CSTNode, reason: str) -> None:
+        """Skip the chain at `anchor`, saying where the code's own scaled_dot_product_attention is when the
+        chain is the `else` of an `if` that calls it (timm's `if self.fused_attn:`, nanoGPT's `if self.flash:`):
+        the switch that was off in this run is the one-word fix."""
+        switch = self._sdpa_switch(anchor)
+        if switch is not None:
+            line, test = switch
+            reason += (
+                f"; the `if {test}:` at line {line} already calls scaled_dot_product_attention, and this "
+                "branch runs only where that is false"
+            )
+        self.skip(anchor, f"not rewritten: {reason}")
+
+    def _sdpa_switch(self, anchor: cst.CSTNode) -> tuple[int, str] | None:
+        """(line, test) of the `if` whose `else` block holds `anchor` and whose body calls SDPA, or None."""
+        node: cst.CSTNode | None = anchor
+        for _ in range(4):  # small statement -> line -> block -> else -> if
+            parent = mt.parent(self, node) if node is not None else None
+            if isinstance(parent, cst.If) and isinstance(node, cst.Else):
+                calls = mt.nodes_of(parent.body, cst.Call)
+                if any(_names_sdpa(c.func) for c in calls):
+                    return self.lines_of(parent)[0], mt.code(parent.test)
+                return None
+            node = parent
+        return None
 
     def _missing_product(self, stmts: Sequence[cst.BaseStatement], chain: Chain, qk: bool) -> str:
         """Why the chain does not reach q @ k^T (`qk`) or the product with v."""
@@ -477,6 +503,11 @@ def _local_value(finder: ChainFinder, name: cst.Name) -> cst.BaseExpression | No
     at = next((k for k, stmt in enumerate(finder.stmts) if mt.contains(stmt, name)), len(finder.stmts))
     bound = block_index(finder.stmts).simple_before(name.value, at)
     return bound.value if bound is not None else None
+
+
+def _names_sdpa(func: cst.BaseExpression) -> bool:
+    name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+    return name == "scaled_dot_product_attention"
 
 
 def _a_product(node: cst.BaseExpression) -> bool:

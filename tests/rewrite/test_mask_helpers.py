@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from opadvisor.rewrite.base import Target
 from opadvisor.rewrite.engine import rewrite_source
+from opadvisor.rules.attention import AttentionFacts
 
 ATTENTION = """import torch
 import torch.nn.functional as F
@@ -70,6 +72,18 @@ def test_other_helpers_are_not_read_through(tmp_path: Path, body: str, args: str
     assert "scaled_dot_product_attention" not in after
 
 
+def _refusal(tmp_path: Path, source: str, *, qk: int, softmax: int, pv: int) -> str:
+    """The one refusal of `source`'s attention, profiled as q @ k^T, softmax and the product with v."""
+    path = tmp_path / "m.py"
+    path.write_text(source)
+    lines = {"qk": [qk, qk], "softmax": [softmax, softmax], "pv": [pv, pv]}
+    facts = AttentionFacts(ops=["qk", "softmax", "pv"], lines=lines)
+    after, result = rewrite_source(source.encode(), "sdpa_attention", [Target(qk, pv, facts)], path)
+    assert after.decode() == source
+    (skipped,) = result.skipped
+    return skipped.message
+
+
 TIMM_SHAPE = """import torch
 import torch.nn.functional as F
 
@@ -94,18 +108,8 @@ def attend(q, k, v, n, attn_mask):
 def test_the_scores_read_between_the_product_and_the_chain_are_named(tmp_path: Path) -> None:
     """timm's eager attention builds its mask from the scores between q @ k^T and the mask step: not
     rewritten, and the reason names that line (not the helper's)."""
-    from opadvisor.rewrite.base import Target
-    from opadvisor.rules.attention import AttentionFacts
-
-    path = tmp_path / "m.py"
-    path.write_text(TIMM_SHAPE)
-    facts = AttentionFacts(
-        ops=["qk", "softmax", "pv"], lines={"qk": [14, 14], "softmax": [17, 17], "pv": [18, 18]}
-    )
-    after, result = rewrite_source(TIMM_SHAPE.encode(), "sdpa_attention", [Target(14, 18, facts)], path)
-    assert after.decode() == TIMM_SHAPE
-    (skipped,) = result.skipped
-    assert "`attn` (q @ k^T) is read at line 15 (`attn_bias = mask_for(n, attn, attn_mask)`)" in str(skipped)
+    message = _refusal(tmp_path, TIMM_SHAPE, qk=14, softmax=17, pv=18)
+    assert "`attn` (q @ k^T) is read at line 15 (`attn_bias = mask_for(n, attn, attn_mask)`)" in message
 
 
 SWITCHED = """import torch
@@ -127,19 +131,9 @@ def attend(q, k, v, n, attn_mask, fused):
 
 def test_a_refusal_in_the_else_of_an_sdpa_switch_names_the_switch(tmp_path: Path) -> None:
     """timm's `if self.fused_attn:` / nanoGPT's `if self.flash:`: the code already has the fused path."""
-    from opadvisor.rewrite.base import Target
-    from opadvisor.rules.attention import AttentionFacts
-
-    path = tmp_path / "m.py"
-    path.write_text(SWITCHED)
-    facts = AttentionFacts(
-        ops=["qk", "softmax", "pv"], lines={"qk": [9, 9], "softmax": [12, 12], "pv": [13, 13]}
-    )
-    after, result = rewrite_source(SWITCHED.encode(), "sdpa_attention", [Target(9, 13, facts)], path)
-    assert after.decode() == SWITCHED
-    (skipped,) = result.skipped
-    assert skipped.message.startswith("not rewritten: the scores come from line 11")  # the profile saw no add
-    assert skipped.message.endswith(
+    message = _refusal(tmp_path, SWITCHED, qk=9, softmax=12, pv=13)
+    assert message.startswith("not rewritten: the scores come from line 11")  # the profile saw no add
+    assert message.endswith(
         "; the `if fused:` at line 6 already calls scaled_dot_product_attention, and this branch runs only "
         "where that is false"
     )

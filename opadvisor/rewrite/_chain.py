@@ -1137,7 +1137,7 @@ def _mask_helper_call(
         return None
     func = _module_function(cm, node.func)
     read = _add_mask_params(func) if func is not None else None
-    if func is None or read is None:
+    if read is None:
         return None
     (scores_param, mask_param), either = read
     values = {p.name.value: a.value for p, a in zip(_function_params(func), node.args, strict=True)}
@@ -1156,7 +1156,8 @@ _IDENTITY_DECORATORS = frozenset({"torch.fx.wrap", "fx.wrap", "register_notrace_
 
 
 def _module_function(cm: cst.MetadataDependent, name: cst.Name) -> cst.FunctionDef | None:
-    """The one `def NAME` (undecorated, or by an _IDENTITY_DECORATORS) at the top level of this module that `name` reads, or None."""
+    """The one `def NAME` at the top level of this module that `name` reads (undecorated, or only by
+    _IDENTITY_DECORATORS), or None."""
     scope = cm.get_metadata(ScopeProvider, name, None)
     if scope is None:
         return None
@@ -1184,11 +1185,9 @@ def _add_mask_params(func: cst.FunctionDef) -> tuple[tuple[str, str], bool] | No
     if len(params) != 2 or star or func.params.kwonly_params or func.params.star_kwarg is not None:
         return None
     a, b = (p.name.value for p in params)
-    body = (
-        [st for st in func.body.body if not _is_docstring(st)]
-        if isinstance(func.body, cst.IndentedBlock)
-        else []
-    )
+    body = list(func.body.body) if isinstance(func.body, cst.IndentedBlock) else []
+    if func.get_docstring(clean=False) is not None:
+        body = body[1:]
     small = _small(body[0]) if len(body) == 1 else None
     if not isinstance(small, cst.Return) or small.value is None:
         return None
@@ -1210,11 +1209,6 @@ def _add_mask_params(func: cst.FunctionDef) -> tuple[tuple[str, str], bool] | No
         ) or m.matches(value, m.IfExp(test=not_none, body=added(scores, mask), orelse=m.Name(scores))):
             return (scores, mask), False
     return None
-
-
-def _is_docstring(stmt: cst.BaseStatement) -> bool:
-    small = _small(stmt)
-    return isinstance(small, cst.Expr) and isinstance(small.value, cst.SimpleString | cst.ConcatenatedString)
 
 
 def _function_of(cm: cst.MetadataDependent, node: cst.CSTNode) -> cst.CSTNode | None:

@@ -57,6 +57,7 @@ from opadvisor.rewrite.toolkit import (
     ChainFinder,
     SoftmaxChainRewriter,
     Step,
+    assign_name,
     block_index,
     cast_problem,
     guarded,
@@ -154,9 +155,11 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
 
     def _sdpa_switch(self, anchor: cst.CSTNode) -> tuple[int, str] | None:
         """(line, test) of the `if` whose `else` block holds `anchor` and whose body calls SDPA, or None."""
-        node: cst.CSTNode | None = anchor
+        node: cst.CSTNode = anchor
         for _ in range(4):  # small statement -> line -> block -> else -> if
-            parent = mt.parent(self, node) if node is not None else None
+            parent = mt.parent(self, node)
+            if parent is None:
+                return None
             if isinstance(parent, cst.If) and isinstance(node, cst.Else):
                 calls = mt.nodes_of(parent.body, cst.Call)
                 if any(_names_sdpa(c.func) for c in calls):
@@ -202,17 +205,9 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         if not isinstance(base, cst.Name):
             return None
         for index in range(chain.first - 1, max(chain.first - 8, -1), -1):  # a few statements up, no more
-            stmt = stmts[index]
-            small = (
-                stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1 else None
-            )
-            bound = (
-                isinstance(small, cst.Assign)
-                and len(small.targets) == 1
-                and m.matches(small.targets[0].target, m.Name(base.value))
-            )
-            if bound:
-                if not _a_product(small.value):  # type: ignore[union-attr]
+            bound = assign_name(stmts[index])
+            if bound is not None and bound[0] == base.value:
+                if not _a_product(bound[1]):
                     return None
                 reader = next(
                     (
@@ -234,16 +229,10 @@ class SdpaAttentionCodemod(SoftmaxChainRewriter):
         before = stmts[chain.first - 1] if chain.first > 0 else None
         if not isinstance(base, cst.Name) or before is None:
             return None
-        small = (
-            before.body[0] if isinstance(before, cst.SimpleStatementLine) and len(before.body) == 1 else None
-        )
-        if not (
-            isinstance(small, cst.Assign)
-            and len(small.targets) == 1
-            and m.matches(small.targets[0].target, m.Name(base.value))
-        ):
+        bound = assign_name(before)
+        if bound is None or bound[0] != base.value:
             return None
-        if _a_product(small.value):
+        if _a_product(bound[1]):
             return None  # a product the rewrite did not read as q @ k^T: the general words fit better
         return self.lines_of(before)[0], mt.code(before).strip().splitlines()[0]
 
@@ -505,9 +494,13 @@ def _local_value(finder: ChainFinder, name: cst.Name) -> cst.BaseExpression | No
     return bound.value if bound is not None else None
 
 
+def _called_name(func: cst.BaseExpression) -> str | None:
+    """`f` of `f(...)` and of `x.f(...)`."""
+    return func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
+
+
 def _names_sdpa(func: cst.BaseExpression) -> bool:
-    name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
-    return name == "scaled_dot_product_attention"
+    return _called_name(func) == "scaled_dot_product_attention"
 
 
 def _a_product(node: cst.BaseExpression) -> bool:
@@ -517,9 +510,7 @@ def _a_product(node: cst.BaseExpression) -> bool:
         if isinstance(sub, cst.BinaryOperation) and isinstance(sub.operator, cst.MatrixMultiply):
             return True
         if isinstance(sub, cst.Call):
-            func = sub.func
-            name = func.attr.value if isinstance(func, cst.Attribute) else getattr(func, "value", None)
-            if name in products:
+            if _called_name(sub.func) in products:
                 return True
     return False
 

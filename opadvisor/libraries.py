@@ -295,7 +295,7 @@ FIXES: tuple[LibraryFix, ...] = (
     LibraryFix(
         "hf_linear_cross_entropy",
         "patch",
-        llama_family_classes("ForCausalLM"),
+        ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", *llama_family_classes("ForCausalLM")),
         ("fused_cross_entropy",),
         "unsafe",
         "in training with labels, the LM head's matrix product and the causal-LM loss as one "

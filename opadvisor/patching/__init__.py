@@ -27,9 +27,10 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
   lists): RMSNorm as `opadvisor.kernels.rms_norm` (one Triton kernel each way), the SwiGLU MLP's
   `act(gate(x)) * up(x)` as `opadvisor.kernels.silu_mul`, Llama's attention with its rotary embedding as
   `opadvisor.kernels.rotary_embedding` (the attention as transformers runs it), the causal-LM loss as GPT-2's
-  above; with
-  unsafe=True, in training with labels, the LM head and its loss as `opadvisor.kernels.linear_cross_entropy`
-  (chunked over tokens: the logits are never whole, never float32; the output's logits are None);
+  above;
+- GPT-2 and the Llama family with unsafe=True, in training with labels: the LM head and its loss as
+  `opadvisor.kernels.linear_cross_entropy` (chunked over tokens: the logits are never whole, never float32; the
+  output's logits are None);
 - DeBERTa-v2/v3 (transformers' DebertaV2*): the disentangled self-attention's relative-position scores as
   one `opadvisor.kernels.disentangled_bias` and the attention as one `F.scaled_dot_product_attention` with
   them and the padding mask as its float mask (hf_deberta_attention); the encoder's relative positions built

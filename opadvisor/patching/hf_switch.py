@@ -11,6 +11,7 @@ import torch.nn as nn
 from opadvisor.libraries import HF_ATTENTION_CLASSES, bert_family_classes, deberta_v2_class
 
 from . import hf_masks as _hf_masks
+from .arguments import _arguments
 from .shared import _no_hooks, _qualified, _State
 
 # -- transformers' attention switch, per instance (hf_attn_switch) ----------------------------------------------
@@ -103,7 +104,18 @@ def _hf_switch(module: nn.Module, state: _State, *args, **kwargs):
     if module.config._attn_implementation != _hf_masks.NAME:  # once: transformers reads it at every call
         module.__dict__.setdefault(_ATTN_BEFORE, module.config._attn_implementation)
         module.set_attn_implementation(_hf_masks.NAME)
-    return state.original(*args, **kwargs)
+    with _hf_masks.own_positions(_counts_its_own_positions(module, args, kwargs)):
+        return state.original(*args, **kwargs)
+
+
+# The arguments that would give the model positions (or an offset) of the caller's: with none of them passed,
+# a transformers model counts its positions from 0 itself (`cache_position` / `arange`)
+_POSITION_ARGUMENTS = ("position_ids", "cache_position", "past_key_values", "cache")
+
+
+def _counts_its_own_positions(module: nn.Module, args: tuple, kwargs: dict) -> bool:
+    arguments = _arguments(module, args, kwargs)
+    return all(arguments.get(name) is None for name in _POSITION_ARGUMENTS)
 
 
 def _hf_switch_undo(module: nn.Module) -> None:

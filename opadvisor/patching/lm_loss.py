@@ -1,7 +1,7 @@
 """The LM heads' losses: BertForMaskedLM's (and DebertaV2ForMaskedLM's) masked-LM loss (hf_mlm_loss) and the
 causal-LM loss of GPT2LMHeadModel and the Llama family (hf_causal_lm_loss) as `opadvisor.kernels.cross_entropy`
-over the 16-bit logits; with unsafe=True, a Llama-family LM head and its loss as one
-`opadvisor.kernels.linear_cross_entropy` (hf_linear_cross_entropy: the logits never whole)."""
+over the 16-bit logits; with unsafe=True, their LM head and its loss as one `opadvisor.kernels.linear_cross_entropy`
+(hf_linear_cross_entropy: the logits never whole)."""
 
 from __future__ import annotations
 
@@ -121,7 +121,22 @@ def _causal_lm_loss(
     return loss
 
 
-# -- the Llama family's LM head and its loss as one kernel (hf_linear_cross_entropy, unsafe) -------------------
+# -- GPT-2's and the Llama family's LM head and its loss as one kernel (hf_linear_cross_entropy, unsafe) -------
+# The decoder under the LM head (GPT-2's `transformer`, the Llama family's `model`) and the output class its
+# forward returns, by the LM class's name
+_BODIES = {"GPT2LMHeadModel": ("transformer", "CausalLMOutputWithCrossAttentions")}
+_LLAMA_BODY = ("model", "CausalLMOutputWithPast")
+
+
+def _body(module: nn.Module) -> nn.Module | None:
+    return getattr(module, _BODIES.get(type(module).__name__, _LLAMA_BODY)[0], None)
+
+
+def _output_class(module: nn.Module) -> type:
+    name = _BODIES.get(type(module).__name__, _LLAMA_BODY)[1]
+    return getattr(sys.modules[type(module).__module__], name)
+
+
 def _check_linear_cross_entropy(module: nn.Module) -> str | None:
     problem = _check_causal_lm(module)
     head = getattr(module, "lm_head", None)
@@ -131,7 +146,7 @@ def _check_linear_cross_entropy(module: nn.Module) -> str | None:
         problem = "its lm_head has a bias"
     if problem is None and getattr(module.config, "final_logit_softcapping", None):
         problem = "its logits are soft-capped (final_logit_softcapping)"
-    return problem or _no_hooks(head, module.model)
+    return problem or _no_hooks(head, _body(module))
 
 
 def _linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs):
@@ -146,10 +161,10 @@ def _linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs):
     return_dict = arguments.pop("return_dict", None)
     named = _named_parameters(type(module).forward)
     extra = {k: v for k, v in arguments.items() if k not in named}  # what the forward hands its loss_function
-    outputs = module.model(**arguments)
+    outputs = _body(module)(**arguments)
     loss = _fused_causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, labels, **extra)
-    output_cls = sys.modules[type(module).__module__].CausalLMOutputWithPast
-    out = output_cls(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
+    rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    out = _output_class(module)(loss=loss, logits=None, **rest)
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     return out if return_dict else out.to_tuple()

@@ -138,6 +138,31 @@ def test_patched_gpt2_trains_with_the_originals_losses(kernel_path) -> None:
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
 
 
+def test_gpt2_head_and_loss_fused_keep_loss_gradients_and_the_tied_weight(kernel_path) -> None:
+    """unsafe=True: GPT-2's LM head and loss as one linear_cross_entropy (hf_linear_cross_entropy) in training
+    with labels: the original's loss and gradients (the head's weight is the tied token embedding: one
+    gradient, from both uses), logits None; without labels, or in eval, the logits as the original's."""
+    original = tiny_gpt2(attn="sdpa")
+    patched = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    fixes = {fix for _, _, fix in opadvisor.patch_report(patched).patched}
+    assert "hf_linear_cross_entropy" in fixes and "hf_causal_lm_loss" not in fixes
+    assert patched.lm_head.weight is patched.transformer.wte.weight
+    grads = []
+    for model in (original, patched):
+        out = model(**batch())
+        out.loss.backward()
+        grads.append(({n: p.grad for n, p in model.named_parameters()}, out))
+    (want, want_out), (got, got_out) = grads
+    assert got_out.logits is None and type(got_out) is type(want_out)
+    torch.testing.assert_close(got_out.loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        ids = batch()["input_ids"]
+        torch.testing.assert_close(patched(input_ids=ids).logits, original(input_ids=ids).logits)
+    assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
+
+
 def _cache_name(cls: type) -> str:
     """The name the installed transformers gives the KV cache argument (5.24 renamed it)."""
     import inspect
@@ -301,7 +326,9 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                 ],
                 # the Llama family's: tests/kernels/test_patch_llama.py
                 "hf_linear_cross_entropy": [
-                    ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")])
+                    ("GPT2LMHeadModel.forward", cls.forward, None)
+                    if name == "GPT2LMHeadModel"
+                    else ("LlamaForCausalLM.forward", cls.forward, name[: -len("ForCausalLM")])
                 ],
                 "hf_rms_norm": [("LlamaRMSNorm.forward", cls.forward, name[: -len("RMSNorm")])],
                 "hf_swiglu_mlp": [("LlamaMLP.forward", cls.forward, name[: -len("MLP")])],

@@ -217,3 +217,73 @@ def test_a_causal_model_under_tracing_runs_is_causal_without_a_mask(monkeypatch)
     assert not _hf_masks._needs_no_mask({**plain, "local_size": 8}, masking_utils)
     assert not _hf_masks._needs_no_mask({**plain, "allow_is_causal_skip": False}, masking_utils)
     assert not _hf_masks._needs_no_mask({**plain, "mask_function": lambda *a: True}, masking_utils)
+
+
+def _spy_sdpa(monkeypatch) -> list[tuple[bool, bool]]:
+    """(a mask was passed, is_causal) for every SDPA call from now on."""
+    seen: list[tuple[bool, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        seen.append((attn_mask is not None, bool(is_causal)))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_positions_the_model_counts_itself_are_not_searched_for_packing_under_tracing(
+    monkeypatch, family
+) -> None:
+    """Called without position_ids, a causal model counts 0, 1, 2, ... itself; under tracing transformers cannot
+    check those for packed sequences and ANDs a packed-sequence mask in, so SDPA got a full mask (half of its
+    work wasted). Switched, such a call runs is_causal without a mask; a call with packed positions keeps its
+    mask (and its values)."""
+    from transformers import masking_utils
+
+    from opadvisor.patching import hf_masks as _hf_masks
+
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+        torch.manual_seed(0)
+        original = transformers.GPT2LMHeadModel(config).eval()
+    else:
+        original = _llama("sdpa").eval()
+    original.config.use_cache = False  # as in training: with a cache transformers does not look for packing
+    model = opadvisor.patch(copy.deepcopy(original), rules=["hf_attn_switch"], quiet=True)
+    ids = torch.randint(0, 101, (2, 16))
+    with torch.no_grad():
+        model(input_ids=ids)  # the first call: the switch's check, not traced
+        monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+        seen = _spy_sdpa(monkeypatch)
+        torch.testing.assert_close(model(input_ids=ids).logits, original(input_ids=ids).logits)
+        layers = 2
+        assert seen[:layers] == [(False, True)] * layers  # the switched model: is_causal, no mask
+        assert seen[layers:] == [(True, False)] * layers  # the original under tracing: the packed mask
+        seen.clear()
+        packed = torch.arange(8).repeat(2)[None].expand(2, -1)  # two sequences of 8 in each row
+        torch.testing.assert_close(
+            model(input_ids=ids, position_ids=packed).logits,
+            original(input_ids=ids, position_ids=packed).logits,
+        )
+        assert seen[:layers] == [(True, False)] * layers  # packed positions of the caller's: masked
+    assert _hf_masks._OWN_POSITIONS == [0]
+
+
+def test_a_compiled_switched_gpt2_runs_is_causal(monkeypatch) -> None:
+    """The same under a real torch.compile (dynamo traces the switch's counter and the packed-sequence search)."""
+    config = transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(0)
+    original = transformers.GPT2LMHeadModel(config).eval()
+    original.config.use_cache = False
+    model = opadvisor.patch(copy.deepcopy(original), rules=["hf_attn_switch"], quiet=True)
+    ids = torch.randint(0, 101, (2, 16))
+    with torch.no_grad():
+        expected = original(input_ids=ids).logits
+        model(input_ids=ids)  # the first call: the switch's check
+        seen = _spy_sdpa(monkeypatch)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="eager")(input_ids=ids).logits
+    torch.testing.assert_close(got, expected)
+    assert seen == [(False, True)] * 2

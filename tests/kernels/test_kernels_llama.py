@@ -157,6 +157,21 @@ def test_linear_cross_entropy_is_the_heads_loss(chunk_rows, reduction, autocast,
     assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
 
 
+def test_linear_cross_entropy_multiplies_on_a_vocabulary_padded_to_eight(monkeypatch) -> None:
+    """37 classes: the three products run on 40 (cuBLAS's aligned kernels for GPT-2's 50257), the loss and
+    both gradients still the 37-class head's."""
+    shapes = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: shapes.append((a.shape, b.shape)) or mm(a, b, **kw))
+    hidden, weight, target = _lce_case()
+    got, (gh, gw) = _grads(lambda h, w: linear_cross_entropy(h, w, target), hidden, weight)
+    monkeypatch.setattr(torch, "mm", mm)
+    want, (wh, ww) = _grads(lambda h, w: reference_linear_cross_entropy(h, w, target), hidden, weight)
+    assert {40} == {d for pair in shapes for shape in pair for d in shape if d in (37, 40)}
+    assert rel_err(got, want) <= 1e-5 and rel_err(gh, wh) <= 1e-5 and rel_err(gw, ww) <= 1e-5
+    assert gw.shape == weight.shape and gw.is_contiguous()
+
+
 def test_linear_cross_entropy_without_grad_computes_the_loss_only(monkeypatch) -> None:
     calls = []
     op = lce.linear_cross_entropy_op

@@ -24,6 +24,8 @@ entropy` is the eager chain, the tests' oracle.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -67,10 +69,10 @@ def linear_cross_entropy_backend(hidden: torch.Tensor, weight: torch.Tensor) -> 
 
 def reference_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: str = "mean", bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """The eager chain: `F.cross_entropy(F.linear(hidden, weight).float(), target)` (ForCausalLMLoss's)."""
-    logits = F.linear(hidden, weight).float()
+    """The eager chain: `F.cross_entropy(F.linear(hidden, weight, bias).float(), target)` (ForCausalLMLoss's)."""
+    logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index,
                            reduction=reduction)  # fmt: skip
 
@@ -108,49 +110,74 @@ def _chunk_step_reference(logits, target, ignore_index, grads, count, g):
     return rows
 
 
+class _Head:
+    """The head as the chunks multiply it: the weight (and bias) in the compute dtype, padded to a multiple of
+    PAD_MULTIPLE classes with zeros, and the float32 gradient buffers of the chunks' sums."""
+
+    def __init__(self, weight, bias, dtype, grad_weight, grad_bias, chunked):
+        self.vocab = weight.shape[0]
+        self.w = _padded_weight(weight, dtype)  # [padded vocabulary, H]: its extra rows are zeros
+        self.b = None if bias is None else F.pad(bias.to(dtype), (0, self.w.shape[0] - self.vocab))
+        zeros = functools.partial(torch.zeros, dtype=torch.float32, device=weight.device)
+        self.dw = zeros(self.w.shape) if grad_weight and chunked else None
+        self.db = zeros(self.w.shape[0]) if grad_bias else None
+
+    def logits(self, h, out):
+        if self.b is None:
+            return torch.mm(h, self.w.t(), out=out)
+        return torch.addmm(self.b, h, self.w.t(), out=out)
+
+
 def _run(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
-    dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(loss float32 0-d, d loss / d hidden or empty, d loss / d weight or empty): see the module docstring."""
-    n, vocab = hidden.shape[0], weight.shape[0]
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    ignore_index: int, reduction: str, dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(loss float32 0-d, d loss / d hidden, / d weight, / d bias, each empty where not asked for): see the
+    module docstring."""
+    n = hidden.shape[0]
     step = (
         _chunk_step_reference
         if linear_cross_entropy_backend(hidden, weight) == "reference"
         else _chunk_step_kernel
     )
-    grads = grad_hidden or grad_weight
     count = (target != ignore_index).sum().float() if reduction == "mean" else None
     g = torch.ones((), dtype=torch.float32, device=hidden.device)
-    w = _padded_weight(weight, dtype)  # [padded vocabulary, H]: its extra rows are zeros
-    padded = w.shape[0]
-    rows_per_chunk = chunk_rows(n, padded, dtype)
-    buffer = torch.empty((rows_per_chunk, padded), dtype=dtype, device=hidden.device)
+    rows_per_chunk = chunk_rows(n, weight.shape[0] + -weight.shape[0] % PAD_MULTIPLE, dtype)
+    head = _Head(weight, bias, dtype, grad_weight, grad_bias, chunked=rows_per_chunk < n)
+    buffer = hidden.new_empty((rows_per_chunk, head.w.shape[0]), dtype=dtype)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
-    one_chunk = rows_per_chunk >= n
     dw = weight.new_empty(0)
-    if grad_weight and not one_chunk:
-        dw = torch.zeros(w.shape, dtype=torch.float32, device=weight.device)
     for start in range(0, n, rows_per_chunk):
         stop = min(n, start + rows_per_chunk)
         h = hidden[start:stop].to(dtype)
-        logits = torch.mm(h, w.t(), out=buffer[: stop - start])
-        # the loss and its gradient over the real classes; the padding columns stay 0 (h @ a zero row) and
-        # meet only zero rows of w below, or the padding rows of dw that are cut off
-        losses[start:stop] = step(logits[:, :vocab], target[start:stop], ignore_index, grads, count, g)
-        if grad_hidden and dh.dtype == dtype:  # written in place: no product's copy to move
-            torch.mm(logits, w, out=dh[start:stop])
-        elif grad_hidden:
-            dh[start:stop] = torch.mm(logits, w)
-        if grad_weight and one_chunk:
+        logits = head.logits(h, buffer[: stop - start])
+        # the loss and its gradient over the real classes; the padding columns' values meet only zero rows of w
+        # below, or the padding rows of dw and db that are cut off
+        grads = grad_hidden or grad_weight or grad_bias
+        losses[start:stop] = step(logits[:, : head.vocab], target[start:stop], ignore_index, grads, count, g)
+        _chunk_gradients(head, logits, h, dh[start:stop] if grad_hidden else None, grad_weight)
+        if grad_weight and head.dw is None:  # one chunk: its product is the gradient
             dw = torch.mm(logits.t(), h)
-        elif grad_weight:
-            _accumulate(dw, logits.t(), h)
     loss = losses.sum()
     if count is not None:
         loss = loss / count
-    return loss, dh, _cut(dw, vocab, weight.dtype) if grad_weight else dw
+    dw = _cut(dw if head.dw is None else head.dw, head.vocab, weight.dtype) if grad_weight else dw
+    db = _cut(head.db, head.vocab, bias.dtype) if grad_bias else weight.new_empty(0)
+    return loss, dh, dw, db
+
+
+def _chunk_gradients(head: _Head, dlogits, h, dh, grad_weight: bool) -> None:
+    """The chunk's shares of the gradients, from its logits' gradient (written over the logits)."""
+    if dh is not None and dh.dtype == dlogits.dtype:  # written in place: no product's copy to move
+        torch.mm(dlogits, head.w, out=dh)
+    elif dh is not None:
+        dh.copy_(torch.mm(dlogits, head.w))
+    if grad_weight and head.dw is not None:
+        _accumulate(head.dw, dlogits.t(), h)
+    if head.db is not None:
+        head.db += dlogits.sum(0, dtype=torch.float32)
 
 
 def _accumulate(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -186,37 +213,42 @@ def _cut(dw: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
 
 @torch.library.custom_op("opadvisor::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str,
-    dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(loss, its gradient w.r.t. hidden or empty, w.r.t. weight or empty). `dtype`, the logits' compute
-    dtype, is decided where the call is traced (autocast is off where a compiled graph runs the op)."""
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    ignore_index: int, reduction: str, dtype: torch.dtype, grad_hidden: bool, grad_weight: bool,
+    grad_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(loss, its gradient w.r.t. hidden, weight and bias, each empty where not asked for). `dtype`, the
+    logits' compute dtype, is decided where the call is traced (autocast is off where a compiled graph runs
+    the op)."""
     with torch.autocast(hidden.device.type, enabled=False):
-        return _run(hidden, weight, target, ignore_index, reduction, dtype, grad_hidden, grad_weight)
+        return _run(hidden, weight, bias, target, ignore_index, reduction, dtype, grad_hidden, grad_weight,
+                    grad_bias)  # fmt: skip
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, target, ignore_index, reduction, dtype, grad_hidden, grad_weight):
+def _(hidden, weight, bias, target, ignore_index, reduction, dtype, grad_hidden, grad_weight, grad_bias):
     loss = hidden.new_empty((), dtype=torch.float32)
     dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     dw = torch.empty_like(weight) if grad_weight else weight.new_empty(0)
-    return loss, dh, dw
+    db = torch.empty_like(bias) if grad_bias else weight.new_empty(0)
+    return loss, dh, dw, db
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(output[1], output[2])
-    ctx.grads = inputs[6], inputs[7]
+    ctx.save_for_backward(*output[1:])
+    ctx.grads = inputs[7:10]
 
 
-def _op_backward(ctx, dloss, _ddh, _ddw):
-    dh, dw = ctx.saved_tensors
-    grad_hidden, grad_weight = ctx.grads
+def _op_backward(ctx, dloss, _ddh, _ddw, _ddb):
     # In place: the gradients are this op's own buffers, read by this backward only (a second backward through
     # the same graph fails on their version counters rather than reading scaled values); out of place the
     # weight's gradient would be allocated twice at the start of the model's backward (1 GiB at Llama-3's head).
-    gh = dh.mul_(dloss.to(dh.dtype)) if grad_hidden else None
-    gw = dw.mul_(dloss.to(dw.dtype)) if grad_weight else None
-    return gh, gw, None, None, None, None, None, None
+    grads = [
+        t.mul_(dloss.to(t.dtype)) if asked else None
+        for t, asked in zip(ctx.saved_tensors, ctx.grads, strict=True)
+    ]
+    dh, dw, db = grads
+    return dh, dw, db, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd(linear_cross_entropy_op, _op_backward, setup_context=_setup_context)
@@ -224,10 +256,10 @@ torch.library.register_autograd(linear_cross_entropy_op, _op_backward, setup_con
 
 def linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: str = "mean", bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=..., reduction=...)` (float32
-    loss) without the whole logits: hidden [..., H], weight [V, H] (an LM head without bias), target [...]
+    """`F.cross_entropy(F.linear(hidden, weight, bias).float(), target, ignore_index=..., reduction=...)`
+    (float32 loss) without the whole logits: hidden [..., H], weight [V, H], bias [V] or None, target [...]
     class indices (int64 / int32); reduction "mean" (over the rows not ignored) or "sum"."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, not {reduction!r}")
@@ -241,9 +273,7 @@ def linear_cross_entropy(
     else:
         _dispatch.record(OP, _dispatch.KERNEL)
     grad = torch.is_grad_enabled()
-    grad_hidden, grad_weight = grad and hidden.requires_grad, grad and weight.requires_grad
+    asked = [grad and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     dtype = compute_dtype(hidden, weight)
-    loss, _, _ = linear_cross_entropy_op(
-        h, weight, t, ignore_index, reduction, dtype, grad_hidden, grad_weight
-    )
+    loss, *_ = linear_cross_entropy_op(h, weight, bias, t, ignore_index, reduction, dtype, *asked)
     return loss

@@ -293,6 +293,16 @@ FIXES: tuple[LibraryFix, ...] = (
         "copies; -100 labels ignored as before)",
     ),
     LibraryFix(
+        "hf_mlm_linear_cross_entropy",
+        "patch",
+        ("transformers.models.bert.modeling_bert.BertForMaskedLM",),
+        ("fused_cross_entropy",),
+        "unsafe",
+        "in training with labels, the masked-LM head's decoder (its matrix product and bias) and its loss as one "
+        "opadvisor.kernels.linear_cross_entropy, chunked over tokens: the [tokens, vocabulary] logits are never "
+        "held whole; unsafe: the output's logits are None then",
+    ),
+    LibraryFix(
         "hf_linear_cross_entropy",
         "patch",
         ("transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel", *llama_family_classes("ForCausalLM")),

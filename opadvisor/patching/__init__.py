@@ -22,7 +22,9 @@ answers are listed in `opadvisor/libraries.py` (the same table `opadvisor sugges
 - the LM heads' loss (BertForMaskedLM's masked-LM loss, GPT2LMHeadModel's ForCausalLMLoss): the model's
   forward runs as written with labels=None, then the loss it would have computed from those logits is
   `opadvisor.kernels.cross_entropy` over the 16-bit logits where they lie (no float32 copy of the
-  [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept);
+  [tokens, vocabulary] logits; -100 labels ignored, num_items_in_batch kept); with unsafe=True, in training
+  with labels, BertForMaskedLM's decoder (product and bias) and its loss as one
+  `opadvisor.kernels.linear_cross_entropy` (hf_mlm_linear_cross_entropy: logits None);
 - the Llama family (Llama, Mistral, Qwen2/3 and the classes `opadvisor.libraries.llama_family_classes`
   lists): RMSNorm as `opadvisor.kernels.rms_norm` (one Triton kernel each way), the SwiGLU MLP's
   `act(gate(x)) * up(x)` as `opadvisor.kernels.silu_mul`, Llama's attention with its rotary embedding as

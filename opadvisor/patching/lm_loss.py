@@ -85,6 +85,53 @@ def _bert_mlm(module: nn.Module, state: _State, *args, **kwargs):
     return _with_loss(out, loss)
 
 
+# -- BertForMaskedLM's decoder and its loss as one kernel (hf_mlm_linear_cross_entropy, unsafe) ----------------
+def _check_mlm_linear_cross_entropy(module: nn.Module) -> str | None:
+    problem = _check_bert_mlm(module)
+    head = getattr(module, "cls", None)
+    predictions = getattr(head, "predictions", None)
+    decoder = getattr(predictions, "decoder", None)
+    if problem is None and type(decoder) is not nn.Linear:
+        problem = f"its MLM decoder is a {type(decoder).__name__}, not nn.Linear (wrapped or replaced)"
+    if problem is None and decoder.bias is None:
+        problem = "its MLM decoder has no bias"
+    if problem is None and type(head).forward is not _original_forward(head, "BertOnlyMLMHead"):
+        problem = "its MLM head's forward was replaced"
+    parts = (head, predictions, predictions.transform, decoder, module.bert) if problem is None else ()
+    return problem or _no_hooks(*parts)
+
+
+def _original_forward(module: nn.Module, name: str) -> Any:
+    """The forward of the class `name` of the module's own transformers module (None where it has none)."""
+    cls = getattr(sys.modules[type(module).__module__], name, None)
+    return getattr(cls, "forward", None)
+
+
+def _mlm_linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs):
+    """In training with labels: the encoder and the head's transform, then the decoder + loss fused, logits None;
+    otherwise the original forward."""
+    from opadvisor.kernels import linear_cross_entropy
+
+    arguments = _arguments(module, args, kwargs)
+    labels = arguments.pop("labels", None)
+    if labels is None or not (module.training and torch.is_grad_enabled()):
+        return state.original(*args, **kwargs)
+    return_dict = arguments.pop("return_dict", None)
+    input_ids = arguments.pop("input_ids", None)
+    outputs = module.bert(input_ids, **arguments, return_dict=True)
+    predictions = module.cls.predictions
+    hidden = predictions.transform(outputs[0])
+    decoder = predictions.decoder
+    loss = linear_cross_entropy(hidden, decoder.weight, labels.to(hidden.device), bias=decoder.bias)
+    output_cls = sys.modules[type(module).__module__].MaskedLMOutput
+    out = output_cls(
+        loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+    )
+    if return_dict is None:
+        return_dict = getattr(module.config, "return_dict", True)
+    return out if return_dict else out.to_tuple()
+
+
 def _causal_lm(module: nn.Module, state: _State, *args, **kwargs):
     args, kwargs, labels = _labels_out(module, args, kwargs)
     out = state.original(*args, **kwargs)

@@ -27,7 +27,9 @@ from .lm_loss import (
     _check_bert_mlm,
     _check_causal_lm,
     _check_linear_cross_entropy,
+    _check_mlm_linear_cross_entropy,
     _linear_cross_entropy,
+    _mlm_linear_cross_entropy,
 )
 from .shared import _first, _first_tensor, _Patcher
 from .torch_nn import (
@@ -56,6 +58,7 @@ PATCHERS: tuple[_Patcher, ...] = (
     _p("transformer_encoder_layer", _check_encoder_layer, _encoder_layer),
     _p("mha_weights_off", _check_mha, _mha_weights_off, _first),
     _p("padded_linear", _check_linear, _padded_linear),
+    _p("hf_mlm_linear_cross_entropy", _check_mlm_linear_cross_entropy, _mlm_linear_cross_entropy, _first),
     _p("hf_mlm_loss", _check_bert_mlm, _bert_mlm, _first),
     _p("hf_linear_cross_entropy", _check_linear_cross_entropy, _linear_cross_entropy, _first),
     _p("hf_causal_lm_loss", _check_causal_lm, _causal_lm, _first),

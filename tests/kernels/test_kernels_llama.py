@@ -172,15 +172,38 @@ def test_linear_cross_entropy_multiplies_on_a_vocabulary_padded_to_eight(monkeyp
     assert gw.shape == weight.shape and gw.is_contiguous()
 
 
+@pytest.mark.parametrize("chunk_rows", [100, 4])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_linear_cross_entropy_with_a_bias_is_the_heads_loss(chunk_rows, autocast, monkeypatch) -> None:
+    """A head with a bias (BERT's MLM decoder): the loss and the gradients of hidden, weight and bias, in one
+    chunk and in several."""
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", chunk_rows * 40 * (2 if autocast else 4))
+    hidden, weight, target = _lce_case(2)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(3))
+
+    def run(fn):
+        def call(h, w, b):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                return fn(h, w, target, bias=b)
+
+        return _grads(call, hidden, weight, bias)
+
+    got, (gh, gw, gb) = run(linear_cross_entropy)
+    want, (wh, ww, wb) = run(reference_linear_cross_entropy)
+    tol = TOL[torch.bfloat16 if autocast else torch.float32]
+    assert rel_err(got, want) <= 1e-5 and rel_err(gh, wh) <= tol and rel_err(gw, ww) <= tol
+    assert rel_err(gb, wb) <= tol and gb.shape == bias.shape and gb.dtype == bias.dtype
+
+
 def test_linear_cross_entropy_without_grad_computes_the_loss_only(monkeypatch) -> None:
     calls = []
     op = lce.linear_cross_entropy_op
-    monkeypatch.setattr(lce, "linear_cross_entropy_op", lambda *a: calls.append(a[-2:]) or op(*a))
+    monkeypatch.setattr(lce, "linear_cross_entropy_op", lambda *a: calls.append(a[-3:]) or op(*a))
     hidden, weight, target = _lce_case()
     with torch.no_grad():
         loss = linear_cross_entropy(hidden, weight, target)
     torch.testing.assert_close(loss, reference_linear_cross_entropy(hidden, weight, target))
-    assert calls == [(False, False)]  # no gradient computed in the forward
+    assert calls == [(False, False, False)]  # no gradient computed in the forward
 
 
 def test_linear_cross_entropy_reference_path_matches_too(monkeypatch) -> None:
@@ -204,8 +227,10 @@ def test_the_custom_ops_pass_opcheck() -> None:
     x, cos, sin = _rope_case(torch.float32, torch.float32, 1)
     torch.library.opcheck(rope.rope_fwd_op, (x.detach().requires_grad_(), cos, sin), test_utils=checks)
     hidden, weight, target = _lce_case()
-    args = (hidden.view(-1, 16).requires_grad_(), weight.requires_grad_(), target.view(-1), -100, "mean")
-    torch.library.opcheck(lce.linear_cross_entropy_op, (*args, torch.float32, True, True), test_utils=checks)
+    h, w = hidden.view(-1, 16).requires_grad_(), weight.requires_grad_()
+    for bias in (None, torch.randn(37, requires_grad=True)):
+        args = (h, w, bias, target.view(-1), -100, "mean", torch.float32, True, True, bias is not None)
+        torch.library.opcheck(lce.linear_cross_entropy_op, args, test_utils=checks)
 
 
 def test_compiled_with_fullgraph_the_ops_are_one_node_each(monkeypatch) -> None:
@@ -289,6 +314,30 @@ def test_linear_cross_entropy_on_cuda_chunked_under_autocast(monkeypatch) -> Non
     assert rel_err(got, want) <= 1e-4 and rel_err(gh, wh) <= 2e-2 and rel_err(gw, ww) <= 2e-2
     # eager holds the [3072, 32000] logits in bf16 and float32 and their gradients; here one chunk at a time
     assert peak < 0.6 * eager_peak, (peak, eager_peak)
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_on_cuda_at_berts_odd_vocabulary_with_a_bias(monkeypatch) -> None:
+    """BERT's MLM decoder: 30522 classes (padded to 30528 inside), a bias, 3 chunks under autocast."""
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", 1100 * 30528 * 2)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4, 768, 768, device="cuda", generator=g)
+    weight = torch.randn(30522, 768, device="cuda", generator=g) * 0.02
+    bias = torch.randn(30522, device="cuda", generator=g) * 0.1
+    target = torch.randint(0, 30522, (4, 768), device="cuda", generator=g)
+    target[:, ::7] = -100
+
+    def run(fn):
+        def call(h, w, b):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return fn(h, w, target, bias=b)
+
+        return _grads(call, hidden, weight, bias)
+
+    got, (gh, gw, gb) = run(linear_cross_entropy)
+    want, (wh, ww, wb) = run(reference_linear_cross_entropy)
+    assert rel_err(got, want) <= 1e-4 and rel_err(gh, wh) <= 2e-2 and rel_err(gw, ww) <= 2e-2
+    assert rel_err(gb, wb) <= 2e-2
 
 
 @pytest.mark.gpu

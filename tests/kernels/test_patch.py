@@ -163,6 +163,37 @@ def test_gpt2_head_and_loss_fused_keep_loss_gradients_and_the_tied_weight(kernel
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
 
 
+def test_bert_decoder_and_loss_fused_keep_loss_and_gradients(kernel_path) -> None:
+    """unsafe=True: BertForMaskedLM's decoder (matrix product and bias) and loss as one linear_cross_entropy
+    (hf_mlm_linear_cross_entropy) in training with labels: the original's loss and gradients (the decoder's
+    weight tied to the word embeddings, its bias), logits None, a tuple where return_dict=False; without labels,
+    or in eval, the logits as the original's."""
+    original = tiny_bert(attn="sdpa")
+    patched = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    fixes = {fix for _, _, fix in opadvisor.patch_report(patched).patched}
+    assert "hf_mlm_linear_cross_entropy" in fixes and "hf_mlm_loss" not in fixes
+    outs = []
+    for model in (original, patched):
+        out = model(**batch())
+        out.loss.backward()
+        outs.append(({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, out))
+    (want, want_out), (got, got_out) = outs
+    assert got_out.logits is None and type(got_out) is type(want_out)
+    torch.testing.assert_close(got_out.loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    assert got.keys() == want.keys()
+    assert (
+        patched.cls.predictions.decoder.bias.grad is not None
+    )  # the decoder's bias (tied: cls.predictions.bias)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+    loss, *_ = patched(**batch(), return_dict=False)
+    torch.testing.assert_close(loss, want_out.loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        ids = batch()["input_ids"]
+        torch.testing.assert_close(patched(input_ids=ids).logits, original(input_ids=ids).logits)
+    assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
+
+
 def _cache_name(cls: type) -> str:
     """The name the installed transformers gives the KV cache argument (5.24 renamed it)."""
     import inspect
@@ -325,6 +356,7 @@ def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:
                     ("fixed_cross_entropy", fixed_cross_entropy, None),
                 ],
                 # the Llama family's: tests/kernels/test_patch_llama.py
+                "hf_mlm_linear_cross_entropy": [("BertForMaskedLM.forward", cls.forward, None)],
                 "hf_linear_cross_entropy": [
                     ("GPT2LMHeadModel.forward", cls.forward, None)
                     if name == "GPT2LMHeadModel"

@@ -149,13 +149,13 @@ def _run(
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
     dh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     dw = weight.new_empty(0)
+    grads = grad_hidden or grad_weight or grad_bias
     for start in range(0, n, rows_per_chunk):
         stop = min(n, start + rows_per_chunk)
         h = hidden[start:stop].to(dtype)
         logits = head.logits(h, buffer[: stop - start])
         # the loss and its gradient over the real classes; the padding columns' values meet only zero rows of w
         # below, or the padding rows of dw and db that are cut off
-        grads = grad_hidden or grad_weight or grad_bias
         losses[start:stop] = step(logits[:, : head.vocab], target[start:stop], ignore_index, grads, count, g)
         _chunk_gradients(head, logits, h, dh[start:stop] if grad_hidden else None, grad_weight)
         if grad_weight and head.dw is None:  # one chunk: its product is the gradient

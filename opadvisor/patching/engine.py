@@ -135,15 +135,22 @@ def _patch_one(
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return
     usable = [p for p in candidates if p in patchers]
+    refused: str | None = None  # the first refusal's reason: reported, whether a later fix takes the module or not
     for patcher in usable:
         reason = patcher.check(module)
         if reason is None:
             _install(module, path, patcher, check, report)
             report.patched.append((path, qualified, patcher.fix.name))
+            if refused is not None:
+                report.left.append((path, qualified, f"{refused} ({patcher.fix.name} patched it instead)"))
             return
-        if reason != _NOTHING_TO_GAIN:
-            report.left.append((path, qualified, reason))
-            return
+        if reason != _NOTHING_TO_GAIN and refused is None:
+            # the next fix in the order of preference may still apply (an unsafe fused LM head refused: the safe
+            # loss patch)
+            refused = f"{patcher.fix.name}: {reason}" if len(usable) > 1 else reason
+    if refused is not None:
+        report.left.append((path, qualified, refused))
+        return
     if candidates and not usable and asked:
         names = ", ".join(p.fix.name for p in candidates)
         report.left.append(

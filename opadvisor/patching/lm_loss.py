@@ -95,8 +95,9 @@ def _check_mlm_linear_cross_entropy(module: nn.Module) -> str | None:
         problem = f"its MLM decoder is a {type(decoder).__name__}, not nn.Linear (wrapped or replaced)"
     if problem is None and decoder.bias is None:
         problem = "its MLM decoder has no bias"
-    if problem is None and type(head).forward is not _original_forward(head, "BertOnlyMLMHead"):
-        problem = "its MLM head's forward was replaced"
+    for part, name in ((head, "BertOnlyMLMHead"), (predictions, "BertLMPredictionHead")):
+        if problem is None and type(part).forward is not _original_forward(part, name):
+            problem = f"its {type(part).__name__}'s forward is not transformers' {name}.forward"
     parts = (head, predictions, predictions.transform, decoder, module.bert) if problem is None else ()
     return problem or _no_hooks(*parts)
 

@@ -194,6 +194,25 @@ def test_bert_decoder_and_loss_fused_keep_loss_and_gradients(kernel_path) -> Non
     assert losses(patched) == pytest.approx(losses(original), rel=1e-4, abs=1e-5)
 
 
+def test_bert_decoder_fusion_refuses_a_replaced_head_and_keeps_the_loss_patch() -> None:
+    """A decoder that is not a plain nn.Linear (a subclass a user wrote): the fused decoder is refused with the
+    reason, and the next fix in the order of preference, the safe loss patch, takes the model (it reads the
+    logits the decoder computed)."""
+
+    class ScaledDecoder(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+
+    model = tiny_bert(attn="sdpa")
+    old = model.cls.predictions.decoder
+    model.cls.predictions.decoder = ScaledDecoder(old.in_features, old.out_features)
+    opadvisor.patch(model, unsafe=True, quiet=True)
+    report = opadvisor.patch_report(model)
+    assert "hf_mlm_loss" in {fix for _, _, fix in report.patched}
+    reasons = [reason for _, _, reason in report.left]
+    assert any("ScaledDecoder, not nn.Linear" in r and "hf_mlm_loss patched it instead" in r for r in reasons)
+
+
 def _cache_name(cls: type) -> str:
     """The name the installed transformers gives the KV cache argument (5.24 renamed it)."""
     import inspect

@@ -116,6 +116,24 @@ def test_fused_head_keeps_num_items_in_batch_ignored_labels_and_tuples(reference
     torch.testing.assert_close(loss, original(**kwargs).loss, rtol=1e-5, atol=1e-6)
 
 
+def test_a_refused_fused_head_leaves_the_model_to_the_safe_loss_patch(reference_path) -> None:
+    """unsafe=True with a hook on the decoder (the fused head would skip it): hf_linear_cross_entropy is refused
+    with its reason, and the next fix in the order of preference, hf_causal_lm_loss, patches the model."""
+    original = tiny()
+    model = copy.deepcopy(original)
+    seen = []
+    model.model.register_forward_hook(lambda m, a, out: seen.append(1))
+    opadvisor.patch(model, rules=["fused_cross_entropy"], unsafe=True, quiet=True)
+    report = opadvisor.patch_report(model)
+    assert fixes(model) == {"hf_causal_lm_loss"}
+    reasons = [reason for _, _, reason in report.left]
+    assert any(r.startswith("hf_linear_cross_entropy: its LlamaModel has hooks") for r in reasons), reasons
+    torch.testing.assert_close(
+        model(input_ids=ids(), labels=ids()).loss, original(input_ids=ids(), labels=ids()).loss
+    )
+    assert seen  # the hook ran
+
+
 def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> None:
     model = opadvisor.patch(tiny(), unsafe=True, quiet=True)
     with warnings.catch_warnings():

@@ -135,7 +135,9 @@ def _patch_one(
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return
     usable = [p for p in candidates if p in patchers]
-    refused: str | None = None  # the first refusal's reason: reported, whether a later fix takes the module or not
+    refused: str | None = (
+        None  # the first refusal's reason: reported, whether a later fix takes the module or not
+    )
     for patcher in usable:
         reason = patcher.check(module)
         if reason is None:

@@ -1,6 +1,7 @@
 """The patchers, one line each: the fix (opadvisor/libraries.py), its check, its replacement forward and, where
 the forward returns more than a tensor, what the first-call check compares. The order is the order of
-preference where two fixes know one class. The engine reads `PATCHERS` at each call (the tests swap it)."""
+preference where two fixes know one class: a refused fix (its reason reported) leaves the module to
+the next one. The engine reads `PATCHERS` at each call (the tests swap it)."""
 
 from __future__ import annotations
 

@@ -135,9 +135,8 @@ def _patch_one(
         report.left.append((path, qualified, f"already patched ({module.__dict__[STATE].fix})"))
         return
     usable = [p for p in candidates if p in patchers]
-    refused: str | None = (
-        None  # the first refusal's reason: reported, whether a later fix takes the module or not
-    )
+    # the first refusal's reason: reported whether a later fix takes the module or not
+    refused: str | None = None
     for patcher in usable:
         reason = patcher.check(module)
         if reason is None:

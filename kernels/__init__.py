@@ -16,8 +16,8 @@
   ``silu_mul_linear(g, u, weight)``: the down projection of it, whose backward computes it again.
 - ``rms_norm(x, weight, eps)``: transformers' RMSNorm (LlamaRMSNorm and its copies), one kernel each way.
 - ``rotary_embedding(x, cos, sin)``: transformers' rotary embedding of q or k, one kernel each way.
-- ``linear_cross_entropy(hidden, weight, target, ...)``: an LM head's matrix product and cross-entropy,
-  chunked over tokens: never the whole [tokens, vocabulary] logits, never in float32.
+- ``linear_cross_entropy(hidden, weight, target, ..., bias=None)``: an LM head's matrix product (and bias) and
+  cross-entropy, chunked over tokens: never the whole [tokens, vocabulary] logits, never in float32.
 - ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
 - ``autocast_shared(x, n)``: one autocast-dtype copy of ``x`` for ``n`` linear layers that read it (in place of
   the ``n`` copies autocast makes and keeps for backward), gradients summed in float32 as eager does.

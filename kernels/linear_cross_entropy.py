@@ -12,6 +12,10 @@ gradients are computed in the forward, when autograd will want them (grad enable
 grad), and the backward only scales them by the loss's upstream gradient. Peak memory for the head: one
 chunk's logits, plus the weight's float32 gradient.
 
+A head with a bias (BERT's MLM decoder) adds it in the chunk's product (addmm) and sums the chunk's logit
+gradients into its float32 gradient. The vocabulary is padded to PAD_MULTIPLE with zero rows inside (aligned
+products; the padding columns never reach the loss or a gradient).
+
 Values: the loss is F.cross_entropy's on the float32 logits (as `ForCausalLMLoss` computes it) from the
 compute-dtype logits; the gradients are the eager chain's up to the order of summation over chunks (the
 weight's is summed in float32 and rounded once to its dtype).

@@ -147,7 +147,7 @@ def _run(
     )
     count = (target != ignore_index).sum().float() if reduction == "mean" else None
     g = torch.ones((), dtype=torch.float32, device=hidden.device)
-    rows_per_chunk = chunk_rows(n, weight.shape[0] + -weight.shape[0] % PAD_MULTIPLE, dtype)
+    rows_per_chunk = chunk_rows(n, _padded_size(weight.shape[0]), dtype)
     head = _Head(weight, bias, dtype, grad_weight, grad_bias, chunked=rows_per_chunk < n)
     buffer = hidden.new_empty((rows_per_chunk, head.w.shape[0]), dtype=dtype)
     losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -202,17 +202,22 @@ _HAS_ADDMM_DTYPE_OUT = hasattr(torch.ops.aten.addmm, "dtype_out")
 PAD_MULTIPLE = 8
 
 
+def _padded_size(vocab: int) -> int:
+    return vocab + -vocab % PAD_MULTIPLE
+
+
 def _padded_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     w = weight.to(dtype)
-    pad = -w.shape[0] % PAD_MULTIPLE
+    pad = _padded_size(w.shape[0]) - w.shape[0]
     return F.pad(w, (0, 0, 0, pad)) if pad else w
 
 
-def _cut(dw: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-    """The weight's gradient: the padded one's real rows, in the weight's dtype, a tensor of its own."""
-    if dw.shape[0] == vocab:
-        return dw.to(dtype)
-    return dw[:vocab].to(dtype, copy=True)
+def _cut(grad: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's (or bias's) gradient: the padded one's real rows, in the parameter's dtype, a tensor of its
+    own."""
+    if grad.shape[0] == vocab:
+        return grad.to(dtype)
+    return grad[:vocab].to(dtype, copy=True)
 
 
 @torch.library.custom_op("opadvisor::linear_cross_entropy", mutates_args=())
@@ -247,12 +252,11 @@ def _op_backward(ctx, dloss, _ddh, _ddw, _ddb):
     # In place: the gradients are this op's own buffers, read by this backward only (a second backward through
     # the same graph fails on their version counters rather than reading scaled values); out of place the
     # weight's gradient would be allocated twice at the start of the model's backward (1 GiB at Llama-3's head).
-    grads = [
+    grads = (
         t.mul_(dloss.to(t.dtype)) if asked else None
         for t, asked in zip(ctx.saved_tensors, ctx.grads, strict=True)
-    ]
-    dh, dw, db = grads
-    return dh, dw, db, None, None, None, None, None, None, None
+    )
+    return (*grads, None, None, None, None, None, None, None)  # hidden, weight, bias; none for the rest
 
 
 torch.library.register_autograd(linear_cross_entropy_op, _op_backward, setup_context=_setup_context)

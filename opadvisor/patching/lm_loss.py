@@ -16,7 +16,7 @@ from opadvisor.libraries import deberta_v2_class, llama_family_classes
 
 from .arguments import _arguments, _named_parameters
 from .fingerprint import _fingerprint_problem
-from .shared import _no_hooks, _qualified, _State
+from .shared import _no_hooks, _qualified, _State, _types
 
 
 # -- LM heads' loss (BertForMaskedLM, GPT2LMHeadModel) -------------------------------------------------------
@@ -91,14 +91,13 @@ def _check_mlm_linear_cross_entropy(module: nn.Module) -> str | None:
     head = getattr(module, "cls", None)
     predictions = getattr(head, "predictions", None)
     decoder = getattr(predictions, "decoder", None)
-    if problem is None and type(decoder) is not nn.Linear:
-        problem = f"its MLM decoder is a {type(decoder).__name__}, not nn.Linear (wrapped or replaced)"
+    problem = problem or _types(predictions, {"decoder": nn.Linear})
     if problem is None and decoder.bias is None:
         problem = "its MLM decoder has no bias"
     for part, name in ((head, "BertOnlyMLMHead"), (predictions, "BertLMPredictionHead")):
         if problem is None and type(part).forward is not _original_forward(part, name):
             problem = f"its {type(part).__name__}'s forward is not transformers' {name}.forward"
-    parts = (head, predictions, predictions.transform, decoder, module.bert) if problem is None else ()
+    parts = (head, predictions, predictions.transform, module.bert) if problem is None else ()
     return problem or _no_hooks(*parts)
 
 
@@ -128,6 +127,12 @@ def _mlm_linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs)
     out = output_cls(
         loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
     )
+    return _as_returned(module, out, return_dict)
+
+
+def _as_returned(module: nn.Module, out: Any, return_dict: bool | None) -> Any:
+    """A replacement forward's output object as the original returns it: itself, or a tuple where
+    return_dict is False (or the config's return_dict is, where the call did not say)."""
     if return_dict is None:
         return_dict = getattr(module.config, "return_dict", True)
     return out if return_dict else out.to_tuple()
@@ -213,9 +218,7 @@ def _linear_cross_entropy(module: nn.Module, state: _State, *args, **kwargs):
     loss = _fused_causal_lm_loss(outputs.last_hidden_state, module.lm_head.weight, labels, **extra)
     rest = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
     out = _output_class(module)(loss=loss, logits=None, **rest)
-    if return_dict is None:
-        return_dict = getattr(module.config, "return_dict", True)
-    return out if return_dict else out.to_tuple()
+    return _as_returned(module, out, return_dict)
 
 
 def _fused_causal_lm_loss(

@@ -217,10 +217,12 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     batch = args.batch or (2 if args.tiny else spec["batch"])
     model, config = build(args.model, args.tiny, args.device, args.attn)
     result: dict[str, Any] = {"program": args.program, "seq": seq, "batch": batch}
+    settings = apply_settings(args.set)
     try:
         model, notes = apply_program(model, args.program, args.model)
     except SkipProgram as exc:
         return {**result, "status": "skipped", "reason": str(exc)}
+    notes = settings + notes
     # opadvisor's programs construct AdamW as `opadvisor apply` rewrites the script's plain AdamW(...) (the
     # fused_optimizer finding's safe fix); the others keep the script's optimizer as written
     fused = args.program.startswith("opadvisor") and args.device.startswith("cuda")
@@ -328,7 +330,27 @@ def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str
     for flag in ("seq", "batch", "attn", "kernels"):
         if getattr(args, flag):
             command += [f"--{flag}", str(getattr(args, flag))]
+    for setting in args.set:
+        command += ["--set", setting]
     return command
+
+
+def apply_settings(settings: list[str]) -> list[str]:
+    """Set each "module.NAME=value" of opadvisor.kernels (a dispatch switch such as
+    relpos.COMPILE_PATH=native) before the model is built; the notes that say so."""
+    import importlib
+
+    notes = []
+    for setting in settings:
+        target, _, value = setting.partition("=")
+        module_name, _, name = target.rpartition(".")
+        module = importlib.import_module(f"opadvisor.kernels.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"--set {setting}: opadvisor.kernels.{module_name} has no {name}")
+        old = getattr(module, name)
+        setattr(module, name, type(old)(value) if not isinstance(old, bool) else value == "True")
+        notes.append(f"opadvisor.kernels.{target} = {value!r} (was {old!r})")
+    return notes
 
 
 def run_program(args: argparse.Namespace, program: str, out_dir: Path, round_: int) -> dict[str, Any]:
@@ -525,6 +547,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds after which no further round starts (first rounds always run)",
     )
     parser.add_argument("--tag", default="", help="a suffix of the results file (peers_<model>_<tag>.json)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a switch of opadvisor.kernels in every program's process (e.g. relpos.COMPILE_PATH=native)",
+    )
     parser.add_argument(
         "--compile-backend", default=None, help="torch.compile's backend (inductor; tiny: aot_eager)"
     )

@@ -13,7 +13,13 @@ Eagerly that is a gather, a division and an add per term forward (each a pass ov
 backward a zero fill and an atomic scatter-add into the 16-bit gradient per gather. The kernels read
 the two [N, S, 2k] score tables and write the sum once; backward scatter-adds the gradient into float32
 buffers once and casts them. `reference_disentangled_bias` is that chain in PyTorch: what runs on CPU
-(without Triton's interpreter), for small CUDA tensors and under torch.compile, and the tests' oracle.
+(without Triton's interpreter), for small CUDA tensors and the tests' oracle.
+
+Under torch.compile (COMPILE_PATH): "custom_op" (the default) traces the custom ops
+`opadvisor::disentangled_bias_fwd` / `_bwd`, the kernels as one node each way; "backward_op" traces the chain
+forward (inductor fuses the gathers into the scores' sum and mask) and the backward kernel; "native" traces
+the chain both ways. Inductor's backward of the chain is a scatter-add per gather with 16-bit atomics:
+12.8 ms a step at DeBERTa-v3-base's shape (batch 8, sequence 512, 12 layers; H200) against the kernel's 4.1.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ BLOCK = 512
 # masked_softmax measured for the same autograd.Function host cost.
 SMALL_NUMEL = 1 << 22
 OP = "disentangled_bias"  # its name in the dispatch record and in warnings
+COMPILE_PATHS = ("custom_op", "backward_op", "native")
+COMPILE_PATH = "custom_op"  # under torch.compile; see the module doc
 
 
 def disentangled_bias_backend(table: torch.Tensor) -> str:
@@ -109,10 +117,15 @@ def _i64(n, sq, sk, tables) -> bool:
     )
 
 
+def _out_dtype(c2p, p2c) -> torch.dtype:
+    if c2p is None or p2c is None:
+        return (c2p if c2p is not None else p2c).dtype
+    return torch.promote_types(c2p.dtype, p2c.dtype)
+
+
 def _forward(c2p, p2c, ci, pi, scale, n, sq, sk) -> torch.Tensor:
     first = c2p if c2p is not None else p2c
-    dtype = first.dtype if c2p is None or p2c is None else torch.promote_types(c2p.dtype, p2c.dtype)
-    out = torch.empty((n, sq, sk), dtype=dtype, device=first.device)
+    out = torch.empty((n, sq, sk), dtype=_out_dtype(c2p, p2c), device=first.device)
     if out.numel() == 0:
         return out
     _backend.check_launch(first)
@@ -178,6 +191,104 @@ class DisentangledBiasFunction(torch.autograd.Function):
         return dc2p, dp2c, None, None, None, None, None, None
 
 
+def _sizes(c2p, p2c, ci, pi) -> tuple[int, int, int]:
+    """(N, Sq, Sk) of checked tables and 2-D indices."""
+    if c2p is not None:
+        return c2p.shape[0], c2p.shape[1], ci.shape[1]
+    return p2c.shape[0], pi.shape[1], p2c.shape[1]
+
+
+def _absent(g: torch.Tensor) -> torch.Tensor:
+    """The custom op's stand-in for the gradient of an absent table (ops cannot return None)."""
+    return g.new_empty((0,))
+
+
+@torch.library.custom_op("opadvisor::disentangled_bias_fwd", mutates_args=())
+def disentangled_bias_fwd_op(
+    c2p: torch.Tensor | None, p2c: torch.Tensor | None, ci: torch.Tensor | None, pi: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """The forward kernel on checked tables and 2-D indices."""
+    n, sq, sk = _sizes(c2p, p2c, ci, pi)
+    return _forward(c2p, p2c, ci, pi, scale, n, sq, sk)
+
+
+@disentangled_bias_fwd_op.register_fake
+def _(c2p, p2c, ci, pi, scale):
+    first = c2p if c2p is not None else p2c
+    return first.new_empty(_sizes(c2p, p2c, ci, pi), dtype=_out_dtype(c2p, p2c))
+
+
+@torch.library.custom_op("opadvisor::disentangled_bias_bwd", mutates_args=())
+def disentangled_bias_bwd_op(
+    g: torch.Tensor, ci: torch.Tensor | None, pi: torch.Tensor | None, p1: int, p2: int, scale: float,
+    c2p_dtype: torch.dtype, p2c_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(dc2p, dp2c) in the tables' dtypes; an empty tensor for an absent table."""
+    n, sq, sk = g.shape
+    dc2p, dp2c = _backward(g, ci, pi, (p1, p2), scale, n, sq, sk)
+    return (
+        dc2p.to(c2p_dtype) if dc2p is not None else _absent(g),
+        dp2c.to(p2c_dtype) if dp2c is not None else _absent(g),
+    )
+
+
+@disentangled_bias_bwd_op.register_fake
+def _(g, ci, pi, p1, p2, scale, c2p_dtype, p2c_dtype):
+    n, sq, sk = g.shape
+    dc2p = g.new_empty((n, sq, p1), dtype=c2p_dtype) if ci is not None else _absent(g)
+    dp2c = g.new_empty((n, sk, p2), dtype=p2c_dtype) if pi is not None else _absent(g)
+    return dc2p, dp2c
+
+
+def _save(ctx, c2p, p2c, ci, pi, scale, out_dtype) -> None:
+    """Keep what the backward op needs: the indices, the bucket counts, the scale and the tables' dtypes
+    (0 buckets and `out_dtype` for an absent table)."""
+    ctx.save_for_backward(ci, pi)
+    ctx.meta = (
+        c2p.shape[-1] if c2p is not None else 0,
+        p2c.shape[-1] if p2c is not None else 0,
+        float(scale),
+        c2p.dtype if c2p is not None else out_dtype,
+        p2c.dtype if p2c is not None else out_dtype,
+    )
+    ctx.has = (c2p is not None, p2c is not None)
+
+
+def _grads_of(ctx, g):
+    ci, pi = ctx.saved_tensors
+    dc2p, dp2c = disentangled_bias_bwd_op(g, ci, pi, *ctx.meta)
+    return (
+        dc2p if ctx.has[0] and ctx.needs_input_grad[0] else None,
+        dp2c if ctx.has[1] and ctx.needs_input_grad[1] else None,
+    )
+
+
+def _op_setup(ctx, inputs, output):
+    _save(ctx, *inputs, output.dtype)
+
+
+def _op_backward(ctx, g):
+    return (*_grads_of(ctx, g), None, None, None)
+
+
+torch.library.register_autograd(disentangled_bias_fwd_op, _op_backward, setup_context=_op_setup)
+
+
+class ChainForwardKernelBackward(torch.autograd.Function):
+    """COMPILE_PATH "backward_op": the chain forward, which dynamo traces and inductor fuses with the
+    scores around it, and the backward op."""
+
+    @staticmethod
+    def forward(ctx, c2p, p2c, ci, pi, scale):
+        _save(ctx, c2p, p2c, ci, pi, scale, _out_dtype(c2p, p2c))
+        return reference_disentangled_bias(c2p, p2c, ci, pi, scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (*_grads_of(ctx, g), None, None, None)
+
+
 def disentangled_bias(
     c2p: torch.Tensor | None,
     p2c: torch.Tensor | None,
@@ -203,8 +314,13 @@ def disentangled_bias(
     if backend == _backend.REFERENCE:
         _dispatch.record_reference(OP, _backend.fallback_reason(table) if n * sq * sk > 0 else None)
         return reference_disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)
-    if backend == _backend.EAGER or torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if backend == _backend.EAGER or (compiling and COMPILE_PATH == "native"):
         _dispatch.record(OP, _dispatch.CHAIN)
         return reference_disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)
     _dispatch.record(OP, _dispatch.KERNEL)
+    if compiling and COMPILE_PATH == "backward_op":
+        return ChainForwardKernelBackward.apply(c2p, p2c, ci, pi, float(scale))
+    if compiling:
+        return disentangled_bias_fwd_op(c2p, p2c, ci, pi, float(scale))
     return DisentangledBiasFunction.apply(c2p, p2c, ci, pi, float(scale), n, sq, sk)

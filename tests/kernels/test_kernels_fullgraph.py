@@ -60,8 +60,8 @@ P = 0.25
 MODES = ["kernels", "default", "eager_chain"]
 # The ops whose compiled call is their custom op (opaque to dynamo, the kernels inside), per mode.
 CUSTOM_OPS = {
-    "kernels": {"masked_softmax", "bias_dropout_add", "cross_entropy"},
-    "default": {"masked_softmax"},
+    "kernels": {"masked_softmax", "bias_dropout_add", "cross_entropy", "disentangled_bias"},
+    "default": {"masked_softmax", "disentangled_bias"},
     "eager_chain": set(),
     "reference": set(),
 }

@@ -140,6 +140,7 @@ def test_linear_cross_entropy_is_the_heads_loss(chunk_rows, reduction, autocast,
     monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", chunk_rows * 37 * (2 if autocast else 4))
     hidden, weight, target = _lce_case()
     assert lce.chunk_rows(22, 37, torch.bfloat16 if autocast else torch.float32) == min(22, chunk_rows)
+    # (22 rows at most 4 a chunk: 6 chunks, the last one of 2)
     assert linear_cross_entropy_backend(hidden, weight) == "interpreter"
 
     def run(fn):
@@ -277,6 +278,21 @@ def test_rms_norm_on_cuda_at_llama_sizes(x_dtype, w_dtype) -> None:
     assert rel_err(got, want) <= tol and rel_err(gx, wx) <= tol and rel_err(gw, ww) <= tol
 
 
+@pytest.mark.parametrize(
+    ("rows", "vocab", "want"),
+    [
+        (8192, 50264, 4096),  # GPT-2: two equal chunks, not 5340 + 2852
+        (8192, 128256, 2048),  # Llama-3: four
+        (8192, 30528, 8192),  # BERT: one
+        (3000, 128256, 1536),  # aligned to 64 and still under the limit
+        (4100, 128256, 2050),  # aligned (2112) would pass the limit (2092): equal but unaligned
+    ],
+)
+def test_chunks_are_equal_and_aligned_where_they_fit(rows, vocab, want) -> None:
+    assert lce.chunk_rows(rows, vocab, torch.bfloat16) == want
+    assert want * vocab * 2 <= lce.MAX_CHUNK_BYTES
+
+
 @pytest.mark.gpu
 def test_silu_mul_on_cuda_at_llama_sizes() -> None:
     g, u = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -288,7 +304,7 @@ def test_silu_mul_on_cuda_at_llama_sizes() -> None:
 
 @pytest.mark.gpu
 def test_linear_cross_entropy_on_cuda_chunked_under_autocast(monkeypatch) -> None:
-    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", 1000 * 32000 * 2)  # 4 chunks, the last one short
+    monkeypatch.setattr(lce, "MAX_CHUNK_BYTES", 1000 * 32000 * 2)  # 4 chunks of 768 rows
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(2, 1536, 1024, device="cuda", generator=g)
     weight = torch.randn(32000, 1024, device="cuda", generator=g) * 0.02

@@ -202,6 +202,58 @@ def test_disentangled_bias_rejects_mismatched_inputs():
         disentangled_bias(c2p, p2c, None, pi, 1.0)
 
 
+@pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
+def test_disentangled_bias_custom_ops_pass_opcheck(terms):
+    """Schema, fake implementation and autograd registration of the ops torch.compile traces."""
+    c2p, p2c, ci, pi = _relpos_inputs(2, 7, 3, "cpu")
+    ci, pi = ci[0], pi[0]
+    if terms == "c2p":
+        p2c = pi = None
+    if terms == "p2c":
+        c2p = ci = None
+    tables = [t.requires_grad_() if t is not None else None for t in (c2p, p2c)]
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(relpos.disentangled_bias_fwd_op, (*tables, ci, pi, 2.0), test_utils=checks)
+
+
+@pytest.mark.parametrize("path", relpos.COMPILE_PATHS)
+@pytest.mark.parametrize("terms", ["both", "p2c"])
+def test_disentangled_bias_compiled_paths_match_eager(path, terms, monkeypatch):
+    """Each COMPILE_PATH, compiled whole (aot_eager), gives the eager kernels' values and gradients, and
+    traces its kernels where it says so."""
+    monkeypatch.setattr(relpos, "COMPILE_PATH", path)
+    monkeypatch.setattr(relpos, "BLOCK", 16)
+    c2p, p2c, ci, pi = _relpos_inputs(2, 9, 3, "cpu")
+    if terms == "p2c":
+        c2p = ci = None
+    tables = [t for t in (c2p, p2c) if t is not None]
+    dy = torch.randn(2, 9, 9)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in tables]
+        a, b = (leaves[0], leaves[1]) if c2p is not None else (None, leaves[0])
+        out = fn(a, b, ci, pi, 3.0)
+        return out.detach(), torch.autograd.grad(out, leaves, dy)
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    got, got_grads = run(torch.compile(disentangled_bias, backend=backend, fullgraph=True))
+    want, want_grads = run(disentangled_bias)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w)
+    code = "".join(m.code for gm in graphs for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+    assert ("disentangled_bias_fwd" in code) == (path == "custom_op"), code
+    assert ("gather" in code) == (path != "custom_op"), code
+    assert ("disentangled_bias_bwd" in code) == (path == "backward_op"), code  # custom_op's: at its node
+
+
 # ---- the dispatch record ---------------------------------------------------------------------------------
 
 

@@ -362,3 +362,24 @@ def test_on_cuda_the_patched_model_is_captured_by_cuda_graphed() -> None:
     got = _adamw_losses(graphed, _gpu_batch("cuda"))  # a failed capture warns: an error here
     assert graphed.forward.graphs and not graphed.forward.failed
     assert got == pytest.approx(want, rel=5e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["custom_op", "backward_op"])
+def test_on_cuda_compiled_the_relative_bias_runs_its_kernels_and_keeps_the_losses(path, monkeypatch) -> None:
+    """torch.compile (inductor) of the patched model after one eager step: disentangled_bias is traced as its
+    kernels (COMPILE_PATH), not as gathers whose backward inductor writes as 16-bit atomics, and the steps give
+    the eager patched model's losses."""
+    from opadvisor.kernels import dispatch_counts, relpos, reset_dispatch_counts
+
+    monkeypatch.setattr(relpos, "COMPILE_PATH", path)
+    eager = opadvisor.patch(_v3_small("cuda"), unsafe=True, quiet=True)
+    compiled = opadvisor.patch(_v3_small("cuda"), unsafe=True, quiet=True)  # the same weights (one seed)
+    _adamw_losses(eager, _gpu_batch("cuda"), steps=1)
+    _adamw_losses(compiled, _gpu_batch("cuda"), steps=1)
+    want = _adamw_losses(eager, _gpu_batch("cuda"))
+    torch._dynamo.reset()
+    reset_dispatch_counts()
+    got = _adamw_losses(torch.compile(compiled), _gpu_batch("cuda"))
+    assert got == pytest.approx(want, rel=5e-3)
+    assert dispatch_counts()["disentangled_bias"].keys() == {"kernel"}  # recorded where it was traced

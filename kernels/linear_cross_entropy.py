@@ -40,10 +40,12 @@ from .cross_entropy import MAX_BLOCK as CE_MAX_BLOCK
 from .cross_entropy import _forward as ce_forward
 from .cross_entropy import _launch_plan as ce_launch_plan
 
-# The largest chunk of logits held at once (bytes, in the compute dtype). 512 MiB: 2092 rows of Llama-3's
-# 128256 classes in bf16, four chunks at 8192 tokens; bigger chunks cost memory, smaller ones more passes
-# over the weight's float32 gradient (one read and write of it per chunk).
-MAX_CHUNK_BYTES = 512 << 20
+# The largest chunk of logits held at once (bytes, in the compute dtype). 1 GiB: 4096 rows of Llama-3's
+# 128256 classes in bf16, two chunks at 8192 tokens; GPT-2's 8192 x 50264 in one. Smaller chunks cost more
+# passes over the weight's float32 gradient and smaller products: the head's forward and backward on an H200
+# (benchmarks/lce_chunks.py, RESULTS.md) at 256 / 512 / 1024 MiB: Llama-3 23.8 / 22.8 / 22.0 ms, GPT-2
+# 5.07 / 4.72 / 4.64, BERT 3.21 / 3.06 / 2.88.
+MAX_CHUNK_BYTES = 1 << 30
 OP = "linear_cross_entropy"
 REDUCTIONS = ("mean", "sum")
 
@@ -63,8 +65,8 @@ ROW_ALIGN = 64
 
 def chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
     """Tokens per chunk: the fewest chunks that keep each chunk's logits under MAX_CHUNK_BYTES, of equal size
-    (a multiple of ROW_ALIGN where that fits). Equal chunks, not the largest then a remainder: at GPT-2's
-    8192 tokens x 50264 classes two chunks of 4096 rather than 5340 + 2852, whose products run slower tiles."""
+    (a multiple of ROW_ALIGN where that fits), not the largest then a remainder (at 512 MiB and GPT-2's 8192
+    x 50264: two chunks of 4096 rather than 5340 + 2852, 4.72 against 4.79 ms on an H200)."""
     most = max(1, MAX_CHUNK_BYTES // max(1, vocab * dtype.itemsize))
     if most >= n_rows:
         return n_rows

@@ -168,30 +168,6 @@ def _backward(g, ci, pi, shapes, scale, n, sq, sk):
     return dc2p, dp2c
 
 
-class DisentangledBiasFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, c2p, p2c, ci, pi, scale, n, sq, sk):
-        ctx.save_for_backward(ci, pi)
-        ctx.meta = (
-            scale,
-            n,
-            sq,
-            sk,
-            (c2p.shape[-1] if c2p is not None else 0, p2c.shape[-1] if p2c is not None else 0),
-            (c2p.dtype if c2p is not None else None, p2c.dtype if p2c is not None else None),
-        )
-        return _forward(c2p, p2c, ci, pi, scale, n, sq, sk)
-
-    @staticmethod
-    def backward(ctx, g):
-        ci, pi = ctx.saved_tensors
-        scale, n, sq, sk, shapes, dtypes = ctx.meta
-        dc2p, dp2c = _backward(g, ci, pi, shapes, scale, n, sq, sk)
-        dc2p = dc2p.to(dtypes[0]) if dc2p is not None and ctx.needs_input_grad[0] else None
-        dp2c = dp2c.to(dtypes[1]) if dp2c is not None and ctx.needs_input_grad[1] else None
-        return dc2p, dp2c, None, None, None, None, None, None
-
-
 def _sizes(c2p, p2c, ci, pi) -> tuple[int, int, int]:
     """(N, Sq, Sk) of checked tables and 2-D indices."""
     if c2p is not None:
@@ -220,18 +196,24 @@ def _(c2p, p2c, ci, pi, scale):
     return first.new_empty(_sizes(c2p, p2c, ci, pi), dtype=_out_dtype(c2p, p2c))
 
 
+def _table_grads(g, ci, pi, p1, p2, scale, c2p_dtype, p2c_dtype):
+    """(dc2p, dp2c) in the tables' dtypes (None for an absent table): `_backward`, cast once."""
+    n, sq, sk = g.shape
+    dc2p, dp2c = _backward(g, ci, pi, (p1, p2), scale, n, sq, sk)
+    return (
+        dc2p.to(c2p_dtype) if dc2p is not None else None,
+        dp2c.to(p2c_dtype) if dp2c is not None else None,
+    )
+
+
 @torch.library.custom_op("opadvisor::disentangled_bias_bwd", mutates_args=())
 def disentangled_bias_bwd_op(
     g: torch.Tensor, ci: torch.Tensor | None, pi: torch.Tensor | None, p1: int, p2: int, scale: float,
     c2p_dtype: torch.dtype, p2c_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(dc2p, dp2c) in the tables' dtypes; an empty tensor for an absent table."""
-    n, sq, sk = g.shape
-    dc2p, dp2c = _backward(g, ci, pi, (p1, p2), scale, n, sq, sk)
-    return (
-        dc2p.to(c2p_dtype) if dc2p is not None else _absent(g),
-        dp2c.to(p2c_dtype) if dp2c is not None else _absent(g),
-    )
+    """`_table_grads`, an empty tensor for an absent table."""
+    dc2p, dp2c = _table_grads(g, ci, pi, p1, p2, scale, c2p_dtype, p2c_dtype)
+    return (dc2p if dc2p is not None else _absent(g), dp2c if dp2c is not None else _absent(g))
 
 
 @disentangled_bias_bwd_op.register_fake
@@ -243,8 +225,8 @@ def _(g, ci, pi, p1, p2, scale, c2p_dtype, p2c_dtype):
 
 
 def _save(ctx, c2p, p2c, ci, pi, scale, out_dtype) -> None:
-    """Keep what the backward op needs: the indices, the bucket counts, the scale and the tables' dtypes
-    (0 buckets and `out_dtype` for an absent table)."""
+    """Keep what the backward needs (`_table_grads`' arguments after g): the indices, the bucket counts, the
+    scale and the tables' dtypes (0 buckets and `out_dtype` for an absent table)."""
     ctx.save_for_backward(ci, pi)
     ctx.meta = (
         c2p.shape[-1] if c2p is not None else 0,
@@ -256,9 +238,11 @@ def _save(ctx, c2p, p2c, ci, pi, scale, out_dtype) -> None:
     ctx.has = (c2p is not None, p2c is not None)
 
 
-def _grads_of(ctx, g):
+def _grads_of(ctx, g, table_grads=disentangled_bias_bwd_op):
+    """(dc2p, dp2c) as autograd wants them (None where not wanted) from `table_grads`: the custom op where
+    torch.compile traced the call, `_table_grads` itself in the eager Function (less host time per call)."""
     ci, pi = ctx.saved_tensors
-    dc2p, dp2c = disentangled_bias_bwd_op(g, ci, pi, *ctx.meta)
+    dc2p, dp2c = table_grads(g, ci, pi, *ctx.meta)
     return (
         dc2p if ctx.has[0] and ctx.needs_input_grad[0] else None,
         dp2c if ctx.has[1] and ctx.needs_input_grad[1] else None,
@@ -274,6 +258,20 @@ def _op_backward(ctx, g):
 
 
 torch.library.register_autograd(disentangled_bias_fwd_op, _op_backward, setup_context=_op_setup)
+
+
+class DisentangledBiasFunction(torch.autograd.Function):
+    """The eager path: both kernels."""
+
+    @staticmethod
+    def forward(ctx, c2p, p2c, ci, pi, scale, n, sq, sk):
+        out = _forward(c2p, p2c, ci, pi, scale, n, sq, sk)
+        _save(ctx, c2p, p2c, ci, pi, scale, out.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return (*_grads_of(ctx, g, _table_grads), None, None, None, None, None, None)
 
 
 class ChainForwardKernelBackward(torch.autograd.Function):

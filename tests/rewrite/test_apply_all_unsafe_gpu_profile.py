@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from cli_testlib import opadvisor_here
 
+from opadvisor.rewrite import _budget
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "bert_train.py"
 FIXTURE = ROOT / "tests" / "data" / "bert_train.profile.json"
@@ -63,19 +65,24 @@ def losses(cwd: Path, script: Path) -> list[float]:
     return values
 
 
-def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> None:
+def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path, monkeypatch) -> None:
+    # what the fixes write is tested here, not how fast they are found: the analysis budget (2 CPU seconds
+    # a rule; dataloader_stall uses 0.3 of them here) has its own tests, and a CI host short of CPU or memory
+    # once left one fix unwritten in this test
+    monkeypatch.setenv(_budget.BUDGET_ENV, "60")
     script = project_with_gpu_run(tmp_path)
     original = tmp_path / "original.py"
     shutil.copy(script, original)
     done = opadvisor_here(tmp_path, "apply", "--rule", "all", "--unsafe")
     assert done.returncode == 0, done.stdout + done.stderr
     rewritten = script.read_text()
-    assert "fused=True" in rewritten  # fused_optimizer
-    assert "pin_memory=True" in rewritten and "non_blocking=True" in rewritten  # dataloader_stall
-    assert "PaddedLinear(" in rewritten  # gemm_align on the 30522-wide head
-    assert "model = cuda_graphed(model)" in rewritten  # sparse_launch (a pass-through on the CPU)
-    assert "scaled_dot_product_attention" in rewritten or "masked_softmax(" in rewritten
+    said = done.stdout + done.stderr  # what apply printed: why a fix was not written, when one is missing
+    assert "fused=True" in rewritten, said  # fused_optimizer
+    assert "pin_memory=True" in rewritten and "non_blocking=True" in rewritten, said  # dataloader_stall
+    assert "PaddedLinear(" in rewritten, said  # gemm_align on the 30522-wide head
+    assert "model = cuda_graphed(model)" in rewritten, said  # sparse_launch (a pass-through on the CPU)
+    assert "scaled_dot_product_attention" in rewritten or "masked_softmax(" in rewritten, said
     # the profile's dropout-adds are small: rewritten all the same (the kernel runs inside the CUDA graph)
-    assert rewritten.count("bias_dropout_add(") == 2
+    assert rewritten.count("bias_dropout_add(") == 2, said
     before, after = losses(tmp_path, original), losses(tmp_path, script)
     assert after == pytest.approx(before, rel=1e-4, abs=1e-5)

@@ -225,11 +225,18 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     notes = settings + notes
     # opadvisor's programs construct AdamW as `opadvisor apply` rewrites the script's plain AdamW(...) (the
     # fused_optimizer finding's safe fix); the others keep the script's optimizer as written
-    fused = args.program.startswith("opadvisor") and args.device.startswith("cuda")
+    ours = args.program.startswith("opadvisor")
+    fused = ours and args.device.startswith("cuda") and args.optimizer == "fused"
     if fused:
         notes.append("AdamW(..., fused=True) (fused_optimizer)")
+    if ours and args.optimizer == "opadvisor":
+        from opadvisor.kernels import AdamW
+
+        notes.append("opadvisor.kernels.AdamW (--optimizer opadvisor)")
+        optimizer = AdamW(model.parameters(), lr=1e-5)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     result["notes"] = notes
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     generator = torch.Generator().manual_seed(1)
     vocab = config.vocab_size
     batches = [torch.randint(0, vocab, (batch, seq), generator=generator).to(args.device) for _ in range(4)]
@@ -324,7 +331,7 @@ def kernel_breakdown(step, first: int, top: int, steps: int = 2) -> dict[str, An
 def child_command(args: argparse.Namespace, program: str, out: Path) -> list[str]:
     command = [sys.executable, __file__, "--child", "--model", args.model, "--program", program, "--device",
                args.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--json-out", str(out),
-               "--compile-backend", args.compile_backend]  # fmt: skip
+               "--compile-backend", args.compile_backend, "--optimizer", args.optimizer]  # fmt: skip
     if args.tiny:
         command.append("--tiny")
     for flag in ("seq", "batch", "attn", "kernels"):
@@ -556,6 +563,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile-backend", default=None, help="torch.compile's backend (inductor; tiny: aot_eager)"
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "opadvisor"),
+        default="fused",
+        help="the AdamW of opadvisor's programs: torch's fused=True (what apply writes) or opadvisor.kernels.AdamW",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

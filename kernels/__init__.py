@@ -21,6 +21,8 @@
 - ``disentangled_bias(c2p, p2c, c2p_index, p2c_index, scale)``: DeBERTa's relative-position scores.
 - ``autocast_shared(x, n)``: one autocast-dtype copy of ``x`` for ``n`` linear layers that read it (in place of
   the ``n`` copies autocast makes and keeps for backward), gradients summed in float32 as eager does.
+- ``AdamW``: ``torch.optim.AdamW`` (same arguments, same state) whose step updates all of a group's tensors
+  in one launch, at close to the GPU's memory bandwidth.
 - ``compile_region``: a decorator compiling one function with torch.compile, the original kept on failure.
 - ``fixed_dropout_seed(seed=(1, 2, 3))``: a context manager in which every dropout of these kernels uses
   one seed (the same mask each call): for timing CUDA-graph replays and debugging, never for training.
@@ -44,6 +46,7 @@ from .activations import (
     silu_mul_backend,
     silu_mul_linear,
 )
+from .adamw import AdamW
 from .casts import autocast_shared
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
@@ -63,6 +66,7 @@ from .seeded_dropout import dropout, dropout_backend, reference_dropout
 from .softmax import masked_softmax, masked_softmax_backend, reference_masked_softmax
 
 __all__ = [
+    "AdamW",
     "EAGER",
     "cuda_graph_capturing",
     "is_kv_cache",

@@ -1,0 +1,242 @@
+"""`AdamW`: `torch.optim.AdamW` whose step updates all of a group's tensors in one Triton launch.
+
+torch's fused AdamW (`fused=True`) moves 28 bytes per float32 parameter a step (parameter, gradient and
+both moments read, three written) at about 2.7 TB/s on an H200, 56% of its memory bandwidth: 12.9 ms a step
+for a 1.5B-parameter Llama. This optimizer's kernel does the same arithmetic (float32 math, IEEE square root
+and divisions, torch's order of operations) over flat blocks of every tensor, reading the tensors' addresses
+from a table (see `_adamw_triton`): one launch per group, no copies, the tensors where the model keeps them.
+
+Everything else is torch's AdamW, which this class subclasses: the constructor and its arguments, the
+parameter groups, `state_dict` / `load_state_dict` (the same state: `step`, `exp_avg`, `exp_avg_sq`), so a
+checkpoint moves between the two both ways, learning-rate schedulers, hooks. A step the kernel does not
+cover runs torch's own step (`fused`, `foreach` as given) and warns once why: options the kernel does not
+implement (amsgrad, maximize, capturable, differentiable, tensor hyperparameters), parameters that are not
+CUDA tensors (CPU tensors run the kernel under Triton's interpreter, `TRITON_INTERPRET=1`, as the other
+kernels do), not float32 / float16 / bfloat16, complex, sparse or non-contiguous gradients or parameters.
+
+GradScaler: the step does not take the scaler's inverse scale itself (`_step_supports_amp_scaling` is
+False, also where `fused=True` was passed), so `scaler.step(opt)` unscales the gradients and skips the
+step on inf or NaN, as for torch's default AdamW.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import _backend, _dispatch
+
+OP = "adamw"  # its name in the dispatch record and in warnings
+BLOCK = 4096  # elements a program updates (measured on the H200: benchmarks/adamw.py)
+NUM_WARPS = 8
+_UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class AdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` (same arguments, same state) whose step is one Triton launch per group."""
+
+    def __init__(self, params, *args, **kwargs) -> None:
+        super().__init__(params, *args, **kwargs)
+        # GradScaler unscales the gradients itself and skips the step on inf (see the module docstring)
+        self._step_supports_amp_scaling = False
+        self._tables: dict[tuple, _Tables] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One AdamW step of every parameter with a gradient (`closure` as torch's optimizers take it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        runs_kernel, reason = self._path()
+        if not runs_kernel:
+            _dispatch.record_reference(OP, None if reason is None else f"{reason}: torch's AdamW step runs")
+            _torch_step(self)
+            return loss
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    # ---- what the kernel covers ---------------------------------------------------------------------------
+    def _path(self) -> tuple[bool, str | None]:
+        """(whether the kernel runs this step, why not where that is a fallback). CPU parameters without
+        Triton's interpreter run torch's step without a word: that is the CPU's implementation, as for the
+        other kernels."""
+        on_cpu = False
+        for group in self.param_groups:
+            reason = group_reason(group)
+            if reason is not None:
+                return False, reason
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                reason = tensor_reason(p, p.grad)
+                state = self.state.get(p)
+                if reason is None and state:
+                    reason = state_reason(p, state["exp_avg"], state["exp_avg_sq"])
+                if reason is not None:
+                    return False, reason
+                on_cpu = on_cpu or _backend.backend(p) == _backend.REFERENCE
+        return not on_cpu, None
+
+    # ---- one group ----------------------------------------------------------------------------------------
+    def _step_group(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        states = [self._state_of(p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)  # torch's own optimizers count steps so: one call, not one per tensor
+        for (_, dtype, step), members in _buckets(params, steps).items():
+            self._launch(group, dtype, step, [params[i] for i in members], [states[i] for i in members])
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """The parameter's state, made as torch's AdamW makes it at a first step (a CPU `step` counter)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=_step_dtype())
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif state["step"].device.type != "cpu":
+            state["step"] = state["step"].cpu()  # loaded from a fused or capturable optimizer's state
+        return state
+
+    def _launch(self, group: dict, dtype: torch.dtype, step: float, params: list, states: list) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        tensors = [(p, p.grad, s["exp_avg"], s["exp_avg_sq"]) for p, s in zip(params, states, strict=True)]
+        tables = self._tables_for(tensors)
+        if tables.blocks == 0:
+            return
+        from . import _adamw_triton
+
+        device = params[0].device
+        _backend.check_launch_device(device)
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            _adamw_triton.adamw_kernel[(tables.blocks,)](
+                *tables.addresses, tables.numel, tables.block_tensor, tables.block_start,
+                lr * wd, beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps,
+                DTYPE=_TRITON_DTYPES[dtype](), BLOCK=BLOCK, RNE=_backend.emulate_rne(params[0]),
+                num_warps=NUM_WARPS,
+            )  # fmt: skip
+        _dispatch.record(OP, _backend.backend(device))
+
+    def _tables_for(self, tensors: list[tuple[torch.Tensor, ...]]) -> _Tables:
+        """The launch's tables, made again only when a tensor moved (gradients set to None are made anew
+        each backward, mostly at the addresses they had)."""
+        addresses = tuple(t.data_ptr() for four in tensors for t in four)
+        key = (tensors[0][0].device, addresses)
+        tables = self._tables.get(key)
+        if tables is None:
+            if len(self._tables) >= 8:  # one per group and bucket in a steady state
+                self._tables.clear()
+            tables = self._tables[key] = make_tables(tensors)
+        return tables
+
+
+@dataclass
+class _Tables:
+    addresses: tuple[torch.Tensor, ...]  # P, G, M, V: int64 [tensors] each
+    numel: torch.Tensor  # int64 [tensors]
+    block_tensor: torch.Tensor  # int32 [blocks]
+    block_start: torch.Tensor  # int64 [blocks]
+    blocks: int
+
+
+def make_tables(tensors: Sequence[tuple[torch.Tensor, ...]]) -> _Tables:
+    """The address, size and block tables of one launch (see `_adamw_triton`), copied to the device once."""
+    device = tensors[0][0].device
+    numels = [four[0].numel() for four in tensors]
+    counts = [-(-n // BLOCK) for n in numels]
+    rows = [[four[k].data_ptr() for four in tensors] for k in range(4)]
+    host = torch.tensor([*rows, numels], dtype=torch.int64)
+    block_tensor = torch.repeat_interleave(
+        torch.arange(len(tensors), dtype=torch.int32), torch.tensor(counts)
+    )
+    first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
+    block_start = (torch.arange(sum(counts)) - torch.repeat_interleave(first, torch.tensor(counts))) * BLOCK
+    on_device = tuple(  # pinned: copied without waiting for the work queued before the copy
+        t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+        for t in (host, block_tensor, block_start)
+    )
+    return _Tables(tuple(on_device[0][:4]), on_device[0][4], on_device[1], on_device[2], sum(counts))
+
+
+def _buckets(params: list[torch.Tensor], steps: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    """Indices of the parameters per (device, dtype, step count): one launch each (one in a steady state)."""
+    counts = torch.stack(steps).tolist()
+    out: dict[tuple, list[int]] = {}
+    for i, (p, step) in enumerate(zip(params, counts, strict=True)):
+        out.setdefault((p.device, p.dtype, step), []).append(i)
+    return out
+
+
+def group_reason(group: dict) -> str | None:
+    """Why the kernel does not take this parameter group's options, or None."""
+    for name in _UNSUPPORTED_OPTIONS:
+        if group.get(name):
+            return f"{name}=True"
+    for name in ("lr", "weight_decay", "eps"):
+        if isinstance(group[name], torch.Tensor):
+            return f"a tensor {name}"
+    if any(isinstance(b, torch.Tensor) for b in group["betas"]):
+        return "tensor betas"
+    return None
+
+
+def tensor_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why the kernel does not take this parameter and its gradient, or None."""
+    if p.is_complex():
+        return "a complex parameter"
+    if grad.is_sparse:
+        return "a sparse gradient"
+    device_reason = _backend.fallback_reason_for(p.device.type, p.dtype, 1)
+    if device_reason is not None:
+        return device_reason.split(":")[0]
+    if grad.dtype != p.dtype:
+        return f"a {grad.dtype} gradient of a {p.dtype} parameter"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "a non-contiguous parameter or gradient"
+    return None
+
+
+def state_reason(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why this parameter's moments cannot be updated beside it in place, or None."""
+    for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
+        if t.dtype != p.dtype or t.shape != p.shape or t.device != p.device or not t.is_contiguous():
+            return f"its {name} is a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}, its parameter a {p.dtype} {tuple(p.shape)} on {p.device}"
+    return None
+
+
+def _torch_step(optimizer: AdamW) -> None:
+    """torch's AdamW step on this optimizer, without the hooks `Optimizer` wraps every `step` in a second
+    time (this class's own step is wrapped already)."""
+    step = torch.optim.AdamW.step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
+
+
+def _step_dtype() -> torch.dtype:
+    """The dtype of torch's `step` counters (float64 where the default dtype is)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _triton_dtype(name: str) -> Callable:
+    def get():
+        import triton.language as tl
+
+        return getattr(tl, name)
+
+    return get
+
+
+_TRITON_DTYPES = {
+    torch.float32: _triton_dtype("float32"),
+    torch.float16: _triton_dtype("float16"),
+    torch.bfloat16: _triton_dtype("bfloat16"),
+}

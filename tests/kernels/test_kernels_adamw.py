@@ -1,0 +1,241 @@
+"""opadvisor.kernels.AdamW: torch's fused AdamW's values, torch's state (both ways), torch's step where the
+kernel does not apply (said once), hooks and GradScaler as for torch's optimizers.
+
+The reference is `torch.optim.AdamW(..., fused=True)`, which computes in float32 whatever the storage dtype
+as the kernel does (the default foreach path rounds to a 16-bit parameter's dtype after each operation).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from opadvisor.kernels import AdamW, dispatch_counts, reset_dispatch_counts
+from opadvisor.kernels import adamw as adamw_module
+
+SHAPES = [(300,), (7, 11), (1,), (0,), (129, 3)]  # several blocks, one partial block, one element, empty
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """64-element blocks: several programs per tensor at sizes the interpreter runs in a moment."""
+    monkeypatch.setattr(adamw_module, "BLOCK", 64)
+    monkeypatch.setattr(adamw_module, "NUM_WARPS", 2)
+
+
+def twins(device, dtype=torch.float32, shapes=SHAPES, seed=0):
+    """Two lists of equal leaf parameters."""
+    g = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+    return [v.clone().requires_grad_() for v in values], [v.clone().requires_grad_() for v in values]
+
+
+def give_grads(a, b, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p, q in zip(a, b, strict=True):
+        grad = torch.randn(p.shape, generator=g).to(device=p.device, dtype=p.dtype)
+        p.grad, q.grad = grad.clone(), grad.clone()
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    """assert_close's defaults for float32; 4 units in the last place for 16-bit storage, where the CPU's
+    fused AdamW (which computes the moments another way, lerp) rounds an occasional element the other way
+    and the difference carries into the next steps' moments."""
+    if dtype in (torch.bfloat16, torch.float16):
+        eps = torch.finfo(dtype).eps
+        return {"rtol": 4 * eps, "atol": 1e-3 if dtype == torch.bfloat16 else 1e-4}
+    return {}
+
+
+def assert_same_state(ours, ref, a, b):
+    for p, q in zip(a, b, strict=True):
+        tol = tolerance(p.dtype)
+        torch.testing.assert_close(p, q, **tol)
+        s, t = ours.state[p], ref.state[q]
+        if not t:
+            assert not s
+            continue
+        torch.testing.assert_close(s["exp_avg"], t["exp_avg"], **tol)
+        torch.testing.assert_close(s["exp_avg_sq"], t["exp_avg_sq"], **tol)
+        assert float(s["step"]) == float(t["step"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_steps_are_torch_fused_adamw_steps(device, dtype):
+    a, b = twins(device, dtype)
+    ours = AdamW(a, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    ref = torch.optim.AdamW(b, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=True)
+    reset_dispatch_counts()
+    for step in range(3):
+        give_grads(a, b, seed=step)
+        for opt in (ours, ref):
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 1)  # as a scheduler changes it between steps
+        ours.step()
+        ref.step()
+    assert_same_state(ours, ref, a, b)
+    expected = "triton" if device.type == "cuda" else "interpreter"
+    assert dispatch_counts()["adamw"] == {expected: 3}
+
+
+def test_groups_keep_their_options_and_parameters_without_gradients_are_left_alone(device):
+    a, b = twins(device)
+
+    def groups(ps):
+        return [
+            {"params": ps[:2], "lr": 1e-2, "weight_decay": 0.0},
+            {"params": ps[2:], "lr": 3e-3, "weight_decay": 0.5, "betas": (0.5, 0.9)},
+        ]
+
+    ours, ref = AdamW(groups(a)), torch.optim.AdamW(groups(b), fused=True)
+    give_grads(a, b, seed=1)
+    a[0].grad = b[0].grad = None  # never has a gradient: no state, not moved
+    frozen = a[0].detach().clone()
+    for _ in range(2):
+        ours.step()
+        ref.step()
+    assert_same_state(ours, ref, a, b)
+    assert not ours.state[a[0]] and torch.equal(a[0], frozen)
+
+
+def test_parameters_at_different_step_counts_each_get_their_own_bias_correction(device):
+    a, b = twins(device)
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    give_grads(a, b, seed=2)
+    a[1].grad = b[1].grad = None  # skipped at the first step: one step behind the others afterwards
+    ours.step()
+    ref.step()
+    for step in range(2):
+        give_grads(a, b, seed=3 + step)
+        ours.step()
+        ref.step()
+    assert float(ours.state[a[1]]["step"]) == 2 and float(ours.state[a[0]]["step"]) == 3
+    assert_same_state(ours, ref, a, b)
+
+
+def test_a_checkpoint_moves_between_torch_and_opadvisor_both_ways(device):
+    a, b = twins(device)
+    ours, ref = (
+        AdamW(a, lr=1e-2, weight_decay=0.1),
+        torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True),
+    )
+    give_grads(a, b, seed=0)
+    ours.step()
+    ref.step()
+    # opadvisor -> torch: a fresh torch optimizer on the same parameters continues where ours stopped
+    moved = torch.optim.AdamW(a, lr=1e-2, weight_decay=0.1, fused=True)
+    moved.load_state_dict(ours.state_dict())
+    # torch (fused: `step` counters on the parameters' device) -> opadvisor
+    back = AdamW(b, lr=1e-2, weight_decay=0.1)
+    back.load_state_dict(ref.state_dict())
+    give_grads(a, b, seed=1)
+    moved.step()
+    back.step()
+    assert_same_state(moved, back, a, b)
+    assert all(back.state[p]["step"].device.type == "cpu" for p in b if back.state[p])
+
+
+def test_a_closure_is_called_with_gradients_enabled_and_its_loss_returned(device):
+    a, _ = twins(device, shapes=[(5,)])
+    opt = AdamW(a)
+
+    def closure():
+        opt.zero_grad()
+        loss = (a[0] ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss is not None and float(opt.state[a[0]]["step"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [({"amsgrad": True}, "amsgrad=True"), ({"maximize": True}, "maximize=True")],
+)
+def test_options_the_kernel_lacks_run_torchs_step_and_say_so_once(device, options, said):
+    a, b = twins(device)
+    ours, ref = AdamW(a, lr=1e-2, **options), torch.optim.AdamW(b, lr=1e-2, **options)
+    reset_dispatch_counts()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        adamw_module._dispatch._WARNED.clear()
+        for step in range(2):
+            give_grads(a, b, seed=step)
+            ours.step()
+            ref.step()
+    said_lines = [str(w.message) for w in caught if "opadvisor.kernels.adamw" in str(w.message)]
+    assert said_lines == [f"opadvisor.kernels.adamw: {said}: torch's AdamW step runs"]
+    assert dispatch_counts()["adamw"] == {"reference": 2}
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_float64_and_non_contiguous_parameters_run_torchs_step(device):
+    a, b = twins(device, torch.float64)
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
+    give_grads(a, b, seed=0)
+    with pytest.warns(RuntimeWarning, match="not torch.float64: torch's AdamW step runs"):
+        adamw_module._dispatch._WARNED.clear()
+        ours.step()
+    ref.step()
+    assert_same_state(ours, ref, a, b)
+
+    leaf = torch.randn(6, 4, device=device).t().detach().requires_grad_()  # a transposed leaf
+    leaf.grad = torch.ones_like(leaf)
+    adamw_module._dispatch._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match="a non-contiguous parameter or gradient"):
+        AdamW([leaf]).step()
+
+
+@pytest.mark.parametrize("options", [{}, {"amsgrad": True}], ids=["kernel", "torch"])
+def test_step_hooks_run_once_per_step_on_either_path(device, options):
+    a, _ = twins(device)
+    opt = AdamW(a, **options)
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append("pre"))
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    for p in a:
+        p.grad = torch.ones_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert calls == ["pre", "post"]
+
+
+def test_gradscaler_unscales_for_it_even_where_fused_was_asked(device):
+    a, _ = twins(device)
+    assert AdamW(a, fused=True)._step_supports_amp_scaling is False
+    assert AdamW(a)._step_supports_amp_scaling is False
+
+
+def test_tables_are_made_again_only_when_a_tensor_moved(device, monkeypatch):
+    a, b = twins(device)
+    made = []
+    real = adamw_module.make_tables
+    monkeypatch.setattr(adamw_module, "make_tables", lambda t: made.append(1) or real(t))
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    give_grads(a, b, seed=0)
+    for _ in range(2):  # the same gradient tensors: one table
+        ours.step()
+        ref.step()
+    assert len(made) == 1
+    give_grads(a, b, seed=1)  # new gradient tensors (as zero_grad(set_to_none=True) then backward makes)
+    ours.step()
+    ref.step()
+    assert len(made) == 2
+    assert_same_state(ours, ref, a, b)
+
+
+def test_cpu_parameters_without_the_interpreter_run_torchs_step_without_a_word(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU's implementation: torch's own step
+    a, b = twins("cpu")
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
+    give_grads(a, b, seed=0)
+    reset_dispatch_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours.step()
+    ref.step()
+    assert dispatch_counts()["adamw"] == {"reference": 1}
+    assert_same_state(ours, ref, a, b)

@@ -123,6 +123,9 @@ class AdamW(torch.optim.AdamW):
                 DTYPE=_TRITON_DTYPES[dtype](), BLOCK=BLOCK, RNE=_backend.emulate_rne(params[0]),
                 num_warps=NUM_WARPS,
             )  # fmt: skip
+        # in-place updates, as torch's step makes them: autograd then refuses a backward through a graph
+        # that saved one of these tensors before the step (the kernel's stores do not count as writes)
+        torch.autograd.graph.increment_version([t for p, _, m, v in tensors for t in (p, m, v)])
         _dispatch.record(OP, _backend.backend(device))
 
     def _tables_for(self, tensors: list[tuple[torch.Tensor, ...]]) -> _Tables:

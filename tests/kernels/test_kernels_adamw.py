@@ -239,3 +239,12 @@ def test_cpu_parameters_without_the_interpreter_run_torchs_step_without_a_word(m
     ref.step()
     assert dispatch_counts()["adamw"] == {"reference": 1}
     assert_same_state(ours, ref, a, b)
+
+
+def test_a_step_counts_as_an_in_place_change_of_the_parameters_it_updates(device):
+    (w,), _ = twins(device, shapes=[(4,)])
+    saved = (w * w).sum()  # saves w for its backward
+    w.grad = torch.ones_like(w)
+    AdamW([w]).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()

@@ -3,8 +3,9 @@
 torch's fused AdamW (`fused=True`) moves 28 bytes per float32 parameter a step (parameter, gradient and
 both moments read, three written) at about 2.7 TB/s on an H200, 56% of its memory bandwidth: 12.9 ms a step
 for a 1.5B-parameter Llama. This optimizer's kernel does the same arithmetic (float32 math, IEEE square root
-and divisions, torch's order of operations) over flat blocks of every tensor, reading the tensors' addresses
-from a table (see `_adamw_triton`): one launch per group, no copies, the tensors where the model keeps them.
+and divisions, torch's order of operations) over flat blocks of every tensor, finding the tensors from
+tables of their offsets from one of them (see `_adamw_triton`: 16-byte loads and stores where the tensors are
+aligned, as allocated tensors are): one launch per group, no copies, the tensors where the model keeps them.
 
 Everything else is torch's AdamW, which this class subclasses: the constructor and its arguments, the
 parameter groups, `state_dict` / `load_state_dict` (the same state: `step`, `exp_avg`, `exp_avg_sq`), so a
@@ -118,10 +119,10 @@ class AdamW(torch.optim.AdamW):
         _backend.check_launch_device(device)
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             _adamw_triton.adamw_kernel[(tables.blocks,)](
-                *tables.addresses, tables.numel, tables.block_tensor, tables.block_start,
-                lr * wd, beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps,
-                DTYPE=_TRITON_DTYPES[dtype](), BLOCK=BLOCK, RNE=_backend.emulate_rne(params[0]),
-                num_warps=NUM_WARPS,
+                tables.base, tables.offsets, tables.numel, tables.first_block, tables.block_tensor,
+                len(tensors), lr * wd, beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps,
+                BLOCK=BLOCK, VEC=16 // params[0].element_size(), ALIGNED=tables.aligned,
+                RNE=_backend.emulate_rne(params[0]), num_warps=NUM_WARPS,
             )  # fmt: skip
         # in-place updates, as torch's step makes them: autograd then refuses a backward through a graph
         # that saved one of these tensors before the step (the kernel's stores do not count as writes)
@@ -132,7 +133,7 @@ class AdamW(torch.optim.AdamW):
         """The launch's tables, made again only when a tensor moved (gradients set to None are made anew
         each backward, mostly at the addresses they had)."""
         addresses = tuple(t.data_ptr() for four in tensors for t in four)
-        key = (tensors[0][0].device, addresses)
+        key = (tensors[0][0].device, addresses, tuple(four[0].numel() for four in tensors))
         tables = self._tables.get(key)
         if tables is None:
             if len(self._tables) >= 8:  # one per group and bucket in a steady state
@@ -143,30 +144,34 @@ class AdamW(torch.optim.AdamW):
 
 @dataclass
 class _Tables:
-    addresses: tuple[torch.Tensor, ...]  # P, G, M, V: int64 [tensors] each
+    base: torch.Tensor  # the tensor the offsets count from (a parameter)
+    offsets: torch.Tensor  # int64 [4, tensors]: p, g, m, v, in elements from base
     numel: torch.Tensor  # int64 [tensors]
+    first_block: torch.Tensor  # int32 [tensors]
     block_tensor: torch.Tensor  # int32 [blocks]
-    block_start: torch.Tensor  # int64 [blocks]
     blocks: int
+    aligned: bool  # every tensor starts on 16 bytes
 
 
 def make_tables(tensors: Sequence[tuple[torch.Tensor, ...]]) -> _Tables:
-    """The address, size and block tables of one launch (see `_adamw_triton`), copied to the device once."""
-    device = tensors[0][0].device
+    """The tables of one launch (see `_adamw_triton`), copied to the device once."""
+    base = tensors[0][0]
+    size = base.element_size()
+    addresses = [[four[k].data_ptr() for four in tensors] for k in range(4)]
     numels = [four[0].numel() for four in tensors]
-    counts = [-(-n // BLOCK) for n in numels]
-    rows = [[four[k].data_ptr() for four in tensors] for k in range(4)]
-    host = torch.tensor([*rows, numels], dtype=torch.int64)
-    block_tensor = torch.repeat_interleave(
-        torch.arange(len(tensors), dtype=torch.int32), torch.tensor(counts)
+    counts = torch.tensor([-(-n // BLOCK) for n in numels])
+    host = (
+        torch.tensor([[(a - base.data_ptr()) // size for a in row] for row in addresses], dtype=torch.int64),
+        torch.tensor(numels, dtype=torch.int64),
+        (torch.cumsum(counts, 0) - counts).to(torch.int32),
+        torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32), counts),
     )
-    first = torch.cumsum(torch.tensor([0, *counts[:-1]]), 0)
-    block_start = (torch.arange(sum(counts)) - torch.repeat_interleave(first, torch.tensor(counts))) * BLOCK
+    device = base.device
     on_device = tuple(  # pinned: copied without waiting for the work queued before the copy
-        t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-        for t in (host, block_tensor, block_start)
+        t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in host
     )
-    return _Tables(tuple(on_device[0][:4]), on_device[0][4], on_device[1], on_device[2], sum(counts))
+    aligned = all(a % 16 == 0 for row in addresses for a in row)
+    return _Tables(base, *on_device, blocks=int(counts.sum()), aligned=aligned)
 
 
 def _buckets(params: list[torch.Tensor], steps: list[torch.Tensor]) -> dict[tuple, list[int]]:
@@ -227,19 +232,3 @@ def _torch_step(optimizer: AdamW) -> None:
 def _step_dtype() -> torch.dtype:
     """The dtype of torch's `step` counters (float64 where the default dtype is)."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-
-
-def _triton_dtype(name: str) -> Callable:
-    def get():
-        import triton.language as tl
-
-        return getattr(tl, name)
-
-    return get
-
-
-_TRITON_DTYPES = {
-    torch.float32: _triton_dtype("float32"),
-    torch.float16: _triton_dtype("float16"),
-    torch.bfloat16: _triton_dtype("bfloat16"),
-}

@@ -248,3 +248,15 @@ def test_a_step_counts_as_an_in_place_change_of_the_parameters_it_updates(device
     AdamW([w]).step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+def test_tensors_that_do_not_start_on_16_bytes_are_updated_all_the_same(device):
+    flat = torch.randn(1 + 300 + 77, device=device)
+    a = [flat[1:301].detach().requires_grad_(), flat[301:].detach().requires_grad_()]  # 4 and 1204 bytes in
+    b = [p.detach().clone().requires_grad_() for p in a]
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    give_grads(a, b, seed=0)
+    ours.step()
+    ref.step()
+    assert_same_state(ours, ref, a, b)
+    assert not next(iter(ours._tables.values())).aligned

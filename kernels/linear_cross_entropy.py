@@ -138,7 +138,15 @@ class _Head:
         self.w = _padded_weight(weight, dtype)  # [padded vocabulary, H]: its extra rows are zeros
         self.b = None if bias is None else F.pad(bias.to(dtype), (0, self.w.shape[0] - self.vocab))
         zeros = functools.partial(torch.zeros, dtype=torch.float32, device=weight.device)
-        self.dw = zeros(self.w.shape) if grad_weight and chunked else None
+        # the first chunk's product writes dw whole where it can (cuBLAS's beta = 0): no zeros written first
+        self.dw_in_product = _first_product_writes(weight.device, dtype)
+        make_dw = torch.empty if self.dw_in_product else torch.zeros
+        self.dw = (
+            make_dw(self.w.shape, dtype=torch.float32, device=weight.device)
+            if grad_weight and chunked
+            else None
+        )
+        self.dw_started = False
         self.db = zeros(self.w.shape[0]) if grad_bias else None
 
     def logits(self, h, out):
@@ -194,7 +202,11 @@ def _chunk_gradients(head: _Head, dlogits, h, dh, grad_weight: bool) -> None:
     elif dh is not None:
         dh.copy_(torch.mm(dlogits, head.w))
     if grad_weight and head.dw is not None:
-        _accumulate(head.dw, dlogits.t(), h)
+        if head.dw_in_product and not head.dw_started:
+            torch.addmm(head.dw, dlogits.t(), h, out_dtype=head.dw.dtype, beta=0, out=head.dw)
+        else:
+            _accumulate(head.dw, dlogits.t(), h)
+        head.dw_started = True
     if head.db is not None:
         head.db += dlogits.sum(0, dtype=torch.float32)
 
@@ -210,6 +222,37 @@ def _accumulate(dw: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 _HAS_ADDMM_DTYPE_OUT = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _first_product_writes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the first chunk's weight-gradient product can write the float32 buffer whole (addmm with a
+    float32 output and beta = 0 on a buffer never written: 1 GiB of zeros and their read saved a step at
+    Llama-3's head). Asked of this torch once per device and dtype with a small product over a buffer of
+    NaN, which beta = 0 must ignore; where it raises or keeps a NaN, the buffer starts as zeros instead.
+    Not asked while a CUDA graph is captured (the answer is read on the host): zeros then."""
+    if device.type != "cuda" or dtype == torch.float32 or not _HAS_ADDMM_DTYPE_OUT:
+        return False
+    key = (device, dtype)
+    if key not in _FIRST_PRODUCT_WRITES:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _FIRST_PRODUCT_WRITES[key] = _probe_beta_zero(device, dtype)
+    return _FIRST_PRODUCT_WRITES[key]
+
+
+_FIRST_PRODUCT_WRITES: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _probe_beta_zero(device: torch.device, dtype: torch.dtype) -> bool:
+    a = torch.ones(16, 8, dtype=dtype, device=device)
+    b = torch.ones(8, 16, dtype=dtype, device=device)
+    out = torch.full((16, 16), float("nan"), device=device)
+    try:
+        torch.addmm(out, a, b, out_dtype=torch.float32, beta=0, out=out)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((out == 8).all())
+
 
 # The vocabulary is padded to a multiple of PAD_MULTIPLE inside the op: at GPT-2's 50257 classes the chunk's
 # logits otherwise have a leading dimension cuBLAS cannot vectorise, and all three products ran sm75-era

@@ -329,6 +329,8 @@ def test_linear_cross_entropy_on_cuda_chunked_under_autocast(monkeypatch) -> Non
     (got, (gh, gw)), peak = peak_of(linear_cross_entropy)
     (want, (wh, ww)), eager_peak = peak_of(reference_linear_cross_entropy)
     assert rel_err(got, want) <= 1e-4 and rel_err(gh, wh) <= 2e-2 and rel_err(gw, ww) <= 2e-2
+    # the first chunk's weight-gradient product wrote the float32 buffer whole (beta = 0), no zeros first
+    assert lce._first_product_writes(weight.device, torch.bfloat16)
     # eager holds the [3072, 32000] logits in bf16 and float32 and their gradients; here one chunk at a time
     assert peak < 0.6 * eager_peak, (peak, eager_peak)
 

@@ -23,6 +23,8 @@
   the ``n`` copies autocast makes and keeps for backward), gradients summed in float32 as eager does.
 - ``AdamW``: ``torch.optim.AdamW`` (same arguments, same state) whose step updates all of a group's tensors
   in one launch, at close to the GPU's memory bandwidth.
+- ``autocast_linear(x, weight, bias=None)``: ``F.linear`` under autocast whose float32 weight's gradient the
+  product writes in float32 (with ``casts.WEIGHT_GRAD_F32`` on CUDA; eager's computation otherwise).
 - ``compile_region``: a decorator compiling one function with torch.compile, the original kept on failure.
 - ``fixed_dropout_seed(seed=(1, 2, 3))``: a context manager in which every dropout of these kernels uses
   one seed (the same mask each call): for timing CUDA-graph replays and debugging, never for training.
@@ -47,7 +49,7 @@ from .activations import (
     silu_mul_linear,
 )
 from .adamw import AdamW
-from .casts import autocast_shared
+from .casts import autocast_linear, autocast_shared
 from .cross_entropy import cross_entropy, cross_entropy_backend, reference_cross_entropy
 from .dropout_add import bias_dropout_add, bias_dropout_add_backend, reference_bias_dropout_add
 from .graphs import cuda_graphed
@@ -70,6 +72,7 @@ __all__ = [
     "EAGER",
     "cuda_graph_capturing",
     "is_kv_cache",
+    "autocast_linear",
     "autocast_shared",
     "PaddedLinear",
     "backend",

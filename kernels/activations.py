@@ -28,6 +28,7 @@ import torch
 from . import _backend, _dispatch
 from . import _layout as layout
 from ._launch import Launcher
+from .casts import weight_grad
 from .linear_cross_entropy import compute_dtype
 
 BLOCK = 2048
@@ -246,7 +247,7 @@ class SiluMulLinearFunction(torch.autograd.Function):
         # y (silu_mul's output) only for the weight's gradient: a frozen weight needs none written
         y = torch.empty(g.shape, dtype=g.dtype, device=g.device) if ctx.needs_input_grad[2] else None
         dg, du = _silu_mul_backward(g, u, dy, y)
-        dw = None if y is None else d2.t().mm(y.to(ctx.dtype).view(-1, y.shape[-1])).to(weight.dtype)
+        dw = None if y is None else weight_grad(d2, y.to(ctx.dtype).view(-1, y.shape[-1]), weight.dtype)
         return dg, du, dw, None
 
 

@@ -9,7 +9,7 @@ import sys
 
 import torch.nn as nn
 
-from opadvisor.kernels import autocast_shared
+from opadvisor.kernels import autocast_linear, autocast_shared, casts
 
 from .arguments import _arguments, _kv_cache, _named_parameters, _update_cache
 from .fingerprint import _fingerprint_problem
@@ -62,7 +62,17 @@ def _swiglu_mlp(module: nn.Module, state: _State, x):
 
     gx, ux = autocast_shared(x, 2)  # one 16-bit copy for the gate and up projections
     down = module.down_proj  # its input, silu_mul's output, is computed again in backward, not kept
-    return silu_mul_linear(module.gate_proj(gx), module.up_proj(ux), down.weight, down.bias)
+    return silu_mul_linear(
+        _project(module.gate_proj, gx), _project(module.up_proj, ux), down.weight, down.bias
+    )
+
+
+def _project(linear: nn.Linear, x):
+    """`linear(x)`; with `opadvisor.kernels.casts.WEIGHT_GRAD_F32` its weight's gradient written in float32 by
+    the product (autocast_linear; the check at patch time found a plain nn.Linear without hooks)."""
+    if casts.WEIGHT_GRAD_F32:
+        return autocast_linear(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 def _check_llama_attention(module: nn.Module) -> str | None:
@@ -89,9 +99,9 @@ def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **k
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     qx, kx, vx = autocast_shared(hidden_states, 3)  # one 16-bit copy for the three projections
-    q = module.q_proj(qx).view(hidden_shape).transpose(1, 2)
-    k = module.k_proj(kx).view(hidden_shape).transpose(1, 2)
-    v = module.v_proj(vx).view(hidden_shape).transpose(1, 2)
+    q = _project(module.q_proj, qx).view(hidden_shape).transpose(1, 2)
+    k = _project(module.k_proj, kx).view(hidden_shape).transpose(1, 2)
+    v = _project(module.v_proj, vx).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = rotary_embedding(q, cos, sin), rotary_embedding(k, cos, sin)
     cache = _kv_cache(args, kwargs)
@@ -112,4 +122,4 @@ def _llama_attention(module: nn.Module, state: _State, hidden_states, *args, **k
         scaling=module.scaling,
         **extra,
     )
-    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+    return _project(module.o_proj, out.reshape(*input_shape, -1).contiguous()), weights

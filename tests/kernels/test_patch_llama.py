@@ -145,6 +145,27 @@ def test_under_bf16_autocast_no_first_call_check_falls_back(reference_path) -> N
     assert not [why for _, _, why in opadvisor.patch_report(model).left if why.startswith("fell back")]
 
 
+def test_weight_gradients_in_float32_are_eagers_on_the_cpu(monkeypatch, reference_path) -> None:
+    """casts.WEIGHT_GRAD_F32: the projections go through autocast_linear, which on the CPU (no float32-output
+    product there) computes what each nn.Linear computes under autocast: the same loss and gradients, bit for
+    bit (on CUDA the weights' gradients are the products' float32 sums: test_on_cuda_... below)."""
+    from opadvisor.kernels import casts
+
+    def run(flag: bool):
+        monkeypatch.setattr(casts, "WEIGHT_GRAD_F32", flag)
+        model = opadvisor.patch(tiny(), quiet=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids(), labels=ids()).loss
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters()}
+
+    (loss, grads), (loss_f32, grads_f32) = run(False), run(True)
+    assert torch.equal(loss, loss_f32)
+    assert grads.keys() == grads_f32.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_f32[name]), name
+
+
 def test_a_changed_class_is_refused_by_name(monkeypatch, capsys, reference_path) -> None:
     cls = transformers.models.mistral.modeling_mistral.MistralRMSNorm
 
@@ -234,10 +255,16 @@ def test_an_eager_llama_gets_the_attention_switch_inside_the_loss_patch(referenc
 
 
 @pytest.mark.gpu
-def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses() -> None:
+@pytest.mark.parametrize("weight_grad_f32", [False, True], ids=["eager-casts", "weight-grad-f32"])
+def test_on_cuda_under_bf16_autocast_the_kernels_run_and_keep_the_losses(
+    weight_grad_f32, monkeypatch
+) -> None:
     """A small Llama (Llama-3's vocabulary) on the GPU: every first-call check passes under bf16 autocast, the
-    Triton kernels run, and three AdamW steps give the original's losses (bf16 rounding apart)."""
-    from opadvisor.kernels import dispatch_counts, reset_dispatch_counts
+    Triton kernels run, and three AdamW steps give the original's losses (bf16 rounding apart), also where the
+    projections' weight gradients are written in float32 (casts.WEIGHT_GRAD_F32)."""
+    from opadvisor.kernels import casts, dispatch_counts, reset_dispatch_counts
+
+    monkeypatch.setattr(casts, "WEIGHT_GRAD_F32", weight_grad_f32)
 
     config = transformers.LlamaConfig(
         vocab_size=128256, hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,

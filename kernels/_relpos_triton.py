@@ -98,3 +98,70 @@ def disentangled_bias_bwd_kernel(
         if HAS_P2C:
             pi = tl.load(PI + j[None, :] * spi0 + i[:, None] * spi1, mask=ok, other=0)
             tl.atomic_add(DP2C + n * Sk * P2 + j[None, :] * P2 + pi, g, mask=ok, sem="relaxed")
+
+
+# ---- the backward as segmented sums (relpos.BACKWARD = "segments") -------------------------------------------
+# DeBERTa's indices are monotone along the summed axis: a query row's c2p index falls as the key moves right
+# (the relative position i - j falls), a key's p2c index rises with the query. Equal indices then form one run
+# per row, and the scatter-add is a sum per run: a segmented scan of the row, each run's sum stored once at its
+# index by the run's last element. No atomics, each output written by one program; a row that is not monotone
+# (neither non-increasing nor non-decreasing: an index of another model) is scatter-added with atomics as in
+# disentangled_bias_bwd_kernel, so the result never depends on the promise.
+
+
+@triton.jit
+def _segmented_add(v1, f1, v2, f2):
+    """Segmented sum: a run restarts where its flag (the run's first element) is set."""
+    return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
+
+
+@triton.jit
+def _runs_store(DST, g, idx, prev, nxt, ok, has_next, AXIS: tl.constexpr):
+    """Store each run's sum of g at DST + idx (one store per run) where the runs along AXIS are monotone; add
+    g with atomics elsewhere. prev / nxt: the index before / after each element (-1 outside the row)."""
+    first = (idx != prev).to(tl.int32)
+    last = idx != nxt
+    up = tl.max((ok & has_next & (nxt > idx)).to(tl.int32), axis=AXIS)
+    down = tl.max((ok & has_next & (nxt < idx)).to(tl.int32), axis=AXIS)
+    monotone = tl.expand_dims((up == 0) | (down == 0), AXIS)
+    sums, _ = tl.associative_scan((g, first), axis=AXIS, combine_fn=_segmented_add)
+    tl.store(DST + idx, sums, mask=ok & last & monotone)
+    tl.atomic_add(DST + idx, g, mask=ok & (monotone == 0), sem="relaxed")
+
+
+@triton.jit
+def c2p_bwd_runs_kernel(
+    G, CI, DC2P, Sq, Sk, P1, sg0, sg1, sg2, sci0, sci1, inv_scale,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr,
+):  # fmt: skip
+    """dc2p[n, i, ci[i, j]] += g[n, i, j] * inv_scale: ROWS query rows of one batch-head, every key at once."""
+    n = widen(tl.program_id(0), I64)
+    i = widen(tl.program_id(1), I64) * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, BLOCK)
+    ok = (i < Sq)[:, None] & (j < Sk)[None, :]
+    has_next = (j + 1 < Sk)[None, :]
+    g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
+    at = CI + i[:, None] * sci0 + j[None, :] * sci1
+    idx = tl.load(at, mask=ok, other=-1)
+    prev = tl.load(at - sci1, mask=ok & (j > 0)[None, :], other=-1)
+    nxt = tl.load(at + sci1, mask=ok & has_next, other=-1)
+    _runs_store(DC2P + n * Sq * P1 + i[:, None] * P1, g * inv_scale, idx, prev, nxt, ok, has_next, 1)
+
+
+@triton.jit
+def p2c_bwd_runs_kernel(
+    G, PI, DP2C, Sq, Sk, P2, sg0, sg1, sg2, spi0, spi1, inv_scale,
+    COLS: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr,
+):  # fmt: skip
+    """dp2c[n, j, pi[j, i]] += g[n, i, j] * inv_scale: COLS keys of one batch-head, every query at once."""
+    n = widen(tl.program_id(0), I64)
+    j = widen(tl.program_id(1), I64) * COLS + tl.arange(0, COLS)
+    i = tl.arange(0, BLOCK)
+    ok = (i < Sq)[:, None] & (j < Sk)[None, :]
+    has_next = (i + 1 < Sq)[:, None]
+    g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
+    at = PI + j[None, :] * spi0 + i[:, None] * spi1
+    idx = tl.load(at, mask=ok, other=-1)
+    prev = tl.load(at - spi1, mask=ok & (i > 0)[:, None], other=-1)
+    nxt = tl.load(at + spi1, mask=ok & has_next, other=-1)
+    _runs_store(DP2C + n * Sk * P2 + j[None, :] * P2, g * inv_scale, idx, prev, nxt, ok, has_next, 0)

@@ -147,12 +147,22 @@ def _relpos_inputs(n, s, span, device, dtype=torch.float32, seed=0):
 @pytest.mark.usefixtures("every_size")
 @pytest.mark.parametrize(("n", "s", "span"), [(3, 9, 2), (2, 37, 8), (1, 5, 16)])
 @pytest.mark.parametrize("terms", ["both", "c2p", "p2c"])
-def test_disentangled_bias_forward_and_backward(n, s, span, terms, device, monkeypatch):
+@pytest.mark.parametrize(
+    ("backward", "index"), [("atomic", "deberta"), ("runs", "deberta"), ("runs", "shuffled")]
+)
+def test_disentangled_bias_forward_and_backward(n, s, span, terms, backward, index, device, monkeypatch):
+    """Values and gradients of the reference, with either backward; "shuffled" indices (no row monotone)
+    take the runs kernels' atomic path."""
     if device.type == "cpu":
         monkeypatch.setattr(
             relpos, "BLOCK", 16
         )  # several key tiles per row at a size the interpreter runs fast
+    monkeypatch.setattr(relpos, "BACKWARD", backward)
     c2p, p2c, ci, pi = _relpos_inputs(n, s, span, device)
+    if index == "shuffled":
+        g = torch.Generator().manual_seed(1)
+        ci = torch.randint(0, 2 * span, tuple(ci.shape), generator=g).to(device)
+        pi = torch.randint(0, 2 * span, tuple(pi.shape), generator=g).to(device)
     if terms == "c2p":
         p2c = pi = None
     if terms == "p2c":
@@ -178,7 +188,9 @@ def test_disentangled_bias_forward_and_backward(n, s, span, terms, device, monke
 
 
 @pytest.mark.usefixtures("every_size")
-def test_disentangled_bias_bf16_gradients_accumulate_in_float32(device):
+@pytest.mark.parametrize("backward", relpos.BACKWARDS)
+def test_disentangled_bias_bf16_gradients_accumulate_in_float32(backward, device, monkeypatch):
+    monkeypatch.setattr(relpos, "BACKWARD", backward)
     c2p, p2c, ci, pi = _relpos_inputs(2, 64, 4, device, torch.bfloat16)  # many keys share a bucket
     dy = torch.randn(2, 64, 64, device=device).bfloat16()
     a, b = c2p.clone().requires_grad_(), p2c.clone().requires_grad_()

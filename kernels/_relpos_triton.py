@@ -118,7 +118,8 @@ def _segmented_add(v1, f1, v2, f2):
 @triton.jit
 def _runs_store(DST, g, idx, prev, nxt, ok, has_next, AXIS: tl.constexpr):
     """Store each run's sum of g at DST + idx (one store per run) where the runs along AXIS are monotone; add
-    g with atomics elsewhere. prev / nxt: the index before / after each element (-1 outside the row)."""
+    g with atomics elsewhere. prev / nxt: the index before / after each element (-1 outside the row); all
+    three int32 (an index into a table row), which halves the registers of a tile."""
     first = (idx != prev).to(tl.int32)
     last = idx != nxt
     up = tl.max((ok & has_next & (nxt > idx)).to(tl.int32), axis=AXIS)
@@ -142,9 +143,9 @@ def c2p_bwd_runs_kernel(
     has_next = (j + 1 < Sk)[None, :]
     g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
     at = CI + i[:, None] * sci0 + j[None, :] * sci1
-    idx = tl.load(at, mask=ok, other=-1)
-    prev = tl.load(at - sci1, mask=ok & (j > 0)[None, :], other=-1)
-    nxt = tl.load(at + sci1, mask=ok & has_next, other=-1)
+    idx = tl.load(at, mask=ok, other=-1).to(tl.int32)
+    prev = tl.load(at - sci1, mask=ok & (j > 0)[None, :], other=-1).to(tl.int32)
+    nxt = tl.load(at + sci1, mask=ok & has_next, other=-1).to(tl.int32)
     _runs_store(DC2P + n * Sq * P1 + i[:, None] * P1, g * inv_scale, idx, prev, nxt, ok, has_next, 1)
 
 
@@ -161,7 +162,7 @@ def p2c_bwd_runs_kernel(
     has_next = (i + 1 < Sq)[:, None]
     g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
     at = PI + j[None, :] * spi0 + i[:, None] * spi1
-    idx = tl.load(at, mask=ok, other=-1)
-    prev = tl.load(at - spi1, mask=ok & (i > 0)[:, None], other=-1)
-    nxt = tl.load(at + spi1, mask=ok & has_next, other=-1)
+    idx = tl.load(at, mask=ok, other=-1).to(tl.int32)
+    prev = tl.load(at - spi1, mask=ok & (i > 0)[:, None], other=-1).to(tl.int32)
+    nxt = tl.load(at + spi1, mask=ok & has_next, other=-1).to(tl.int32)
     _runs_store(DP2C + n * Sk * P2 + j[None, :] * P2, g * inv_scale, idx, prev, nxt, ok, has_next, 0)

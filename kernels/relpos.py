@@ -50,7 +50,7 @@ COMPILE_PATH = "backward_op"  # under torch.compile; see the module doc
 BACKWARD = "atomic"
 BACKWARDS = ("atomic", "runs")
 RUNS_MAX = 2048
-RUNS_COLS = 16  # keys per program of the p2c kernel (a column tile of [Sq, RUNS_COLS])
+RUNS_COLS = 8  # keys per program of the p2c kernel (a column tile of [Sq, RUNS_COLS], 8 warps)
 
 
 def disentangled_bias_backend(table: torch.Tensor) -> str:
@@ -202,7 +202,7 @@ def _backward_runs(g, ci, pi, dc2p, dp2c, scale, n, sq, sk) -> None:
         p2c_runs(
             (n, (sk + RUNS_COLS - 1) // RUNS_COLS),
             (g, pi, dp2c, sq, sk, dp2c.shape[2], *g.stride(), *pi.stride(), 1.0 / scale),
-            {"COLS": RUNS_COLS, "BLOCK": triton_next_power_of_2(sq), "I64": i64, "num_warps": 4},
+            {"COLS": RUNS_COLS, "BLOCK": triton_next_power_of_2(sq), "I64": i64, "num_warps": 8},
         )
 
 

@@ -11,12 +11,14 @@ one fused pass must read and write each way at this device's measured copy bandw
 - DeBERTa's XDropout (bernoulli mask, masked_fill, scale) vs opadvisor.kernels.dropout, on attention
   probabilities [8, 12, 512, 512] float32 and hidden states [8, 512, 768] bf16
 - DeBERTa's relative-position scores (two gathers, transpose, two scalings, a sum) vs
-  opadvisor.kernels.disentangled_bias, [96, 512, 512] bf16 out of [96, 512, 512] tables
+  opadvisor.kernels.disentangled_bias, [96, 512, 512] bf16 out of [96, 512, 512] tables, its backward as
+  atomic scatter-adds (relpos.BACKWARD "atomic") and as segmented sums ("runs")
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import platform
 import sys
@@ -107,7 +109,25 @@ def cases(dev: str):
          lambda x: kernels.dropout(x, 0.1), [hidden], 4 * hidden.numel() * 2),
         ("relative-position scores [96, 512, 512] bf16", lambda a, b: relpos_by_hand(a, b, ci, pi, scale),
          lambda a, b: kernels.disentangled_bias(a, b, ci, pi, scale), [c2p, p2c], relpos_floor),
+        ("relative-position scores, backward runs", lambda a, b: relpos_by_hand(a, b, ci, pi, scale),
+         lambda a, b: kernels.disentangled_bias(a, b, ci, pi, scale), [c2p, p2c], relpos_floor,
+         {"BACKWARD": "runs"}),
     ]  # fmt: skip
+
+
+@contextlib.contextmanager
+def relpos_settings(settings: dict):
+    """opadvisor.kernels.relpos's switches set for one row, restored after."""
+    from opadvisor.kernels import relpos
+
+    saved = {name: getattr(relpos, name) for name in settings}
+    for name, value in settings.items():
+        setattr(relpos, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(relpos, name, value)
 
 
 def main() -> int:
@@ -136,7 +156,7 @@ def main() -> int:
         "| chain | by hand, eager | by hand, torch.compile | opadvisor's fix | floor | fix vs by hand |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for name, by_hand, fix, inputs, floor_bytes in cases("cuda"):
+    for name, by_hand, fix, inputs, floor_bytes, *settings in cases("cuda"):
         t_hand = bench(fwd_bwd(by_hand, inputs))
         t_comp = float("nan")
         if opts.compile:
@@ -144,7 +164,8 @@ def main() -> int:
                 t_comp = bench(fwd_bwd(torch.compile(by_hand), inputs))
             except Exception as exc:  # noqa: BLE001 - a chain dynamo cannot compile is a result too
                 print(f"{name}: torch.compile failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        t_fix = bench(fwd_bwd(fix, inputs))
+        with relpos_settings(settings[0] if settings else {}):
+            t_fix = bench(fwd_bwd(fix, inputs))
         floor = floor_bytes / (bw * 1e9) * 1e3
         lines.append(
             f"| {name} | {t_hand:.3f} | {t_comp:.3f} | {t_fix:.3f} | {floor:.3f} | {t_hand / t_fix:.2f}x |"

@@ -116,53 +116,31 @@ def _segmented_add(v1, f1, v2, f2):
 
 
 @triton.jit
-def _runs_store(DST, g, idx, prev, nxt, ok, has_next, AXIS: tl.constexpr):
-    """Store each run's sum of g at DST + idx (one store per run) where the runs along AXIS are monotone; add
-    g with atomics elsewhere. prev / nxt: the index before / after each element (-1 outside the row); all
-    three int32 (an index into a table row), which halves the registers of a tile."""
+def bwd_runs_kernel(
+    G, IDX, D, n_o, n_r, P, sg0, so, sr, sio, sir, inv_scale,
+    OUTER: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr,
+):  # fmt: skip
+    """d[n, o, idx[o, r]] += g[n, o, r] * inv_scale (g's strides: sg0, so, sr), summed along r: OUTER rows o
+    of one batch-head, every r at once. c2p: o = query i, r = key j, idx = ci; p2c: o = key j, r = query
+    i, idx = pi (g's strides swapped). Each run of equal indices along r is summed by a segmented scan and
+    stored once, by its last element, where the row is monotone; atomics add the rest."""
+    n = widen(tl.program_id(0), I64)
+    o = widen(tl.program_id(1), I64) * OUTER + tl.arange(0, OUTER)
+    r = tl.arange(0, BLOCK)
+    ok = (o < n_o)[:, None] & (r < n_r)[None, :]
+    has_next = (r + 1 < n_r)[None, :]
+    g = tl.load(G + n * sg0 + o[:, None] * so + r[None, :] * sr, mask=ok, other=0.0).to(tl.float32)
+    at = IDX + o[:, None] * sio + r[None, :] * sir
+    # int32 in registers (an index into a table row): half the registers of a tile
+    idx = tl.load(at, mask=ok, other=-1).to(tl.int32)
+    prev = tl.load(at - sir, mask=ok & (r > 0)[None, :], other=-1).to(tl.int32)
+    nxt = tl.load(at + sir, mask=ok & has_next, other=-1).to(tl.int32)
     first = (idx != prev).to(tl.int32)
     last = idx != nxt
-    up = tl.max((ok & has_next & (nxt > idx)).to(tl.int32), axis=AXIS)
-    down = tl.max((ok & has_next & (nxt < idx)).to(tl.int32), axis=AXIS)
-    monotone = tl.expand_dims((up == 0) | (down == 0), AXIS)
-    sums, _ = tl.associative_scan((g, first), axis=AXIS, combine_fn=_segmented_add)
-    tl.store(DST + idx, sums, mask=ok & last & monotone)
-    tl.atomic_add(DST + idx, g, mask=ok & (monotone == 0), sem="relaxed")
-
-
-@triton.jit
-def c2p_bwd_runs_kernel(
-    G, CI, DC2P, Sq, Sk, P1, sg0, sg1, sg2, sci0, sci1, inv_scale,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr,
-):  # fmt: skip
-    """dc2p[n, i, ci[i, j]] += g[n, i, j] * inv_scale: ROWS query rows of one batch-head, every key at once."""
-    n = widen(tl.program_id(0), I64)
-    i = widen(tl.program_id(1), I64) * ROWS + tl.arange(0, ROWS)
-    j = tl.arange(0, BLOCK)
-    ok = (i < Sq)[:, None] & (j < Sk)[None, :]
-    has_next = (j + 1 < Sk)[None, :]
-    g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
-    at = CI + i[:, None] * sci0 + j[None, :] * sci1
-    idx = tl.load(at, mask=ok, other=-1).to(tl.int32)
-    prev = tl.load(at - sci1, mask=ok & (j > 0)[None, :], other=-1).to(tl.int32)
-    nxt = tl.load(at + sci1, mask=ok & has_next, other=-1).to(tl.int32)
-    _runs_store(DC2P + n * Sq * P1 + i[:, None] * P1, g * inv_scale, idx, prev, nxt, ok, has_next, 1)
-
-
-@triton.jit
-def p2c_bwd_runs_kernel(
-    G, PI, DP2C, Sq, Sk, P2, sg0, sg1, sg2, spi0, spi1, inv_scale,
-    COLS: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr,
-):  # fmt: skip
-    """dp2c[n, j, pi[j, i]] += g[n, i, j] * inv_scale: COLS keys of one batch-head, every query at once."""
-    n = widen(tl.program_id(0), I64)
-    j = widen(tl.program_id(1), I64) * COLS + tl.arange(0, COLS)
-    i = tl.arange(0, BLOCK)
-    ok = (i < Sq)[:, None] & (j < Sk)[None, :]
-    has_next = (i + 1 < Sq)[:, None]
-    g = tl.load(G + n * sg0 + i[:, None] * sg1 + j[None, :] * sg2, mask=ok, other=0.0).to(tl.float32)
-    at = PI + j[None, :] * spi0 + i[:, None] * spi1
-    idx = tl.load(at, mask=ok, other=-1).to(tl.int32)
-    prev = tl.load(at - spi1, mask=ok & (i > 0)[:, None], other=-1).to(tl.int32)
-    nxt = tl.load(at + spi1, mask=ok & has_next, other=-1).to(tl.int32)
-    _runs_store(DP2C + n * Sk * P2 + j[None, :] * P2, g * inv_scale, idx, prev, nxt, ok, has_next, 0)
+    up = tl.max((ok & has_next & (nxt > idx)).to(tl.int32), axis=1)
+    down = tl.max((ok & has_next & (nxt < idx)).to(tl.int32), axis=1)
+    monotone = ((up == 0) | (down == 0))[:, None]
+    sums, _ = tl.associative_scan((g * inv_scale, first), axis=1, combine_fn=_segmented_add)
+    dst = D + n * n_o * P + o[:, None] * P + idx
+    tl.store(dst, sums, mask=ok & last & monotone)
+    tl.atomic_add(dst, g * inv_scale, mask=ok & (monotone == 0), sem="relaxed")

@@ -118,10 +118,10 @@ def _launchers() -> tuple[Launcher, Launcher]:
 
 
 @functools.cache
-def _runs_launchers() -> tuple[Launcher, Launcher]:
+def _runs_launcher() -> Launcher:
     from . import _relpos_triton as k
 
-    return Launcher(k.c2p_bwd_runs_kernel), Launcher(k.p2c_bwd_runs_kernel)
+    return Launcher(k.bwd_runs_kernel)
 
 
 def _strides(t: torch.Tensor | None, fallback: torch.Tensor, k: int) -> tuple[int, ...]:
@@ -188,21 +188,22 @@ def _backward(g, ci, pi, shapes, scale, n, sq, sk):
 
 
 def _backward_runs(g, ci, pi, dc2p, dp2c, scale, n, sq, sk) -> None:
-    """`_backward` as segmented sums per row (BACKWARD "runs"): one kernel per table, each summing along its
+    """`_backward` as segmented sums per row (BACKWARD "runs"): one launch per table, each summing along its
     own axis (the keys of a query for c2p, the queries of a key for p2c) with the whole axis in one tile."""
-    c2p_runs, p2c_runs = _runs_launchers()
+    runs = _runs_launcher()
     i64 = _i64(n, sq, sk, (g, dc2p, dp2c))
-    if dc2p is not None:
-        c2p_runs(
+    sg0, sg1, sg2 = g.stride()
+    if dc2p is not None:  # rows: queries i, summed over keys j
+        runs(
             (n, (sq + ROWS - 1) // ROWS),
-            (g, ci, dc2p, sq, sk, dc2p.shape[2], *g.stride(), *ci.stride(), 1.0 / scale),
-            {"ROWS": ROWS, "BLOCK": triton_next_power_of_2(sk), "I64": i64, "num_warps": 4},
+            (g, ci, dc2p, sq, sk, dc2p.shape[2], sg0, sg1, sg2, *ci.stride(), 1.0 / scale),
+            {"OUTER": ROWS, "BLOCK": triton_next_power_of_2(sk), "I64": i64, "num_warps": 4},
         )
-    if dp2c is not None:
-        p2c_runs(
+    if dp2c is not None:  # rows: keys j, summed over queries i
+        runs(
             (n, (sk + RUNS_COLS - 1) // RUNS_COLS),
-            (g, pi, dp2c, sq, sk, dp2c.shape[2], *g.stride(), *pi.stride(), 1.0 / scale),
-            {"COLS": RUNS_COLS, "BLOCK": triton_next_power_of_2(sq), "I64": i64, "num_warps": 8},
+            (g, pi, dp2c, sk, sq, dp2c.shape[2], sg0, sg2, sg1, *pi.stride(), 1.0 / scale),
+            {"OUTER": RUNS_COLS, "BLOCK": triton_next_power_of_2(sq), "I64": i64, "num_warps": 8},
         )
 
 

@@ -100,7 +100,7 @@ def disentangled_bias_bwd_kernel(
             tl.atomic_add(DP2C + n * Sk * P2 + j[None, :] * P2 + pi, g, mask=ok, sem="relaxed")
 
 
-# ---- the backward as segmented sums (relpos.BACKWARD = "segments") -------------------------------------------
+# ---- the backward as segmented sums (relpos.BACKWARD = "runs") -----------------------------------------------
 # DeBERTa's indices are monotone along the summed axis: a query row's c2p index falls as the key moves right
 # (the relative position i - j falls), a key's p2c index rises with the query. Equal indices then form one run
 # per row, and the scatter-add is a sum per run: a segmented scan of the row, each run's sum stored once at its

@@ -1,8 +1,8 @@
 """`AdamW`: `torch.optim.AdamW` whose step updates all of a group's tensors in one Triton launch.
 
 torch's fused AdamW (`fused=True`) moves 28 bytes per float32 parameter a step (parameter, gradient and
-both moments read, three written) at about 2.7 TB/s on an H200, 56% of its memory bandwidth: 12.9 ms a step
-for a 1.5B-parameter Llama. This optimizer's kernel does the same arithmetic (float32 math, IEEE square root
+both moments read, three written): 12.9 ms a step for the 1.5B parameters of issue 31's Llama on an H200,
+about 3.25 TB/s, 68% of its memory bandwidth. This optimizer's kernel does the same arithmetic (float32 math, IEEE square root
 and divisions, torch's order of operations) over flat blocks of every tensor, finding the tensors from
 tables of their offsets from one of them (see `_adamw_triton`: 16-byte loads and stores where the tensors are
 aligned, as allocated tensors are): one launch per group, no copies, the tensors where the model keeps them.
@@ -12,8 +12,9 @@ parameter groups, `state_dict` / `load_state_dict` (the same state: `step`, `exp
 checkpoint moves between the two both ways, learning-rate schedulers, hooks. A step the kernel does not
 cover runs torch's own step (`fused`, `foreach` as given) and warns once why: options the kernel does not
 implement (amsgrad, maximize, capturable, differentiable, tensor hyperparameters), parameters that are not
-CUDA tensors (CPU tensors run the kernel under Triton's interpreter, `TRITON_INTERPRET=1`, as the other
-kernels do), not float32 / float16 / bfloat16, complex, sparse or non-contiguous gradients or parameters.
+float32 / float16 / bfloat16, complex, sparse or non-contiguous gradients or parameters, moments in another
+layout. CPU parameters run torch's step without a warning (the CPU's implementation, as for the other
+kernels), or the kernel under Triton's interpreter with `TRITON_INTERPRET=1`.
 
 GradScaler: the step does not take the scaler's inverse scale itself (`_step_supports_amp_scaling` is
 False, also where `fused=True` was passed), so `scaler.step(opt)` unscales the gradients and skips the
@@ -32,7 +33,7 @@ import torch
 from . import _backend, _dispatch
 
 OP = "adamw"  # its name in the dispatch record and in warnings
-BLOCK = 4096  # elements a program updates (measured on the H200: benchmarks/adamw.py)
+BLOCK = 4096  # elements a program updates (not yet measured: benchmarks/adamw.py --sweep)
 NUM_WARPS = 8
 _UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
 

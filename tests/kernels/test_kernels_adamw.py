@@ -19,9 +19,11 @@ SHAPES = [(300,), (7, 11), (1,), (0,), (129, 3)]  # several blocks, one partial 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """64-element blocks: several programs per tensor at sizes the interpreter runs in a moment."""
+    """64-element blocks: several programs per tensor at sizes the interpreter runs in a moment; and the
+    once-per-process fallback warnings afresh for each test (as tests/kernels/test_kernels_dispatch.py)."""
     monkeypatch.setattr(adamw_module, "BLOCK", 64)
     monkeypatch.setattr(adamw_module, "NUM_WARPS", 2)
+    monkeypatch.setattr(adamw_module._dispatch, "_WARNED", set())
 
 
 def twins(device, dtype=torch.float32, shapes=SHAPES, seed=0):
@@ -159,7 +161,6 @@ def test_options_the_kernel_lacks_run_torchs_step_and_say_so_once(device, option
     reset_dispatch_counts()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        adamw_module._dispatch._WARNED.clear()
         for step in range(2):
             give_grads(a, b, seed=step)
             ours.step()
@@ -176,14 +177,12 @@ def test_float64_and_non_contiguous_parameters_run_torchs_step(device):
     ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
     give_grads(a, b, seed=0)
     with pytest.warns(RuntimeWarning, match="not torch.float64: torch's AdamW step runs"):
-        adamw_module._dispatch._WARNED.clear()
         ours.step()
     ref.step()
     assert_same_state(ours, ref, a, b)
 
     leaf = torch.randn(6, 4, device=device).t().detach().requires_grad_()  # a transposed leaf
     leaf.grad = torch.ones_like(leaf)
-    adamw_module._dispatch._WARNED.clear()
     with pytest.warns(RuntimeWarning, match="a non-contiguous parameter or gradient"):
         AdamW([leaf]).step()
 

@@ -1,7 +1,8 @@
 """opadvisor.kernels.AdamW against torch's AdamW (foreach, the default, and fused=True) on the parameters of
 issue 31's models (the shapes of benchmarks/peers.py's configurations; float32 parameters and gradients, as
-under autocast): GPU time per step (CUDA events), host time per step (the call, without waiting), bandwidth
-(28 bytes per parameter), and the largest difference from fused=True after 3 steps on the same inputs.
+under autocast): GPU time per step (CUDA events; the kernels alone, the host's work hidden as in a GPU-bound
+training step), bandwidth (28 bytes per parameter), host time per step (the call, without waiting), GPU time
+from an idle GPU (host and kernels in series, as in a host-bound loop), and the largest difference from fused=True after 3 steps on the same inputs.
 
     python benchmarks/adamw.py --out $OUT                         # ~1 min on an H200
     python benchmarks/adamw.py --models gpt2 --sweep --out $OUT   # BLOCK and num_warps of the kernel
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from peers import MODELS
 
+SLEEP_CYCLES = 40_000_000  # ~20 ms at the H200's clock: longer than any step's host work
 BYTES_PER_PARAM = 28  # float32: parameter, gradient, exp_avg, exp_avg_sq read; parameter and moments written
 
 
@@ -43,20 +45,31 @@ def make_params(shapes, seed=0) -> list[torch.Tensor]:
 
 
 def time_steps(opt, steps: int = 20, warmup: int = 3) -> dict:
-    gpu, host = [], []
+    """GPU ms of the step's kernels alone (the host's work queued behind a GPU sleep, as in a training step
+    whose GPU runs behind its host), GPU ms with the host in the way (from an idle GPU: a host-bound loop's
+    cost), and the host's ms in the call."""
+    gpu, serial, host = [], [], []
     for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        opt.step()
-        t1 = time.perf_counter()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            gpu.append(start.elapsed_time(end))
-            host.append((t1 - t0) * 1e3)
-    return {"gpu_ms": statistics.median(gpu), "host_ms": statistics.median(host)}
+        for hidden in (True, False):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            if hidden:
+                torch.cuda._sleep(SLEEP_CYCLES)  # the GPU reaches `start` after the host has queued the step
+            start.record()
+            t0 = time.perf_counter()
+            opt.step()
+            t1 = time.perf_counter()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                (gpu if hidden else serial).append(start.elapsed_time(end))
+                if not hidden:
+                    host.append((t1 - t0) * 1e3)
+    return {
+        "gpu_ms": statistics.median(gpu),
+        "serial_ms": statistics.median(serial),
+        "host_ms": statistics.median(host),
+    }
 
 
 def parity(shapes, make_opt) -> float:
@@ -82,8 +95,8 @@ def run_model(name: str, sweep: bool) -> dict:
         r = time_steps(opt)
         r["tb_per_s"] = BYTES_PER_PARAM * n / (r["gpu_ms"] * 1e-3) / 1e12
         rows[label] = r
-        print(f"{name:8s} {label:28s} gpu {r['gpu_ms']:7.3f} ms  host {r['host_ms']:6.3f} ms  "
-              f"{r['tb_per_s']:.2f} TB/s", flush=True)  # fmt: skip
+        print(f"{name:8s} {label:28s} gpu {r['gpu_ms']:7.3f} ms  {r['tb_per_s']:.2f} TB/s  "
+              f"host {r['host_ms']:6.3f} ms  gpu from idle {r['serial_ms']:7.3f} ms", flush=True)  # fmt: skip
         del opt  # its state freed before the next optimizer's
         torch.cuda.empty_cache()
 

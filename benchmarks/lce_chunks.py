@@ -3,6 +3,7 @@ several MAX_CHUNK_BYTES, on the LM heads of issue 31's models (forward with the 
 backward's scaling; bf16 autocast, float32 master weights as in training).
 
     python benchmarks/lce_chunks.py --out $OUT      # ~1 min on an H200
+    python benchmarks/lce_chunks.py --heads llama --limits-mib 1024 2048 --out $OUT
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ def time_head(lce, tokens, hidden, vocab, has_bias, steps=10) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="lce-out")
+    parser.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument("--limits-mib", nargs="+", type=int, default=[limit >> 20 for limit in LIMITS],
+                        help="MAX_CHUNK_BYTES values to time, in MiB")  # fmt: skip
     args = parser.parse_args()
     lce = importlib.import_module("opadvisor.kernels.linear_cross_entropy")
     equal = lce.chunk_rows
     rows = []
-    for name, (tokens, hidden, vocab, has_bias) in HEADS.items():
-        for limit in LIMITS:
+    for name in args.heads:
+        tokens, hidden, vocab, has_bias = HEADS[name]
+        for limit in (mib << 20 for mib in args.limits_mib):
             lce.MAX_CHUNK_BYTES = limit
             for label, rule in (
                 ("equal", equal),

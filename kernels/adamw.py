@@ -1,11 +1,14 @@
 """`AdamW`: `torch.optim.AdamW` whose step updates all of a group's tensors in one Triton launch.
 
 torch's fused AdamW (`fused=True`) moves 28 bytes per float32 parameter a step (parameter, gradient and
-both moments read, three written): 12.9 ms a step for the 1.5B parameters of issue 31's Llama on an H200,
-about 3.25 TB/s, 68% of its memory bandwidth. This optimizer's kernel does the same arithmetic (float32 math, IEEE square root
-and divisions, torch's order of operations) over flat blocks of every tensor, finding the tensors from
-tables of their offsets from one of them (see `_adamw_triton`: 16-byte loads and stores where the tensors are
-aligned, as allocated tensors are): one launch per group, no copies, the tensors where the model keeps them.
+both moments read, three written). This optimizer's kernel does the same arithmetic (float32 math, IEEE
+square root and divisions, torch's order of operations) over flat blocks of every tensor, finding the tensors
+from tables of their offsets from one of them (see `_adamw_triton`: 16-byte loads and stores where the
+tensors are aligned, as allocated tensors are): one launch per group, no copies, the tensors where the model
+keeps them. Measured on an H200 (benchmarks/adamw.py, the kernels' GPU time alone): issue 31's Llama (1.24B
+parameters) 9.85 ms a step against fused=True's 12.09 (4.26 against 3.47 TB/s), GPT-2 124M 0.83 against
+1.02 ms, DeBERTa-v3-base 1.23 against 1.48 ms. Its host work per step is checks and tables made once per
+layout of the tensors, the step counters added in one op, one launch.
 
 Everything else is torch's AdamW, which this class subclasses: the constructor and its arguments, the
 parameter groups, `state_dict` / `load_state_dict` (the same state: `step`, `exp_avg`, `exp_avg_sq`), so a
@@ -33,8 +36,8 @@ import torch
 from . import _backend, _dispatch
 
 OP = "adamw"  # its name in the dispatch record and in warnings
-BLOCK = 4096  # elements a program updates (not yet measured: benchmarks/adamw.py --sweep)
-NUM_WARPS = 8
+BLOCK = 1024  # elements a program updates: the fastest of benchmarks/adamw.py --sweep on an H200 for
+NUM_WARPS = 4  # GPT-2, DeBERTa and Llama alike (4096 with 8 warps: 24% slower on Llama)
 _UNSUPPORTED_OPTIONS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
@@ -46,6 +49,8 @@ class AdamW(torch.optim.AdamW):
         # GradScaler unscales the gradients itself and skips the step on inf (see the module docstring)
         self._step_supports_amp_scaling = False
         self._tables: dict[tuple, _Tables] = {}
+        self._checked_layout: tuple | None = None  # the tensors' layout `_path` last found the kernel covers
+        self._step_views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # per group
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -59,20 +64,25 @@ class AdamW(torch.optim.AdamW):
             _dispatch.record_reference(OP, None if reason is None else f"{reason}: torch's AdamW step runs")
             _torch_step(self)
             return loss
-        for group in self.param_groups:
-            self._step_group(group)
+        for index, group in enumerate(self.param_groups):
+            self._step_group(index, group)
         return loss
 
     # ---- what the kernel covers ---------------------------------------------------------------------------
     def _path(self) -> tuple[bool, str | None]:
         """(whether the kernel runs this step, why not where that is a fallback). CPU parameters without
         Triton's interpreter run torch's step without a word: that is the CPU's implementation, as for the
-        other kernels."""
-        on_cpu = False
+        other kernels. The tensors are checked again only when one of them moved or changed dtype, layout
+        or presence (a steady training loop checks them once: the check costs host time every step)."""
         for group in self.param_groups:
             reason = group_reason(group)
             if reason is not None:
                 return False, reason
+        layout = self._layout()
+        if layout == self._checked_layout:
+            return True, None
+        on_cpu = False
+        for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -83,18 +93,56 @@ class AdamW(torch.optim.AdamW):
                 if reason is not None:
                     return False, reason
                 on_cpu = on_cpu or _backend.backend(p) == _backend.REFERENCE
-        return not on_cpu, None
+        if on_cpu:
+            return False, None
+        self._checked_layout = layout
+        return True, None
+
+    def _layout(self) -> tuple:
+        """What the checks of `_path` read, per parameter: where it, its gradient and its moments are, their
+        dtypes and whether the gradient is contiguous (parameters and moments keep their layout in place), and
+        whether Triton's interpreter is asked for (CPU tensors run the kernel only then)."""
+        out: list = [_backend.interpret_requested()]
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    out.append(None)
+                    continue
+                state = self.state.get(p)
+                moments = (state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()) if state else None
+                out.append((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype, g.is_contiguous(), moments))
+        return tuple(out)
 
     # ---- one group ----------------------------------------------------------------------------------------
-    def _step_group(self, group: dict) -> None:
+    def _step_group(self, index: int, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
         states = [self._state_of(p) for p in params]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)  # torch's own optimizers count steps so: one call, not one per tensor
-        for (_, dtype, step), members in _buckets(params, steps).items():
+        counts = self._count_steps(index, states)
+        for (_, dtype, step), members in _buckets(params, counts).items():
             self._launch(group, dtype, step, [params[i] for i in members], [states[i] for i in members])
+
+    def _count_steps(self, index: int, states: list[dict]) -> list[float]:
+        """Add one to each parameter's `step` counter (a CPU tensor, as torch's AdamW keeps it) and return
+        the new counts. The counters are made views of one tensor per group, so that the addition is one
+        op, not one per parameter (torch's foreach step adds them with one op per parameter on the host);
+        a counter not among those views (a new parameter, a loaded state) makes the views again."""
+        steps = [state["step"] for state in states]
+        flat, members = self._step_views.get(index, (None, ()))
+        if (
+            flat is None
+            or len(members) != len(steps)
+            or any(a is not b for a, b in zip(members, steps, strict=True))
+        ):
+            flat = torch.stack([s.detach().reshape(()) for s in steps]).to(_step_dtype())
+            views = tuple(flat[i] for i in range(len(steps)))
+            for state, view in zip(states, views, strict=True):
+                state["step"] = view
+            self._step_views[index] = (flat, views)
+        flat.add_(1)
+        return flat.tolist()
 
     def _state_of(self, p: torch.Tensor) -> dict:
         """The parameter's state, made as torch's AdamW makes it at a first step (a CPU `step` counter)."""
@@ -175,9 +223,8 @@ def make_tables(tensors: Sequence[tuple[torch.Tensor, ...]]) -> _Tables:
     return _Tables(base, *on_device, blocks=int(counts.sum()), aligned=aligned)
 
 
-def _buckets(params: list[torch.Tensor], steps: list[torch.Tensor]) -> dict[tuple, list[int]]:
+def _buckets(params: list[torch.Tensor], counts: list[float]) -> dict[tuple, list[int]]:
     """Indices of the parameters per (device, dtype, step count): one launch each (one in a steady state)."""
-    counts = torch.stack(steps).tolist()
     out: dict[tuple, list[int]] = {}
     for i, (p, step) in enumerate(zip(params, counts, strict=True)):
         out.setdefault((p.device, p.dtype, step), []).append(i)

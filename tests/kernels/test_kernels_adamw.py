@@ -259,3 +259,37 @@ def test_tensors_that_do_not_start_on_16_bytes_are_updated_all_the_same(device):
     ref.step()
     assert_same_state(ours, ref, a, b)
     assert not next(iter(ours._tables.values())).aligned
+
+
+def test_a_gradient_whose_layout_changes_between_steps_is_checked_again(device):
+    a, b = twins(device, shapes=[(6, 4), (5,)])
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2)
+    give_grads(a, b, seed=0)
+    ours.step()  # the kernel: the layout is checked and remembered
+    ref.step()
+    grad = torch.randn(4, 6, device=device).t()  # the same shape, not contiguous
+    a[0].grad, b[0].grad = grad, grad.clone()
+    with pytest.warns(RuntimeWarning, match="a non-contiguous parameter or gradient"):
+        ours.step()
+    ref.step()
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_step_counters_survive_a_saved_checkpoint_and_keep_counting(device, tmp_path):
+    a, b = twins(device)
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for step in range(2):
+        give_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    torch.save(ours.state_dict(), tmp_path / "opt.pt")
+    resumed = AdamW(a, lr=1e-2)
+    resumed.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    for step in range(2, 4):
+        give_grads(a, b, seed=step)
+        resumed.step()
+        ref.step()
+    assert_same_state(resumed, ref, a, b)
+    assert [float(resumed.state[p]["step"]) for p in a] == [4.0] * len(a)
+    assert [float(s["step"]) for s in ours.state.values()] == [2.0] * len(a)  # the first one's, untouched

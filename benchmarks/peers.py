@@ -38,8 +38,9 @@ GPU, which also stops a CUDA-graph capture), and patches the output blocks (hf_b
 `dispatch` says which path each fused op took.
 
 The step, as HuggingFace's training scripts run it (Trainer with bf16=True): float32 parameters, bf16
-autocast, AdamW (opadvisor's programs: `AdamW(..., fused=True)` on CUDA, as `opadvisor apply` rewrites the
-plain construction: the fused_optimizer finding's safe fix), `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
+autocast, AdamW (opadvisor's programs: `opadvisor.kernels.AdamW(...)` on CUDA, as `opadvisor apply` rewrites
+the plain construction of float32 CUDA parameters: the fused_optimizer finding's safe fix; `--optimizer
+fused` for torch's fused=True), `model(input_ids=ids, labels=ids).loss.backward()`, use_cache=False, random token ids,
 configurations built in code (nothing downloaded). Measured per program: step time (CUDA events around each
 step after --warmup steps; the program's time is the median over its rounds of the median step), peak memory
 (torch.cuda.max_memory_allocated over the timed steps), model FLOPs utilisation (6 x matmul parameters x
@@ -232,7 +233,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     if ours and args.optimizer == "opadvisor":
         from opadvisor.kernels import AdamW
 
-        notes.append("opadvisor.kernels.AdamW (--optimizer opadvisor)")
+        notes.append("opadvisor.kernels.AdamW (fused_optimizer)")
         optimizer = AdamW(model.parameters(), lr=1e-5)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
@@ -567,8 +568,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizer",
         choices=("fused", "opadvisor"),
-        default="fused",
-        help="the AdamW of opadvisor's programs: torch's fused=True (what apply writes) or opadvisor.kernels.AdamW",
+        default="opadvisor",
+        help="the AdamW of opadvisor's programs: opadvisor.kernels.AdamW (what apply writes for float32 CUDA "
+        "parameters; the default) or torch's fused=True",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "peers-out"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

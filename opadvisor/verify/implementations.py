@@ -46,9 +46,10 @@ class FusedCalls:
 
 
 def kernel_ops(rules: list[str], names_added: NamesAdded | None = None) -> dict[str, list[str]]:
-    """{op: [applied rules whose codemod calls it]} from each codemod's KERNEL_OP. A codemod with one op
-    per form it rewrites (fuse_region) calls those whose name its rewrite added (`names_added(rule)`, from
-    the applied files); without `names_added`, all of them."""
+    """{op: [applied rules whose codemod calls it]} from each codemod's KERNEL_OP. A codemod that declares
+    a tuple (one op per form it rewrites: fuse_region; or an op for some of its forms only: fused_optimizer,
+    whose Adam and SGD fixes are fused=True) calls those whose name, in any case, its rewrite added
+    (`names_added(rule)`, from the applied files: "AdamW" for "adamw"); without `names_added`, all of them."""
     from opadvisor.errors import UserError
     from opadvisor.rewrite.registry import get_codemod
 
@@ -59,9 +60,9 @@ def kernel_ops(rules: list[str], names_added: NamesAdded | None = None) -> dict[
         except (UserError, ImportError, AttributeError):
             continue
         named = (declared,) if isinstance(declared, str) else declared or ()
-        if len(named) > 1 and names_added is not None:
-            added = names_added(rule)
-            named = tuple(op for op in named if op in added)
+        if isinstance(declared, tuple) and names_added is not None:
+            added = {name.lower() for name in names_added(rule)}
+            named = tuple(op for op in named if op.lower() in added)
         for op in named:
             ops.setdefault(op, []).append(rule)
     return ops

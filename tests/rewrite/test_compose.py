@@ -1,5 +1,6 @@
-"""Two fixes on one line compose: the optimizer line that fused_optimizer rewrites (`fused=True`) is the
-line sparse_launch inserts `model = cuda_graphed(model)` before; both must be applied, in either order."""
+"""Two fixes on one line compose: the optimizer line that fused_optimizer rewrites (`opadvisor.kernels.AdamW`
+for float32 CUDA parameters, `fused=True` for float64 ones) is the line sparse_launch inserts
+`model = cuda_graphed(model)` before; both must be applied, in either order."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ for _ in range(3):
 """
 
 
-def _findings(path: Path) -> list[Finding]:
+def _findings(path: Path, dtype: str) -> list[Finding]:
     optimizer = Finding(
         rule="fused_optimizer", path=str(path), line=4, end_line=4, message="m", fix="safe",
-        details=FusedOptimizerFacts(param_devices=["cuda"], param_dtypes=["float32"]).to_details(),
+        details=FusedOptimizerFacts(param_devices=["cuda"], param_dtypes=[dtype]).to_details(),
     )  # fmt: skip
     # sparse_launch names the function whose launches idle the GPU: here the whole module, optimizer included
     launches = Finding(
@@ -38,17 +39,23 @@ def _findings(path: Path) -> list[Finding]:
 
 
 @pytest.mark.parametrize(
+    ("dtype", "line"),
+    [
+        ("float32", "opt = AdamW(model.parameters(), lr=1e-3)"),
+        ("float64", "opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)"),
+    ],
+)
+@pytest.mark.parametrize(
     "rules", [["fused_optimizer", "sparse_launch"], ["sparse_launch", "fused_optimizer"]]
 )
-def test_fused_optimizer_and_cuda_graphs_compose(tmp_path: Path, monkeypatch, rules) -> None:
+def test_fused_optimizer_and_cuda_graphs_compose(tmp_path: Path, monkeypatch, rules, dtype, line) -> None:
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     run = tmp_path / ".opadvisor" / "runs" / "r"
     run.mkdir(parents=True)
     sources = {str(script.resolve()): hashlib.sha256(SCRIPT.encode()).hexdigest()}
-    result = apply_findings(_findings(script.resolve()), rules, run, sources, allow_unsafe=True)
+    result = apply_findings(_findings(script.resolve(), dtype), rules, run, sources, allow_unsafe=True)
     text = script.read_text()
-    assert "opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)" in text
-    assert "model = cuda_graphed(model)\nopt = torch.optim.AdamW(" in text
+    assert f"model = cuda_graphed(model)\n{line}\n" in text
     assert not [m for m in result.messages if "already rewritten" in m], result.messages

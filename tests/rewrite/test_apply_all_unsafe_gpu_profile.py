@@ -53,9 +53,10 @@ def project_with_gpu_run(tmp_path: Path) -> Path:
     return script
 
 
-def losses(cwd: Path, script: Path) -> list[float]:
+def losses(cwd: Path, script: Path, device: str = "cpu") -> list[float]:
+    small = [device if a == "cpu" else a for a in SMALL]
     done = subprocess.run(
-        [sys.executable, str(script), "--steps", "3", "--dropout", "0", *SMALL],
+        [sys.executable, str(script), "--steps", "3", "--dropout", "0", *small],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -84,3 +85,18 @@ def test_apply_all_unsafe_from_a_gpu_profile_still_trains(tmp_path: Path) -> Non
     assert rewritten.count("bias_dropout_add(") == 2, said
     before, after = losses(tmp_path, original), losses(tmp_path, script)
     assert after == pytest.approx(before, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_same_rewrite_trains_on_cuda_with_the_originals_losses(tmp_path: Path) -> None:
+    """On a GPU the fixes run their kernels (opadvisor.kernels.AdamW's Triton step among them): three steps
+    of the rewritten script against the original's, on CUDA (TF32 and the fused kernels round otherwise than
+    the original's float32 ops: a looser tolerance than the CPU's)."""
+    script = project_with_gpu_run(tmp_path)
+    original = tmp_path / "original.py"
+    shutil.copy(script, original)
+    done = opadvisor_here(tmp_path, "apply", "--rule", "all", "--unsafe")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torch.optim.AdamW(" not in script.read_text()
+    before, after = losses(tmp_path, original, "cuda"), losses(tmp_path, script, "cuda")
+    assert after == pytest.approx(before, rel=1e-2)

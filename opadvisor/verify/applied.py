@@ -76,9 +76,11 @@ class Applied:
         return list(seen)
 
     def names_added(self, rule: str) -> set[str]:
-        """The identifiers `rule`'s rewrites added to its files (more of them after than before): which of
-        its codemod's kernel ops a rule with one op per form called. A rewrite without a usable snapshot is
-        read as its file's whole change (the backup against the file now)."""
+        """The identifiers `rule`'s rewrites added to its files (more of them after than before), and the
+        opadvisor.kernels names they newly reference (a class put in place of one of the same name, as
+        `torch.optim.AdamW` -> `opadvisor.kernels.AdamW`, adds no identifier): which of its codemod's
+        kernel ops a rule with one op per form called. A rewrite without a usable snapshot is read as its
+        file's whole change (the backup against the file now)."""
         added: set[str] = set()
         for f in self.files:
             texts = [f.original, *(s.after for s in f.steps)]
@@ -89,6 +91,7 @@ class Applied:
                 if before is None or after is None:
                     before, after = f.original, f.path
                 added |= set(_identifiers(after) - _identifiers(before))
+                added |= _kernel_names(after) - _kernel_names(before)
         return added
 
     def sources(self) -> dict[str, str]:
@@ -145,6 +148,23 @@ class Applied:
             except ValueError as exc:
                 return [], str(exc)
         return order, None
+
+
+_KERNEL_REFERENCE = re.compile(r"opadvisor\.kernels\.(\w+)")
+_KERNEL_IMPORT = re.compile(r"from\s+opadvisor\.kernels\s+import\s+\(?([\w\s,]+)")
+
+
+def _kernel_names(path: Path) -> set[str]:
+    """The opadvisor.kernels names a file references: `opadvisor.kernels.X` and `from opadvisor.kernels
+    import X, Y` (as written by the rewrites; `as` aliases are read as the name imported)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return set()
+    names = set(_KERNEL_REFERENCE.findall(text))
+    for group in _KERNEL_IMPORT.findall(text):
+        names |= {part.split()[0] for part in group.split(",") if part.split()}
+    return names
 
 
 def _identifiers(path: Path) -> Counter[str]:

@@ -74,3 +74,26 @@ def test_names_added_reads_each_rules_own_step(tmp_path: Path) -> None:
 )
 def test_fused_optimizer_expects_the_adamw_kernel_only_where_it_wrote_adamw(added, expected) -> None:
     assert kernel_ops(["fused_optimizer"], lambda rule: added) == expected
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("opt = torch.optim.AdamW(ps)\n", "opt = opadvisor.kernels.AdamW(ps)\n"),
+        (
+            "from torch.optim import AdamW\nopt = AdamW(ps)\n",
+            "from torch.optim import AdamW\nimport opadvisor.kernels\nopt = opadvisor.kernels.AdamW(ps)\n",
+        ),
+        ("opt = torch.optim.AdamW(ps)\n", "from opadvisor.kernels import AdamW\nopt = AdamW(ps)\n"),
+    ],
+    ids=["dotted", "dotted-name-taken", "imported"],
+)
+def test_a_kernel_class_put_in_place_of_torchs_counts_as_added(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    source = f"import torch\nps = []\n{before}"
+    project, run_dir = make_project(tmp_path, {"train.py": source}, "train.py", [])
+    fake_apply(run_dir, project / "train.py", before, after, rule="fused_optimizer")
+    applied = load_applied(run_dir)
+    assert "AdamW" in applied.names_added("fused_optimizer")
+    assert kernel_ops(["fused_optimizer"], applied.names_added) == {"adamw": ["fused_optimizer"]}

@@ -48,6 +48,8 @@ class AdamW(torch.optim.AdamW):
         super().__init__(params, *args, **kwargs)
         # GradScaler unscales the gradients itself and skips the step on inf (see the module docstring)
         self._step_supports_amp_scaling = False
+        # per (group index, bucket members), for the tensors where `_checked_layout` found them: made again
+        # only when a tensor moved (gradients set to None are made anew each backward, mostly where they were)
         self._tables: dict[tuple, _Tables] = {}
         self._checked_layout: tuple | None = None  # the tensors' layout `_path` last found the kernel covers
         self._step_views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # per group
@@ -64,8 +66,11 @@ class AdamW(torch.optim.AdamW):
             _dispatch.record_reference(OP, None if reason is None else f"{reason}: torch's AdamW step runs")
             _torch_step(self)
             return loss
+        states_made = False
         for index, group in enumerate(self.param_groups):
-            self._step_group(index, group)
+            states_made |= self._step_group(index, group)
+        if states_made:  # the moments made this step are where this step's tables found them
+            self._checked_layout = self._layout()
         return loss
 
     # ---- what the kernel covers ---------------------------------------------------------------------------
@@ -96,12 +101,14 @@ class AdamW(torch.optim.AdamW):
         if on_cpu:
             return False, None
         self._checked_layout = layout
+        self._tables.clear()  # made for the tensors where they were
         return True, None
 
     def _layout(self) -> tuple:
-        """What the checks of `_path` read, per parameter: where it, its gradient and its moments are, their
-        dtypes and whether the gradient is contiguous (parameters and moments keep their layout in place), and
-        whether Triton's interpreter is asked for (CPU tensors run the kernel only then)."""
+        """What the checks of `_path` and the launch tables read, per parameter: where it, its gradient and its
+        moments are, its shape, their dtypes and whether the gradient is contiguous (parameters and moments
+        keep their layout in place), and whether Triton's interpreter is asked for (CPU tensors run the
+        kernel only then)."""
         out: list = [_backend.interpret_requested()]
         for group in self.param_groups:
             for p in group["params"]:
@@ -111,18 +118,29 @@ class AdamW(torch.optim.AdamW):
                     continue
                 state = self.state.get(p)
                 moments = (state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()) if state else None
-                out.append((p.data_ptr(), p.dtype, g.data_ptr(), g.dtype, g.is_contiguous(), moments))
+                out.append(
+                    (p.data_ptr(), p.dtype, p.shape, g.data_ptr(), g.dtype, g.is_contiguous(), moments)
+                )
         return tuple(out)
 
     # ---- one group ----------------------------------------------------------------------------------------
-    def _step_group(self, index: int, group: dict) -> None:
+    def _step_group(self, index: int, group: dict) -> bool:
+        """Step one group; whether a parameter's state was made (its first step)."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
-            return
+            return False
+        made = any(not self.state.get(p) for p in params)
         states = [self._state_of(p) for p in params]
         counts = self._count_steps(index, states)
-        for (_, dtype, step), members in _buckets(params, counts).items():
-            self._launch(group, dtype, step, [params[i] for i in members], [states[i] for i in members])
+        for (_, _, step), members in _buckets(params, counts).items():
+            tensors = [
+                (params[i], params[i].grad, states[i]["exp_avg"], states[i]["exp_avg_sq"]) for i in members
+            ]
+            tables = self._tables.get((index, tuple(members)))
+            if tables is None:
+                tables = self._tables[(index, tuple(members))] = make_tables(tensors)
+            self._launch(group, step, tensors, tables)
+        return made
 
     def _count_steps(self, index: int, states: list[dict]) -> list[float]:
         """Add one to each parameter's `step` counter (a CPU tensor, as torch's AdamW keeps it) and return
@@ -155,40 +173,30 @@ class AdamW(torch.optim.AdamW):
             state["step"] = state["step"].cpu()  # loaded from a fused or capturable optimizer's state
         return state
 
-    def _launch(self, group: dict, dtype: torch.dtype, step: float, params: list, states: list) -> None:
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        tensors = [(p, p.grad, s["exp_avg"], s["exp_avg_sq"]) for p, s in zip(params, states, strict=True)]
-        tables = self._tables_for(tensors)
+    def _launch(
+        self, group: dict, step: float, tensors: list[tuple[torch.Tensor, ...]], tables: _Tables
+    ) -> None:
+        """One launch of the kernel over `tensors` ((parameter, gradient, exp_avg, exp_avg_sq) each, one
+        dtype and step count) through their tables."""
         if tables.blocks == 0:
             return
         from . import _adamw_triton
 
-        device = params[0].device
-        _backend.check_launch_device(device)
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        first = tensors[0][0]
+        _backend.check_launch_device(first.device)
+        with torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext():
             _adamw_triton.adamw_kernel[(tables.blocks,)](
                 tables.base, tables.offsets, tables.numel, tables.first_block, tables.block_tensor,
                 len(tensors), lr * wd, beta1, beta2, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), eps,
-                BLOCK=BLOCK, VEC=16 // params[0].element_size(), ALIGNED=tables.aligned,
-                RNE=_backend.emulate_rne(params[0]), num_warps=NUM_WARPS,
+                BLOCK=BLOCK, VEC=16 // first.element_size(), ALIGNED=tables.aligned,
+                RNE=_backend.emulate_rne(first), num_warps=NUM_WARPS,
             )  # fmt: skip
         # in-place updates, as torch's step makes them: autograd then refuses a backward through a graph
         # that saved one of these tensors before the step (the kernel's stores do not count as writes)
         torch.autograd.graph.increment_version([t for p, _, m, v in tensors for t in (p, m, v)])
-        _dispatch.record(OP, _backend.backend(device))
-
-    def _tables_for(self, tensors: list[tuple[torch.Tensor, ...]]) -> _Tables:
-        """The launch's tables, made again only when a tensor moved (gradients set to None are made anew
-        each backward, mostly at the addresses they had)."""
-        addresses = tuple(t.data_ptr() for four in tensors for t in four)
-        key = (tensors[0][0].device, addresses, tuple(four[0].numel() for four in tensors))
-        tables = self._tables.get(key)
-        if tables is None:
-            if len(self._tables) >= 8:  # one per group and bucket in a steady state
-                self._tables.clear()
-            tables = self._tables[key] = make_tables(tensors)
-        return tables
+        _dispatch.record(OP, _backend.backend(first.device))
 
 
 @dataclass

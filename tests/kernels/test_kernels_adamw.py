@@ -7,6 +7,7 @@ as the kernel does (the default foreach path rounds to a 16-bit parameter's dtyp
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -293,3 +294,19 @@ def test_step_counters_survive_a_saved_checkpoint_and_keep_counting(device, tmp_
     assert_same_state(resumed, ref, a, b)
     assert [float(resumed.state[p]["step"]) for p in a] == [4.0] * len(a)
     assert [float(s["step"]) for s in ours.state.values()] == [2.0] * len(a)  # the first one's, untouched
+
+
+def test_a_state_loaded_into_the_same_optimizer_mid_run_is_the_one_stepped(device):
+    a, b = twins(device)
+    ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
+    saved = []
+    for step in range(3):  # both: a step, a copy of the state, a step, that copy loaded back, a step
+        give_grads(a, b, seed=step)
+        for opt in (ours, ref):
+            opt.step()
+            if step == 0:
+                saved.append(copy.deepcopy(opt.state_dict()))
+            if step == 1:
+                opt.load_state_dict(saved.pop(0))  # moments copied in: new tensors, new addresses
+    assert_same_state(ours, ref, a, b)
+    assert float(ours.state[a[0]]["step"]) == 2.0

@@ -90,8 +90,9 @@ class Applied:
                 before, after = texts[i], texts[i + 1]
                 if before is None or after is None:
                     before, after = f.original, f.path
-                added |= set(_identifiers(after) - _identifiers(before))
-                added |= _kernel_names(after) - _kernel_names(before)
+                old, new = _text(before), _text(after)
+                added |= set(_identifiers(new) - _identifiers(old))
+                added |= _kernel_names(new) - _kernel_names(old)
         return added
 
     def sources(self) -> dict[str, str]:
@@ -154,24 +155,23 @@ _KERNEL_REFERENCE = re.compile(r"opadvisor\.kernels\.(\w+)")
 _KERNEL_IMPORT = re.compile(r"from\s+opadvisor\.kernels\s+import\s+\(?([\w\s,]+)")
 
 
-def _kernel_names(path: Path) -> set[str]:
+def _kernel_names(text: str) -> set[str]:
     """The opadvisor.kernels names a file references: `opadvisor.kernels.X` and `from opadvisor.kernels
     import X, Y` (as written by the rewrites; `as` aliases are read as the name imported)."""
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
     names = set(_KERNEL_REFERENCE.findall(text))
     for group in _KERNEL_IMPORT.findall(text):
         names |= {part.split()[0] for part in group.split(",") if part.split()}
     return names
 
 
-def _identifiers(path: Path) -> Counter[str]:
+def _text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return Counter()
+        return ""
+
+
+def _identifiers(text: str) -> Counter[str]:
     return Counter(re.findall(r"[A-Za-z_]\w*", text))
 
 

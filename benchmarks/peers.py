@@ -298,6 +298,20 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "mfu": flops / (median / 1e3) / PEAK_FLOPS,
         "losses": [float(v) for v in torch.stack(losses).float().cpu()],
         "dispatch": dispatch_counts(),
+        **dynamo_graphs(),
+    }
+
+
+def dynamo_graphs() -> dict[str, Any]:
+    """The graphs torch.compile made in this process and the graph breaks it met (dynamo's own counters; zero
+    for a program that never compiles): a break splits the step into graphs with eager work between them."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    return {
+        "compiled_graphs": int(counters.get("stats", {}).get("unique_graphs", 0)),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": sorted(breaks, key=breaks.get, reverse=True)[:5],
     }
 
 
@@ -410,8 +424,12 @@ def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "dispatch": ok[0].get("dispatch", {}),
         "warnings": ok[0].get("warnings", []),
         "kernels": ok[0].get("kernels"),
+        "compiled_graphs": ok[0].get("compiled_graphs", 0),
+        "graph_breaks": ok[0].get("graph_breaks", 0),
+        "graph_break_reasons": ok[0].get("graph_break_reasons", []),
         "runs": [
-            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings", "kernels")}
+            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings", "kernels",
+                                                     "graph_break_reasons")}  # fmt: skip
             for r in runs
         ],
     }
@@ -451,14 +469,15 @@ def targets(programs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = [f"{'program':24s} {'step ms':>9s} {'peak GiB':>9s} {'MFU':>6s}  loss[0..]"]
+    rows = [f"{'program':24s} {'step ms':>9s} {'peak GiB':>9s} {'MFU':>6s} {'graphs/breaks':>13s}  loss[0..]"]
     for name, r in report["programs"].items():
         if r.get("status") != "ok":
             rows.append(f"{name:24s} {r.get('status')}: {str(r.get('reason'))[:150]}")
             continue
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
         losses = " ".join(f"{v:.4f}" for v in r["losses"][:4])
-        rows.append(f"{name:24s} {r['step_ms']:9.2f} {peak:>9s} {r['mfu']:6.1%}  {losses}")
+        graphs = f"{r.get('compiled_graphs', 0)}/{r.get('graph_breaks', 0)}"
+        rows.append(f"{name:24s} {r['step_ms']:9.2f} {peak:>9s} {r['mfu']:6.1%} {graphs:>13s}  {losses}")
     if report.get("loss_vs_eager"):
         diffs = ", ".join(f"{name} {diff:.2e}" for name, diff in report["loss_vs_eager"].items())
         rows.append(f"loss vs eager (max relative difference over the steps): {diffs}")

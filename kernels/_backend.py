@@ -151,9 +151,22 @@ def direct_apply(function: type[torch.autograd.Function]) -> Callable:
 def is_kv_cache(value: object) -> bool:
     """Whether `value` is a transformers KV cache (a `transformers.cache_utils.Cache`: DynamicCache, ...),
     told by its classes' names so that transformers is never imported here."""
-    return any(
-        c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in type(value).__mro__
-    )
+    return _is_cache_class(type(value))
+
+
+def _is_cache_class(cls: type) -> bool:
+    return _cache_class_answer(cls)
+
+
+@functools.cache
+def _cache_class_answer(cls: type) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
+# (the plain function, not the functools.cache wrapper, is marked: dynamo traces into the wrapper.) A constant of the trace under torch.compile (as kernels/_dispatch.py marks its own): dynamo cannot iterate a
+# class's __mro__ and broke the graph at every attention call that read its arguments for a cache (a Llama
+# layer's rotary patch: one graph per layer, its residual stream's gradients summed eagerly between them)
+_is_cache_class._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def cuda_graph_capturing() -> bool:

@@ -224,7 +224,9 @@ def test_compiled_with_fullgraph_after_one_eager_step(monkeypatch) -> None:
         importlib.import_module("opadvisor.kernels.activations"), "SILU_MUL_COMPILE_PATH", "custom_op"
     )
     monkeypatch.setattr(importlib.import_module("opadvisor.kernels.rope"), "COMPILE_PATH", "custom_op")
-    original = tiny(layers=1)
+    # use_cache=False as training scripts set it: LlamaModel then passes use_cache=False to every attention,
+    # whose rotary patch looks for a cache among its arguments (that bool once broke the graph in every layer)
+    original = tiny(layers=1, use_cache=False)
     model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
     model(input_ids=ids(), labels=ids()).loss.backward()  # the first-call checks run eagerly
     torch._dynamo.reset()

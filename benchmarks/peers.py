@@ -405,6 +405,10 @@ def warning_lines(stderr: str, keep: int = 12) -> list[str]:
     return list(dict.fromkeys(found))[:keep]
 
 
+# a round's entries that the program's summary keeps once (from its first round), not per round
+SUMMARISED = ("losses", "notes", "dispatch", "warnings", "kernels", "graph_break_reasons")
+
+
 def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in runs if r.get("status") == "ok"]
     if not ok:
@@ -427,11 +431,7 @@ def summarise(program: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "compiled_graphs": ok[0].get("compiled_graphs", 0),
         "graph_breaks": ok[0].get("graph_breaks", 0),
         "graph_break_reasons": ok[0].get("graph_break_reasons", []),
-        "runs": [
-            {k: v for k, v in r.items() if k not in ("losses", "notes", "dispatch", "warnings", "kernels",
-                                                     "graph_break_reasons")}  # fmt: skip
-            for r in runs
-        ],
+        "runs": [{k: v for k, v in r.items() if k not in SUMMARISED} for r in runs],
     }
 
 

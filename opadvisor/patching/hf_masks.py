@@ -47,6 +47,7 @@ def register() -> str | None:
         return None
     if not hasattr(masking_utils, "AttentionMaskInterface") or not hasattr(masking_utils, "sdpa_mask"):
         return None
+    _MASKING_UTILS[0] = masking_utils
     AttentionInterface.register(NAME, sdpa_attention_forward)
     masking_utils.AttentionMaskInterface.register(NAME, _sdpa_mask)
     find = getattr(masking_utils, "find_packed_sequence_indices", None)
@@ -83,10 +84,14 @@ def own_positions(counted_by_the_model: bool) -> Iterator[None]:
         _OWN_POSITIONS[0] -= 1
 
 
+# transformers.masking_utils, kept by `register`: an import inside `_sdpa_mask` broke torch.compile's graph
+# (torch 2.11's dynamo: "Import result is not a Python module" for transformers' lazy package)
+_MASKING_UTILS: list[Any] = [None]
+
+
 def _sdpa_mask(**kwargs: Any) -> Any:
     """transformers' sdpa_mask, or None where no token is padded and the pattern is plain (see the module)."""
-    from transformers import masking_utils
-
+    masking_utils = _MASKING_UTILS[0]
     if _needs_no_mask(kwargs, masking_utils):
         return None
     return masking_utils.sdpa_mask(**kwargs)

@@ -8,7 +8,10 @@ tensors are aligned, as allocated tensors are): one launch per group, no copies,
 keeps them. Measured on an H200 (benchmarks/adamw.py, the kernels' GPU time alone): issue 31's Llama (1.24B
 parameters) 9.85 ms a step against fused=True's 12.09 (4.26 against 3.47 TB/s), GPT-2 124M 0.83 against
 1.02 ms, DeBERTa-v3-base 1.23 against 1.48 ms. Its host work per step is checks and tables made once per
-layout of the tensors, the step counters added in one op, one launch.
+layout of the tensors, the step counters added in one op, one launch. Gradients set to None are made anew by
+each backward, and the small ones land at other addresses from step to step (GPT-2 under `cuda_graphed` on
+an H200: 8 layouts in 15 steps): their row of the tables is written in place, through pinned buffers, without
+checking or making anything again.
 
 Everything else is torch's AdamW, which this class subclasses: the constructor and its arguments, the
 parameter groups, `state_dict` / `load_state_dict` (the same state: `step`, `exp_avg`, `exp_avg_sq`), so a
@@ -29,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,7 +52,7 @@ class AdamW(torch.optim.AdamW):
         # GradScaler unscales the gradients itself and skips the step on inf (see the module docstring)
         self._step_supports_amp_scaling = False
         # per (group index, bucket members), for the tensors where `_checked_layout` found them: made again
-        # only when a tensor moved (gradients set to None are made anew each backward, mostly where they were)
+        # only when a parameter or a moment moved (the gradients' row is rewritten where they moved)
         self._tables: dict[tuple, _Tables] = {}
         self._checked_layout: tuple | None = None  # the tensors' layout `_path` last found the kernel covers
         self._step_views: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}  # per group
@@ -105,10 +108,10 @@ class AdamW(torch.optim.AdamW):
         return True, None
 
     def _layout(self) -> tuple:
-        """What the checks of `_path` and the launch tables read, per parameter: where it, its gradient and its
-        moments are, its shape, their dtypes and whether the gradient is contiguous (parameters and moments
+        """What the checks of `_path` and the launch tables read, per parameter: where it and its moments are,
+        its shape, its and its gradient's dtypes and whether the gradient is contiguous (parameters and moments
         keep their layout in place), and whether Triton's interpreter is asked for (CPU tensors run the
-        kernel only then)."""
+        kernel only then). Not where the gradient is: `_refresh_gradients` follows that every step."""
         out: list = [_backend.interpret_requested()]
         for group in self.param_groups:
             for p in group["params"]:
@@ -118,9 +121,7 @@ class AdamW(torch.optim.AdamW):
                     continue
                 state = self.state.get(p)
                 moments = (state["exp_avg"].data_ptr(), state["exp_avg_sq"].data_ptr()) if state else None
-                out.append(
-                    (p.data_ptr(), p.dtype, p.shape, g.data_ptr(), g.dtype, g.is_contiguous(), moments)
-                )
+                out.append((p.data_ptr(), p.dtype, p.shape, g.dtype, g.is_contiguous(), moments))
         return tuple(out)
 
     # ---- one group ----------------------------------------------------------------------------------------
@@ -139,6 +140,8 @@ class AdamW(torch.optim.AdamW):
             tables = self._tables.get((index, tuple(members)))
             if tables is None:
                 tables = self._tables[(index, tuple(members))] = make_tables(tensors)
+            else:
+                _refresh_gradients(tables, tensors)
             self._launch(group, step, tensors, tables)
         return made
 
@@ -208,6 +211,10 @@ class _Tables:
     block_tensor: torch.Tensor  # int32 [blocks]
     blocks: int
     aligned: bool  # every tensor starts on 16 bytes
+    others_aligned: bool  # the parameters and moments start on 16 bytes
+    gradients: tuple[int, ...]  # the gradients' addresses the offsets hold
+    staging: list = field(default_factory=list)  # CUDA: [pinned int64 [tensors], its copy's event or None]
+    next_stage: int = 0
 
 
 def make_tables(tensors: Sequence[tuple[torch.Tensor, ...]]) -> _Tables:
@@ -227,8 +234,54 @@ def make_tables(tensors: Sequence[tuple[torch.Tensor, ...]]) -> _Tables:
     on_device = tuple(  # pinned: copied without waiting for the work queued before the copy
         t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t for t in host
     )
-    aligned = all(a % 16 == 0 for row in addresses for a in row)
-    return _Tables(base, *on_device, blocks=int(counts.sum()), aligned=aligned)
+    others_aligned = all(a % 16 == 0 for k in (0, 2, 3) for a in addresses[k])
+    aligned = others_aligned and all(a % 16 == 0 for a in addresses[1])
+    return _Tables(
+        base, *on_device, blocks=int(counts.sum()), aligned=aligned, others_aligned=others_aligned,
+        gradients=tuple(addresses[1]),
+    )  # fmt: skip
+
+
+# Pinned buffers per table that the gradients' row is copied from, used in turn: a buffer is written again
+# only after its last copy ran (waiting for it only where the host is this many steps ahead of the GPU)
+STAGING_BUFFERS = 4
+
+
+def _refresh_gradients(tables: _Tables, tensors: Sequence[tuple[torch.Tensor, ...]]) -> None:
+    """Point the tables' gradient row at where the gradients are now, where any of them moved."""
+    addresses = tuple(four[1].data_ptr() for four in tensors)
+    if addresses == tables.gradients:
+        return
+    base, size = tables.base.data_ptr(), tables.base.element_size()
+    row = torch.tensor([(a - base) // size for a in addresses], dtype=torch.int64)
+    target = tables.offsets[1]
+    if target.device.type == "cuda":
+        _copy_staged(tables, row, target)
+    else:
+        target.copy_(row)
+    tables.gradients = addresses
+    tables.aligned = tables.others_aligned and all(a % 16 == 0 for a in addresses)
+
+
+def _copy_staged(tables: _Tables, row: torch.Tensor, target: torch.Tensor) -> None:
+    """`target.copy_(row)` without waiting for the GPU: through the table's next pinned buffer, written once
+    the copy that last read it ran."""
+    if len(tables.staging) < STAGING_BUFFERS:
+        tables.staging.append([torch.empty_like(row, pin_memory=True), None])
+        tables.next_stage = len(tables.staging) - 1
+    slot = tables.staging[tables.next_stage]
+    if slot[1] is not None:
+        slot[1].synchronize()
+    slot[0].copy_(row)
+    target.copy_(slot[0], non_blocking=True)
+    slot[1] = _recorded_event(target.device)
+    tables.next_stage = (tables.next_stage + 1) % STAGING_BUFFERS
+
+
+def _recorded_event(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _buckets(params: list[torch.Tensor], counts: list[float]) -> dict[tuple, list[int]]:

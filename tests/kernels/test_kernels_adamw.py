@@ -209,22 +209,32 @@ def test_gradscaler_unscales_for_it_even_where_fused_was_asked(device):
     assert AdamW(a)._step_supports_amp_scaling is False
 
 
-def test_tables_are_made_again_only_when_a_tensor_moved(device, monkeypatch):
+def test_tables_are_made_once_and_follow_gradients_that_move(device, monkeypatch):
+    """New gradient tensors each step (as zero_grad(set_to_none=True) then backward makes them, the small
+    ones elsewhere each time) rewrite the tables' gradient row: the tables are made once, the layout checked
+    once, and every step updates from the gradients where they are now, also from one not on 16 bytes."""
     a, b = twins(device)
     made = []
     real = adamw_module.make_tables
     monkeypatch.setattr(adamw_module, "make_tables", lambda t: made.append(1) or real(t))
     ours, ref = AdamW(a, lr=1e-2), torch.optim.AdamW(b, lr=1e-2, fused=True)
     give_grads(a, b, seed=0)
-    for _ in range(2):  # the same gradient tensors: one table
+    for _ in range(2):  # the same gradient tensors
         ours.step()
         ref.step()
-    assert len(made) == 1
-    give_grads(a, b, seed=1)  # new gradient tensors (as zero_grad(set_to_none=True) then backward makes)
-    ours.step()
-    ref.step()
-    assert len(made) == 2
-    assert_same_state(ours, ref, a, b)
+    checked_layout = ours._checked_layout
+    for seed in (1, 2, 3, 4, 5, 6):  # more steps than STAGING_BUFFERS: every pinned buffer used again
+        give_grads(a, b, seed=seed)
+        if seed == 5:  # a gradient 4 bytes into its storage: the launch no longer assumes 16-byte starts
+            flat = torch.zeros(1 + a[0].numel(), device=device)
+            flat[1:].copy_(a[0].grad.reshape(-1))
+            a[0].grad = flat[1:].view_as(a[0])
+        ours.step()
+        ref.step()
+        assert_same_state(ours, ref, a, b)
+        tables = next(iter(ours._tables.values()))
+        assert tables.aligned == (seed != 5)
+    assert len(made) == 1 and ours._checked_layout is checked_layout
 
 
 def test_cpu_parameters_without_the_interpreter_run_torchs_step_without_a_word(monkeypatch):

@@ -267,7 +267,7 @@ def _copy_staged(tables: _Tables, row: torch.Tensor, target: torch.Tensor) -> No
     """`target.copy_(row)` without waiting for the GPU: through the table's next pinned buffer, written once
     the copy that last read it ran."""
     if len(tables.staging) < STAGING_BUFFERS:
-        tables.staging.append([torch.empty_like(row, pin_memory=True), None])
+        tables.staging.append([_pinned_like(row), None])
         tables.next_stage = len(tables.staging) - 1
     slot = tables.staging[tables.next_stage]
     if slot[1] is not None:
@@ -276,6 +276,10 @@ def _copy_staged(tables: _Tables, row: torch.Tensor, target: torch.Tensor) -> No
     target.copy_(slot[0], non_blocking=True)
     slot[1] = _recorded_event(target.device)
     tables.next_stage = (tables.next_stage + 1) % STAGING_BUFFERS
+
+
+def _pinned_like(row: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(row, pin_memory=True)
 
 
 def _recorded_event(device: torch.device) -> torch.cuda.Event:

@@ -237,6 +237,34 @@ def test_tables_are_made_once_and_follow_gradients_that_move(device, monkeypatch
     assert len(made) == 1 and ours._checked_layout is checked_layout
 
 
+def test_gradient_rows_are_staged_through_buffers_used_in_turn(monkeypatch):
+    """The CUDA path of a gradient row (checked here with CPU stand-ins for pinned memory and events): each
+    copy goes through the next of STAGING_BUFFERS buffers, and a buffer is written again only after waiting
+    for the event of the copy that last read it."""
+    waited = []
+
+    class Event:
+        def __init__(self, n):
+            self.n = n
+
+        def synchronize(self):
+            waited.append(self.n)
+
+    recorded = []
+    monkeypatch.setattr(adamw_module, "_pinned_like", torch.empty_like)
+    monkeypatch.setattr(
+        adamw_module, "_recorded_event", lambda device: recorded.append(1) or Event(len(recorded))
+    )
+    tables = adamw_module.make_tables([tuple(torch.zeros(4) for _ in range(4))])
+    target = torch.zeros(3, dtype=torch.int64)
+    for i in range(adamw_module.STAGING_BUFFERS + 2):
+        adamw_module._copy_staged(tables, torch.full((3,), i), target)
+        assert target.tolist() == [i] * 3
+    assert len(tables.staging) == adamw_module.STAGING_BUFFERS
+    assert waited == [1, 2]  # the fifth and sixth copies waited for the first and second
+    assert tables.staging[0][0].tolist() == [adamw_module.STAGING_BUFFERS] * 3
+
+
 def test_cpu_parameters_without_the_interpreter_run_torchs_step_without_a_word(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU's implementation: torch's own step
     a, b = twins("cpu")

@@ -61,6 +61,8 @@ OPTIMIZERS: dict[str, str] = {
 FUSED_DEVICES = frozenset({"cuda", "cpu"})
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "half", "float", "double"})
 KERNEL = "opadvisor.kernels.AdamW"
+# What kernels.AdamW takes, spelled here so that the codemod never imports torch (its _backend.KERNEL_DTYPES
+# and _UNSUPPORTED_OPTIONS; a test in tests/rewrite/remaining/test_remaining_targets.py holds them equal)
 KERNEL_DTYPES = frozenset({"float16", "bfloat16", "float32", "half", "float"})
 KERNEL_LACKS = ("amsgrad", "maximize", "capturable", "differentiable")  # options its step leaves to torch's
 SPARSE_EMBEDDINGS = frozenset(

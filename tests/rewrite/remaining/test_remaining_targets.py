@@ -92,6 +92,21 @@ def test_fused_optimizer_spells_the_kernel_dotted_where_adamw_is_taken() -> None
     assert "opt = opadvisor.kernels.AdamW(torch.nn.Linear(2, 2).parameters())\n" in out
 
 
+def test_fused_optimizer_knows_what_the_kernel_covers() -> None:
+    """The codemod (which must not import torch: `apply` stays light) writes the kernel exactly where
+    kernels.AdamW takes the step: the same options left to torch, the same storage dtypes."""
+    torch = pytest.importorskip("torch")
+    from opadvisor.kernels import _backend
+    from opadvisor.kernels import adamw as kernel
+
+    from opadvisor.rules.optimizer import fused_optimizer_fix as fix
+
+    assert fix.KERNEL_LACKS == kernel._UNSUPPORTED_OPTIONS
+    names = {str(d).removeprefix("torch.") for d in _backend.KERNEL_DTYPES}
+    assert names <= fix.KERNEL_DTYPES
+    assert {n for n in fix.KERNEL_DTYPES if getattr(torch, n) not in _backend.KERNEL_DTYPES} == set()
+
+
 def test_fused_optimizer_accepts_cpu_and_cuda_floats() -> None:
     details = {"param_devices": ["cpu", "cuda:0"], "param_dtypes": ["torch.bfloat16", "torch.float32"]}
     out, cm = run("fused_optimizer", OPTIMIZERS, [Target(4, 4, FusedOptimizerFacts(**details))])

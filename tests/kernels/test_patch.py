@@ -264,6 +264,25 @@ def test_patched_gpt2_attention_takes_its_cache_by_position_and_by_name() -> Non
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_all_fixes_compile_with_fullgraph_after_one_eager_step(family) -> None:
+    """All of a family's patches (unsafe too) under the user's torch.compile(fullgraph=True): one graph, no
+    break (issue 31: no graph break introduced by opadvisor's code), the original's loss. Built with
+    use_cache=False as training scripts set it, which passes the flag to every attention."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    original = tiny_bert() if family == "bert" else tiny_gpt2()
+    original.config.use_cache = False
+    model = opadvisor.patch(copy.deepcopy(original), unsafe=True, quiet=True)
+    model(**batch()).loss.backward()  # the first-call checks run eagerly
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    got = compiled(**batch()).loss
+    torch.testing.assert_close(got, original(**batch()).loss, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
 def test_encoder_layer_and_multihead_attention(kernel_path) -> None:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)

@@ -30,7 +30,10 @@ def _first_call_check(
     float32 run of the original than the original itself is (`_judged_against_float32`)."""
     saved = _dropout_off(module)
     try:
-        with torch.enable_grad():
+        # The check's own forward and backward keep what they save: inside a non-reentrant checkpoint
+        # (transformers' gradient checkpointing) its hooks would otherwise take those tensors, and the check's
+        # backward would recompute the whole checkpointed layer from inside this call
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
             ref, ref_grads = _run_and_differentiate(module, state.original, patcher, args, kwargs)
             new_forward = functools.partial(patcher.forward, module, state)
             new, new_grads = _run_and_differentiate(module, new_forward, patcher, args, kwargs)
@@ -47,6 +50,10 @@ def _first_call_check(
         for obj, name, value in saved:
             setattr(obj, name, value)
     return problem
+
+
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 Gradients = dict[str, torch.Tensor | None]
@@ -73,8 +80,50 @@ def _run_and_differentiate(
     upstream = upstream.to(upstream_dtype or out.dtype).to(out.dtype)
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     names = [f"input {i}" for i in range(len(leaves))] + [n for n, _ in params]
-    got = torch.autograd.grad(out, [*leaves, *(p for _, p in params)], upstream, allow_unused=True)
+    got = _gradients(out, [*leaves, *(p for _, p in params)], upstream)
     return out, dict(zip(names, got, strict=True))
+
+
+def _gradients(out: torch.Tensor, wrt: list[torch.Tensor], upstream: torch.Tensor) -> tuple:
+    """d out / d wrt for the upstream gradient; through `backward` where the forward ran a reentrant
+    checkpoint (torch.utils.checkpoint with use_reentrant=True refuses autograd.grad): the module's whole
+    forward holds checkpointed layers, as a model's does under gradient checkpointing."""
+    if _ran_reentrant_checkpoint(out):
+        return _gradients_by_backward(out, wrt, upstream)
+    return torch.autograd.grad(out, wrt, upstream, allow_unused=True)
+
+
+# The autograd nodes `_ran_reentrant_checkpoint` visits at most (a large model's step has tens of thousands)
+MAX_GRAPH_NODES = 200_000
+
+
+def _ran_reentrant_checkpoint(out: torch.Tensor) -> bool:
+    """Whether `out`'s autograd graph holds a reentrant checkpoint's node (asked before differentiating:
+    autograd.grad refuses such a graph only after it has freed part of it)."""
+    seen: set = set()
+    stack = [out.grad_fn]
+    while stack and len(seen) < MAX_GRAPH_NODES:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
+def _gradients_by_backward(out: torch.Tensor, wrt: list[torch.Tensor], upstream: torch.Tensor) -> tuple:
+    """`_gradients` accumulated into `.grad`: each tensor's own gradient is kept aside and put back."""
+    kept = [t.grad for t in wrt]
+    for t in wrt:
+        t.grad = None
+    try:
+        out.backward(upstream)
+        return tuple(t.grad for t in wrt)
+    finally:
+        for t, g in zip(wrt, kept, strict=True):
+            t.grad = g
 
 
 def _dropout_off(module: nn.Module) -> list[tuple[Any, str, Any]]:

@@ -64,23 +64,37 @@ def _restore(module: nn.Module) -> None:
 
 
 def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwargs: dict) -> Any:
+    if state.status == "checking":
+        # called again while its own first-call check runs: a checkpointed layer recomputing its forward
+        # for the check's backward (torch.utils.checkpoint, transformers' gradient checkpointing)
+        return state.original(*args, **kwargs)
     if state.status == "pending":
         if torch.compiler.is_compiling() or kernels.cuda_graph_capturing():
             return state.original(*args, **kwargs)  # the check runs eagerly, at a later call
-        problem = _first_call_check(module, state, patcher, args, kwargs)
+        state.status = "checking"
+        try:
+            problem = _first_call_check(module, state, patcher, args, kwargs)
+        finally:
+            state.status = "pending"
         if problem is not None:
-            warnings.warn(
-                f"opadvisor.patch: {state.path or '<model>'} ({type(module).__name__}) keeps its original forward: "
-                f"the {state.fix} replacement {problem}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            original = state.original
-            _restore(module)
-            _report_left(state, f"fell back at its first call: {problem}")
-            return original(*args, **kwargs)
+            return _fall_back(module, state, problem, args, kwargs)
         state.status = "ok"
     return patcher.forward(module, state, *args, **kwargs)
+
+
+def _fall_back(module: nn.Module, state: _State, problem: str, args: tuple, kwargs: dict) -> Any:
+    """The original forward from now on, said once; this call's output from it."""
+    warnings.warn(
+        f"opadvisor.patch: {state.path or '<model>'} ({type(module).__name__}) keeps its original forward: "
+        f"the {state.fix} replacement {problem}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+    state.status = "failed"
+    if module.__dict__.get(STATE) is state:  # not put back already (by a call nested in this one)
+        _restore(module)
+        _report_left(state, f"fell back at its first call: {problem}")
+    return state.original(*args, **kwargs)
 
 
 def _report_left(state: _State, reason: str) -> None:

@@ -37,8 +37,10 @@ def _first_call_check(
             ref, ref_grads = _run_and_differentiate(module, state.original, patcher, args, kwargs)
             new_forward = functools.partial(patcher.forward, module, state)
             new, new_grads = _run_and_differentiate(module, new_forward, patcher, args, kwargs)
+            # the module's parameters are in play too: a model held in bf16 computes in bf16 whatever dtype
+            # its inputs (token ids) and its output (a float32 loss) have
             tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            tol = _tolerance(ref, tensors)
+            tol = _tolerance(ref, [*tensors, *module.parameters()])
             problem = _compare("output", ref, new, tol) or _compare_grads(ref_grads, new_grads, tol)
             if problem is not None and tol >= _TOLERANCE[torch.float16]:
                 exact = _float32_run(module, state, patcher, args, kwargs, like=ref)

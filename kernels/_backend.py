@@ -163,9 +163,10 @@ def _cache_class_answer(cls: type) -> bool:
     return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.") for c in cls.__mro__)
 
 
-# (the plain function, not the functools.cache wrapper, is marked: dynamo traces into the wrapper.) A constant of the trace under torch.compile (as kernels/_dispatch.py marks its own): dynamo cannot iterate a
+# A constant of the trace under torch.compile (as kernels/_dispatch.py marks its own): dynamo cannot iterate a
 # class's __mro__ and broke the graph at every attention call that read its arguments for a cache (a Llama
-# layer's rotary patch: one graph per layer, its residual stream's gradients summed eagerly between them)
+# layer's rotary patch: one graph per layer, its residual stream's gradients summed eagerly between them).
+# The plain function is marked, not the functools.cache wrapper: dynamo traces into the wrapper.
 _is_cache_class._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 

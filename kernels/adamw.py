@@ -137,9 +137,10 @@ class AdamW(torch.optim.AdamW):
             tensors = [
                 (params[i], params[i].grad, states[i]["exp_avg"], states[i]["exp_avg_sq"]) for i in members
             ]
-            tables = self._tables.get((index, tuple(members)))
+            key = (index, tuple(members))
+            tables = self._tables.get(key)
             if tables is None:
-                tables = self._tables[(index, tuple(members))] = make_tables(tensors)
+                tables = self._tables[key] = make_tables(tensors)
             else:
                 _refresh_gradients(tables, tensors)
             self._launch(group, step, tensors, tables)
@@ -266,9 +267,8 @@ def _refresh_gradients(tables: _Tables, tensors: Sequence[tuple[torch.Tensor, ..
 def _copy_staged(tables: _Tables, row: torch.Tensor, target: torch.Tensor) -> None:
     """`target.copy_(row)` without waiting for the GPU: through the table's next pinned buffer, written once
     the copy that last read it ran."""
-    if len(tables.staging) < STAGING_BUFFERS:
+    if len(tables.staging) < STAGING_BUFFERS:  # the buffers are made in turn: next_stage is the new one
         tables.staging.append([_pinned_like(row), None])
-        tables.next_stage = len(tables.staging) - 1
     slot = tables.staging[tables.next_stage]
     if slot[1] is not None:
         slot[1].synchronize()

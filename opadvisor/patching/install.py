@@ -45,7 +45,10 @@ def _install(module: nn.Module, path: str, patcher: _Patcher, check: bool, repor
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # the state is read from the instance, not closed over: a deep copy of the model (an EMA or teacher
         # copy) has its own state, whose original forward is bound to the copy
-        return _call(self, self.__dict__[STATE], patcher, args, kwargs)
+        state = self.__dict__.get(STATE)
+        if state is None:  # put back (a failed check, unpatch) after this forward was bound: what runs now
+            return self.forward(*args, **kwargs)
+        return _call(self, state, patcher, args, kwargs)
 
     module.__dict__[STATE] = state
     module.forward = types.MethodType(forward, module)
@@ -91,9 +94,8 @@ def _fall_back(module: nn.Module, state: _State, problem: str, args: tuple, kwar
         stacklevel=4,
     )
     state.status = "failed"
-    if module.__dict__.get(STATE) is state:  # not put back already (by a call nested in this one)
-        _restore(module)
-        _report_left(state, f"fell back at its first call: {problem}")
+    _restore(module)
+    _report_left(state, f"fell back at its first call: {problem}")
     return state.original(*args, **kwargs)
 
 

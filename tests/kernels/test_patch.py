@@ -348,6 +348,7 @@ def test_a_replacement_that_differs_falls_back_with_a_warning(monkeypatch) -> No
     with_replacement(monkeypatch, "hf_gelu_tanh", lambda m, s, x: torch.nn.functional.gelu(x) * 1.5)
     model = opadvisor.patch(tiny_gpt2(), rules=["hf_gelu_tanh"], quiet=True)
     act = model.transformer.h[0].mlp.act
+    bound = act.forward  # the patched forward, as a wrapper holding it (a checkpoint's function) keeps it
     x = torch.randn(4, 32)
     with pytest.warns(
         RuntimeWarning, match=r"transformer\.h\.0\.mlp\.act .*keeps its original forward.*differs"
@@ -357,6 +358,7 @@ def test_a_replacement_that_differs_falls_back_with_a_warning(monkeypatch) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         act(x)  # once: the module is back to its original forward
+        assert torch.equal(bound(x), y)  # the forward bound before runs the original too, said no more
 
 
 def test_the_installed_transformers_is_the_code_the_patches_reproduce() -> None:

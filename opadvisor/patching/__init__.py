@@ -55,8 +55,10 @@ How it stays honest:
 - Exact undo: `unpatch` restores each instance's `forward` as it was (the class's, or what another tool
   such as `cuda_graphed` had put there) and drops opadvisor's attribute. Parameters and buffers are never
   touched: `state_dict` keys and values are identical before, during and after.
-- Checked: the first call of each patched module runs the original forward and the replacement on copies
-  of its inputs with dropout off, and compares the outputs and the gradients (inputs and parameters);
+- Checked: the first call of each patched module (of each call path: training or evaluation, gradients on
+  or off, which arguments are given) runs the original forward and the replacement on copies
+  of its inputs with dropout off, and compares the outputs and, where the call computes gradients, the
+  gradients (inputs and parameters);
   where they differ beyond the rounding of the dtype, that module keeps its original forward and a
   one-line warning says why. The check runs eagerly; under torch.compile or a CUDA-graph capture a
   module not yet checked runs its original forward (patch before compiling, and run one eager step).

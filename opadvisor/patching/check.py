@@ -33,7 +33,10 @@ def _first_call_check(
         # The check's own forward and backward keep what they save: inside a non-reentrant checkpoint
         # (transformers' gradient checkpointing) its hooks would otherwise take those tensors, and the check's
         # backward would recompute the whole checkpointed layer from inside this call
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        # The caller's gradient mode is kept: a replacement may branch on it (the fused LM head and loss
+        # run only with gradients on), and a call without gradients compares outputs alone; the first call
+        # with gradients on is checked, gradients too, as a path of its own (install._call_path)
+        with torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
             ref, ref_grads = _run_and_differentiate(module, state.original, patcher, args, kwargs)
             new_forward = functools.partial(patcher.forward, module, state)
             new, new_grads = _run_and_differentiate(module, new_forward, patcher, args, kwargs)

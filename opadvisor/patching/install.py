@@ -1,6 +1,6 @@
 """One instance patched and put back: `_install` sets the forward on the instance (never on its class),
-`_call` runs the first-call check before the replacement's first use and falls back to the original where the
-check fails, `_restore` puts back exactly what was there."""
+`_call` runs the first-call check before the replacement's first use on each call path (`_call_path`) and
+falls back to the original where the check fails, `_restore` puts back exactly what was there."""
 
 from __future__ import annotations
 
@@ -72,17 +72,28 @@ def _call(module: nn.Module, state: _State, patcher: _Patcher, args: tuple, kwar
         # for the check's backward (torch.utils.checkpoint, transformers' gradient checkpointing)
         return state.original(*args, **kwargs)
     if state.status == "pending":
-        if torch.compiler.is_compiling() or kernels.cuda_graph_capturing():
-            return state.original(*args, **kwargs)  # the check runs eagerly, at a later call
-        state.status = "checking"
-        try:
-            problem = _first_call_check(module, state, patcher, args, kwargs)
-        finally:
-            state.status = "pending"
-        if problem is not None:
-            return _fall_back(module, state, problem, args, kwargs)
-        state.status = "ok"
+        path = _call_path(module, args, kwargs)
+        if path not in state.checked:
+            if torch.compiler.is_compiling() or kernels.cuda_graph_capturing():
+                return state.original(*args, **kwargs)  # the check runs eagerly, at a later call
+            state.status = "checking"
+            try:
+                problem = _first_call_check(module, state, patcher, args, kwargs)
+            finally:
+                state.status = "pending"
+            if problem is not None:
+                return _fall_back(module, state, problem, args, kwargs)
+            state.checked[path] = True
     return patcher.forward(module, state, *args, **kwargs)
+
+
+def _call_path(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What decides the path a replacement takes: training or evaluation, gradients on or off, which
+    arguments are given (an LM head fuses its loss only in training with labels). The first-call check runs
+    at the first call of each path: an evaluation before training (Lightning's sanity check, an
+    `evaluate()` first) checks the evaluation's path, and the first training step checks its own."""
+    given = tuple(sorted(name for name, value in kwargs.items() if value is not None))
+    return module.training, torch.is_grad_enabled(), tuple(a is None for a in args), given
 
 
 def _fall_back(module: nn.Module, state: _State, problem: str, args: tuple, kwargs: dict) -> Any:

@@ -33,7 +33,8 @@ class _State:
     prev: Any  # module.__dict__["forward"] before (or install._MISSING)
     original: Callable[..., Any]
     report: PatchReport | None = None  # the patch's report: a module that falls back moves to `left`
-    status: str = "pending"  # "pending" -> "ok" | "failed"
+    status: str = "pending"  # "pending" (checked per call path) | "ok" (never checked) | "failed"
+    checked: dict[tuple, bool] = field(default_factory=dict)  # the call paths whose first-call check passed
     attrs: dict[str, Any] = field(default_factory=dict)  # attributes the patch changed: old values
     shared: Any = None  # what the instances of one fix share (compile_blocks: the compiled forward)
     undo: Callable[[], None] | None = None  # puts back what the patch changed beside the forward

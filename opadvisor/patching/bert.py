@@ -14,7 +14,7 @@ from opadvisor.kernels import autocast_shared
 
 from .arguments import _arguments, _kv_cache
 from .fingerprint import _fingerprint_problem
-from .shared import _hf_eager, _linear_dropout_add, _sdpa_mask, _State, _types
+from .shared import CalledLinear, _hf_eager, _linear_dropout_add, _sdpa_mask, _State, _types
 
 
 def _bert_prefix(cls: type, block: str) -> str:
@@ -31,7 +31,9 @@ def _check_bert_attention(module: nn.Module) -> str | None:
     return (
         problem
         or _hf_eager(module)
-        or _types(module, {"query": nn.Linear, "key": nn.Linear, "value": nn.Linear, "dropout": nn.Dropout})
+        or _types(
+            module, {"query": CalledLinear, "key": CalledLinear, "value": CalledLinear, "dropout": nn.Dropout}
+        )
     )
 
 

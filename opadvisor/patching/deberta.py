@@ -19,7 +19,7 @@ from opadvisor.kernels import autocast_shared
 
 from .arguments import _arguments
 from .fingerprint import _fingerprint_problem
-from .shared import _NOTHING_TO_GAIN, _no_hooks, _sdpa_mask, _State, _types
+from .shared import _NOTHING_TO_GAIN, CalledLinear, _no_hooks, _sdpa_mask, _State, _types
 
 # -- DeBERTa-v2/v3 disentangled self-attention (hf_deberta_attention) ---------------------------------------------
 # The original forms the [batch*heads, Sq, Sk] scores by hand: the content scores, two gathers of the
@@ -49,13 +49,15 @@ def _check_deberta_attention(module: nn.Module) -> str | None:
 
 def _deberta_parts(module: nn.Module) -> dict[str, type]:
     """The submodules the forward calls, by what they must be (an nn.Dropout the first-call check turns off)."""
-    parts = {"query_proj": nn.Linear, "key_proj": nn.Linear, "value_proj": nn.Linear, "dropout": nn.Dropout}
+    parts = {
+        "query_proj": CalledLinear, "key_proj": CalledLinear, "value_proj": CalledLinear, "dropout": nn.Dropout
+    }  # fmt: skip
     if module.relative_attention:
         parts["pos_dropout"] = nn.Dropout
         if not module.share_att_key and "c2p" in module.pos_att_type:
-            parts["pos_key_proj"] = nn.Linear
+            parts["pos_key_proj"] = CalledLinear
         if not module.share_att_key and "p2c" in module.pos_att_type:
-            parts["pos_query_proj"] = nn.Linear
+            parts["pos_query_proj"] = CalledLinear
     return parts
 
 

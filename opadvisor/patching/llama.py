@@ -13,7 +13,7 @@ from opadvisor.kernels import autocast_linear, autocast_shared, casts
 
 from .arguments import _arguments, _kv_cache, _named_parameters, _update_cache
 from .fingerprint import _fingerprint_problem
-from .shared import _no_hooks, _State, _types
+from .shared import CalledLinear, _no_hooks, _State, _types
 
 
 # -- the Llama family: RMSNorm, SwiGLU MLP, the attention's rotary embedding ---------------------------------------
@@ -53,24 +53,26 @@ def _check_swiglu_mlp(module: nn.Module) -> str | None:
     cls = type(module)
     problem = _fingerprint_problem(cls, "LlamaMLP.forward", cls.forward, _llama_prefix(cls, "MLP"))
     problem = problem or _silu_problem(getattr(module, "act_fn", None))
-    linears = {"gate_proj": nn.Linear, "up_proj": nn.Linear, "down_proj": nn.Linear}
+    linears = {"gate_proj": CalledLinear, "up_proj": CalledLinear, "down_proj": CalledLinear}
     return problem or _types(module, linears) or _no_hooks(module)
 
 
 def _swiglu_mlp(module: nn.Module, state: _State, x):
-    from opadvisor.kernels import silu_mul_linear
+    from opadvisor.kernels import silu_mul, silu_mul_linear
 
     gx, ux = autocast_shared(x, 2)  # one 16-bit copy for the gate and up projections
-    down = module.down_proj  # its input, silu_mul's output, is computed again in backward, not kept
-    return silu_mul_linear(
-        _project(module.gate_proj, gx), _project(module.up_proj, ux), down.weight, down.bias
-    )
+    gate, up = _project(module.gate_proj, gx), _project(module.up_proj, ux)
+    down = module.down_proj
+    if type(down) is not nn.Linear:  # an adapter (LoRA) or a quantized layer: called, its weight never read
+        return down(silu_mul(gate, up))
+    # the down projection's input, silu_mul's output, is computed again in backward, not kept
+    return silu_mul_linear(gate, up, down.weight, down.bias)
 
 
-def _project(linear: nn.Linear, x):
-    """`linear(x)`; with `opadvisor.kernels.casts.WEIGHT_GRAD_F32` its weight's gradient written in float32 by
-    the product (autocast_linear; the check at patch time found a plain nn.Linear without hooks)."""
-    if casts.WEIGHT_GRAD_F32:
+def _project(linear: nn.Module, x):
+    """`linear(x)`; for a plain nn.Linear with `opadvisor.kernels.casts.WEIGHT_GRAD_F32`, its weight's gradient
+    written in float32 by the product (autocast_linear; the check at patch time found no hooks on it)."""
+    if casts.WEIGHT_GRAD_F32 and type(linear) is nn.Linear:
         return autocast_linear(x, linear.weight, linear.bias)
     return linear(x)
 
@@ -83,7 +85,7 @@ def _check_llama_attention(module: nn.Module) -> str | None:
     )
     for name in ("apply_rotary_pos_emb", "rotate_half"):
         problem = problem or _fingerprint_problem(cls, name, getattr(namespace, name, None), None)
-    linears = {"q_proj": nn.Linear, "k_proj": nn.Linear, "v_proj": nn.Linear, "o_proj": nn.Linear}
+    linears = {"q_proj": CalledLinear, "k_proj": CalledLinear, "v_proj": CalledLinear, "o_proj": CalledLinear}
     return problem or _types(module, linears) or _no_hooks(module)
 
 

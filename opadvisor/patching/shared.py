@@ -57,12 +57,30 @@ def _no_hooks(*modules: nn.Module) -> str | None:
     return None
 
 
+class CalledLinear:
+    """What `_types` accepts for a projection that the replacement calls as the original does, never reading
+    its weight: an nn.Linear, a subclass of it (bitsandbytes' quantized layers), or an adapter around one
+    (PEFT's LoRA and its kin keep it as `base_layer`). Fine-tuning with adapters keeps the fused attention,
+    and the first-call check compares the adapter's gradients with the rest."""
+
+
 def _types(module: nn.Module, expected: dict[str, type]) -> str | None:
     for name, cls in expected.items():
         sub = getattr(module, name, None)
-        if type(sub) is not cls:
-            return f"its {name} is a {type(sub).__name__}, not {cls.__name__} (wrapped or replaced)"
+        if cls is CalledLinear and not _is_called_linear(sub):
+            return f"its {name} is a {_qualified(type(sub))}, neither an nn.Linear nor an adapter around one"
+        if cls is not CalledLinear and type(sub) is not cls:
+            got, want = type(sub), cls
+            if got.__name__ == want.__name__:  # PEFT's LoRA layer is a `Linear` too
+                return f"its {name} is a {_qualified(got)}, not {_qualified(want)} (wrapped or replaced)"
+            return f"its {name} is a {got.__name__}, not {want.__name__} (wrapped or replaced)"
     return _no_hooks(*(getattr(module, n) for n in expected))
+
+
+def _is_called_linear(sub: object) -> bool:
+    if isinstance(sub, nn.Linear):
+        return True
+    return isinstance(sub, nn.Module) and isinstance(getattr(sub, "base_layer", None), nn.Linear)
 
 
 def _hf_eager(module: nn.Module) -> str | None:

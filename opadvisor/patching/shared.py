@@ -67,9 +67,12 @@ class CalledLinear:
 def _types(module: nn.Module, expected: dict[str, type]) -> str | None:
     for name, cls in expected.items():
         sub = getattr(module, name, None)
-        if cls is CalledLinear and not _is_called_linear(sub):
-            return f"its {name} is a {_qualified(type(sub))}, neither an nn.Linear nor an adapter around one"
-        if cls is not CalledLinear and type(sub) is not cls:
+        if cls is CalledLinear:
+            if not _is_called_linear(sub):
+                return (
+                    f"its {name} is a {_qualified(type(sub))}, neither an nn.Linear nor an adapter around one"
+                )
+        elif type(sub) is not cls:
             got, want = type(sub), cls
             if got.__name__ == want.__name__:  # PEFT's LoRA layer is a `Linear` too
                 return f"its {name} is a {_qualified(got)}, not {_qualified(want)} (wrapped or replaced)"
